@@ -1,0 +1,170 @@
+"""hivemind all-reduce that leaves the same bytes on every peer: the one adapter over hivemind's internals.
+
+Why this exists: hivemind 1.1.12's `AllReduceRunner` sends each peer ``average - own_part`` and the peer adds it
+to its own part, so peers end with averages that differ in the last bits (and by the compression error with
+fp16/int8). DiLoCo replicas that each apply an outer step to slightly different pseudo-gradients drift apart
+round after round. Here the reducer of a part sends the *average itself*, compressed once, and passes its own
+copy through the same compress/decompress, so every peer holds ``decompress(compress(average))``: identical
+bytes, whatever the compression.
+
+Failure behaviour (what the round protocol relies on):
+- a sender that dies is banned by the reducers; the parts it had not sent are averaged without it;
+- a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
+  those coordinates this round) and `ExactAverager.last_failed_fraction` tells how much was lost;
+- ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.diloco`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing as mp
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.base import CompressionBase, NoCompression
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
+from hivemind.utils.timed_storage import get_dht_time
+
+from composer_diloco.compression import roundtrip
+
+StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+class _ZeroOnFailureContainer(TensorPartContainer):
+    """A part container whose parts that no reducer returned become zeros on every peer (not the local part)."""
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
+            part = torch.zeros_like(self._input_parts_by_peer[peer_index][part_index][0])
+            self.register_processed_part(peer_index, part_index, part)
+            self.failed_size += part.numel()
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """`AllReduceRunner` returning averages (not deltas), identical on all peers, counting payload bytes.
+
+    Args (beyond hivemind's): ``bytes_sent``, an ``mp.Value('Q')`` incremented by the serialized size (bytes)
+    of every tensor part this peer sends, to reducers and back to senders.
+    """
+
+    def __init__(self, *, tensors: Sequence[torch.Tensor], peer_fractions: tuple[float, ...],
+                 compression: CompressionBase, bytes_sent: Any, **kwargs: Any):
+        super().__init__(tensors=tensors, peer_fractions=peer_fractions, compression=compression, **kwargs)
+        self._compression = compression
+        self._bytes_sent = bytes_sent
+        container_kwargs = {k: v for k, v in kwargs.items() if k in ("part_size_bytes", "tensor_infos", "prefetch")}
+        self.tensor_part_container = _ZeroOnFailureContainer(
+            tensors, peer_fractions, compression=compression, return_deltas=False, **container_kwargs
+        )
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
+            self.ordered_peer_ids.index(self.peer_id)
+        )
+
+    def _count(self, message_bytes: int) -> None:
+        with self._bytes_sent.get_lock():
+            self._bytes_sent.value += message_bytes
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        # Our own part: average it here, then take it through the compression the others receive it with.
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            self.tensor_part_container.register_processed_part(
+                peer_index, part_index, roundtrip(averaged, self._compression)
+            )
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self._count(message.tensor_part.ByteSize())
+            yield message
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:  # the sender was banned: its stream is no longer needed
+                    break
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged, part_compression)
+                )
+                self._count(serialized.ByteSize())
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class ExactAverager(DecentralizedAverager):
+    """A `DecentralizedAverager` whose ``step`` replaces the averaged tensors by bit-identical weighted means.
+
+    Args:
+        averaged_tensors: fp32 CPU tensors (the pseudo-gradient buffers), moved to shared memory by hivemind.
+        dht: a running `hivemind.DHT`.
+        state_provider: called in this process when a peer downloads our state (``load_state_from_peers``);
+            returns ``(metadata, tensors)``: for DiLoCo, the round number and the global params plus the outer
+            momentum buffers.
+        kwargs: as `hivemind.averaging.DecentralizedAverager` (``prefix``, ``compression``, timeouts ...).
+
+    Attributes:
+        bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
+        failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
+    """
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,
+                 **kwargs: Any):
+        self._state_provider = state_provider
+        self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
+        self.failed_size = mp.Value(ctypes.c_uint64, 0)
+        super().__init__(averaged_tensors, dht, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        kwargs.setdefault("compression", NoCompression())
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            bytes_sent=self.bytes_sent,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise ValueError("ExactAverager peers must send tensors (AUX mode is not supported)")
+        async for tensor, average in azip(as_aiter(*tensors), runner):
+            tensor.copy_(average)
+        self.failed_size.value = runner.tensor_part_container.failed_size
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        """The state a joining peer downloads: ``(metadata, tensors, None)`` from ``state_provider``."""
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+
+__all__ = ["ExactAverager", "ExactAllReduceRunner", "enter_asynchronously", "get_dht_time"]

@@ -1,0 +1,174 @@
+"""The run configuration: one pydantic model, read from TOML, published in the DHT by the coordinator.
+
+Override order, highest first: a command-line flag, then the TOML file given with ``--config``, then the
+defaults below (which run the embedded default: tiny model, shipped tokenizer, ``envs/tool_env``).
+Every model forbids unknown keys, so a typo in a TOML file is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used: missing file, bad TOML, or a field with a bad value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EnvConfig(_Section):
+    """The OpenEnv environment each node plays episodes against."""
+
+    server_module: str = Field(
+        "envs.tool_env.server",
+        description="Python module run as `python -m MODULE --host H --port P` to start a local env server.",
+    )
+    max_tool_calls: int = Field(6, ge=1, le=64, description="Assistant turns per episode before it is cut off.")
+    max_turn_tokens: int = Field(40, ge=4, le=4096, description="Tokens the policy may generate per assistant turn.")
+    connect_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait for an env server to answer.")
+
+
+class GRPOSettings(_Section):
+    """GRPO settings handed to TRL's `GRPOConfig` (names follow TRL)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo", description="TRL GRPO loss variant."
+    )
+    num_generations: int = Field(4, ge=2, description="Episodes per task: the GRPO group size G.")
+    tasks_per_step: int = Field(2, ge=1, description="Distinct tasks per inner step; batch = tasks_per_step * G.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the reference policy (0 = no reference model).")
+    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
+    epsilon_high: float = Field(0.28, gt=0, description="Upper clip range (DAPO clip-higher).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling, as TRL.")
+
+
+class InnerOptimizer(_Section):
+    """AdamW, the inner optimizer; its state stays on the node across rounds (DiLoCo, arXiv 2311.08105)."""
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class OuterOptimizer(_Section):
+    """SGD with Nesterov momentum on the pseudo-gradient; DiLoCo's defaults (lr 0.7, momentum 0.9)."""
+
+    lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
+    nesterov: bool = True
+
+
+class NetworkConfig(_Section):
+    """Timeouts and periods of the round protocol, all in seconds."""
+
+    join_timeout_s: float = Field(30.0, gt=0, le=600, description="Seconds a node waits for the DHT and run config.")
+    matchmaking_time_s: float = Field(2.0, gt=0, description="Seconds hivemind spends assembling an all-reduce group.")
+    averaging_timeout_s: float = Field(45.0, gt=0, description="Seconds an all-reduce may take before it is abandoned.")
+    round_slack_s: float = Field(
+        120.0, gt=0, description="Seconds the first peer ready for a round waits for the others before it goes on."
+    )
+    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats in the DHT.")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A peer silent this many seconds is taken for dead.")
+
+    @model_validator(mode="after")
+    def _ttl_covers_heartbeats(self) -> NetworkConfig:
+        if self.heartbeat_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_ttl_s={self.heartbeat_ttl_s} must be at least twice heartbeat_s={self.heartbeat_s}"
+            )
+        return self
+
+
+class WarmStartConfig(_Section):
+    """The supervised pass that makes the embedded default earn reward from round 0."""
+
+    steps: int = Field(300, ge=0, description="SFTTrainer steps on scripted-solver episodes (0 = no warm start).")
+    seed: int = Field(0, description="Seed of the tiny model's init and of the warm-start data.")
+
+
+class RunConfig(_Section):
+    """Everything that must be the same on every peer of a run."""
+
+    run_name: str = Field("composer", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="DHT key prefix of this run.")
+    seed: int = Field(0, description="Seed of the env episodes and the samplers.")
+    model: str | None = Field(
+        None, description="Hub id or local directory of the policy; None = the embedded tiny default."
+    )
+    rounds: int = Field(3, ge=1, description="Outer steps (rounds) of the run.")
+    inner_steps: int = Field(4, ge=1, description="H: inner optimizer steps per round.")
+    max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample.")
+    checkpoint_every: int = Field(1, ge=1, description="Rounds between coordinator checkpoints.")
+    compression: Literal["none", "fp16", "int8"] = Field(
+        "none", description="hivemind codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform."
+    )
+    env: EnvConfig = EnvConfig()
+    grpo: GRPOSettings = GRPOSettings()
+    inner: InnerOptimizer = InnerOptimizer()
+    outer: OuterOptimizer = OuterOptimizer()
+    network: NetworkConfig = NetworkConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+
+    @property
+    def batch_size(self) -> int:
+        """Episodes per inner step: tasks_per_step * num_generations."""
+        return self.grpo.tasks_per_step * self.grpo.num_generations
+
+    def digest(self) -> str:
+        """SHA-256 (hex, first 16 chars) of the canonical JSON form; equal on every peer of one run."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys) used to publish the config in the DHT."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        """Parse a config published in the DHT. Raises ConfigError naming the field on bad input."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ConfigError(f"run config from the DHT is invalid: {_first_error(e)}") from None
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<root>"
+    extra = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"field '{where}': {first['msg']} (got {first.get('input')!r}){extra}"
+
+
+def load_config(path: str | Path | None, **overrides: object) -> RunConfig:
+    """Read a run config from TOML (or the defaults when ``path`` is None) and apply top-level overrides.
+
+    Args:
+        path: a TOML file whose tables mirror `RunConfig` (``[grpo]``, ``[outer]``, ...), or None.
+        overrides: top-level fields (``rounds=5``, ``model="..."``) that beat the file; None values are ignored.
+
+    Raises:
+        ConfigError: the file is missing, is not TOML, or a field is unknown or out of range; the message
+            names the file and the field in one line.
+    """
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist (expected a TOML file)")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        source = repr(str(path)) if path is not None else "command line"
+        raise ConfigError(f"config {source}: {_first_error(e)}") from None

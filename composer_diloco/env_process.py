@@ -1,0 +1,198 @@
+"""Run an OpenEnv environment server as its own OS process and wait for it to be healthy.
+
+The server is ``sys.executable -m <module> --host H --port P`` in a new process group (so stopping
+it also stops anything it spawned). Readiness is a ``GET /health`` answering 200.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EnvServer", "EnvServerError", "find_free_port", "start_env_server", "wait_for_env"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.1
+_PROBE_TIMEOUT_S = 2.0
+_PORT_RETRIES = 3  # a port picked by find_free_port can be taken before the server binds it
+
+
+class EnvServerError(RuntimeError):
+    """An environment server did not start, died, or cannot be reached."""
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _probe(url: str) -> str | None:
+    """GET ``url/health`` once; None when it answers 200, else why not (one line)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=_PROBE_TIMEOUT_S) as response:
+            if response.status == 200:
+                return None
+            return f"/health answered HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"/health answered HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return str(reason).replace("\n", " ")
+
+
+def wait_for_env(url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    """Poll ``url/health`` until it answers 200.
+
+    Args:
+        url: server base URL, e.g. ``http://127.0.0.1:8000`` (a trailing slash is ignored).
+        timeout_s: how long to keep polling, in seconds.
+        process: when given, stop waiting as soon as this process exits.
+
+    Raises:
+        EnvServerError: ``"env server at URL not reachable: ..."`` (one line) when nothing healthy
+            answers within ``timeout_s``, or when ``process`` exits first.
+    """
+    url = url.rstrip("/")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        problem = _probe(url)
+        if problem is None:
+            return
+        if process is not None and process.poll() is not None:
+            raise EnvServerError(
+                f"env server at {url} not reachable: process exited with code {process.returncode}"
+            )
+        if time.monotonic() >= deadline:
+            raise EnvServerError(
+                f"env server at {url} not reachable: {problem} (waited {timeout_s:.1f} s)"
+            )
+        time.sleep(_POLL_INTERVAL_S)
+
+
+class EnvServer:
+    """A running environment server process; use as a context manager or call ``stop()``.
+
+    Attributes:
+        url: base URL, ``http://host:port`` (clients add ``/ws``).
+        pid: process id, also the id of its process group.
+        log_path: file holding the server's stdout and stderr; removed by ``stop()``.
+    """
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
+        self._process = process
+        self.url = url
+        self.pid = process.pid
+        self.log_path = log_path
+        atexit.register(self.stop)
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is still alive."""
+        return self._process.poll() is None
+
+    def log_tail(self, max_chars: int = 2000) -> str:
+        """The last ``max_chars`` characters of the server's output ('' when none)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-max_chars:]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to ``timeout_s`` seconds, then SIGKILL it.
+
+        Also removes ``log_path``. Idempotent; never raises for a process that is already gone.
+        """
+        atexit.unregister(self.stop)
+        if self._process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("env server %s (pid %d) ignored SIGTERM for %.1f s; killing",
+                               self.url, self.pid, timeout_s)
+        # Also reap children left in the group after the leader exited.
+        self._signal_group(signal.SIGKILL)
+        if self._process.poll() is None:
+            self._process.wait()
+        self.log_path.unlink(missing_ok=True)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the server's process group, ignoring a group that is gone."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> EnvServer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EnvServer(url={self.url!r}, pid={self.pid}, running={self.running})"
+
+
+def _spawn(module: str, host: str, port: int) -> EnvServer:
+    """Start ``module`` on ``host:port`` in a new process group, output to a temp log file."""
+    fd, log_name = tempfile.mkstemp(prefix="env-server-", suffix=".log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with os.fdopen(fd, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, "--host", host, "--port", str(port)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+    return EnvServer(process, f"http://{host}:{port}", Path(log_name))
+
+
+def start_env_server(
+    module: str = "envs.tool_env.server",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout_s: float = 60.0,
+) -> EnvServer:
+    """Start an environment server process and return once its ``/health`` answers.
+
+    Args:
+        module: importable module run with ``python -m``; must accept ``--host`` and ``--port``.
+        host: interface to bind; also the host in ``EnvServer.url``.
+        port: TCP port; 0 picks a free one (retried on a bind race).
+        startup_timeout_s: seconds to wait for ``/health``.
+
+    Raises:
+        EnvServerError: if the process exits or is not healthy within ``startup_timeout_s``; the
+            message names the URL and ends with the tail of the server's output. The process is
+            stopped before raising.
+    """
+    attempts = _PORT_RETRIES if port == 0 else 1
+    for attempt in range(1, attempts + 1):
+        server = _spawn(module, host, port or find_free_port(host))
+        try:
+            wait_for_env(server.url, startup_timeout_s, process=server._process)
+        except EnvServerError as exc:
+            tail = server.log_tail()
+            server.stop()
+            if attempt < attempts and "address already in use" in tail.lower():
+                logger.info("port race on %s, retrying with another port", server.url)
+                continue
+            raise EnvServerError(f"{exc}\n--- server output (tail) ---\n{tail}") from None
+        logger.info("env server %s up at %s (pid %d)", module, server.url, server.pid)
+        return server
+    raise AssertionError("unreachable")

@@ -1,0 +1,654 @@
+"""The policy: the embedded default (tiny Qwen3 + shipped tokenizer, warm-started), or any causal LM.
+
+Pieces, in the order a run uses them:
+
+* :func:`build_tokenizer` makes the tokenizer shipped in ``composer_diloco/assets/tokenizer/``
+  (``python -m composer_diloco.policy build-tokenizer``); :func:`load_default_tokenizer` loads it.
+  It is a byte-level BPE over rendered tool episodes with one token per digit, Qwen3's special tokens,
+  and TRL's Qwen3 chat template verbatim, so TRL recognises it (``supports_tool_calling``,
+  ``add_response_schema``, ``get_training_chat_template``).
+* :func:`tiny_model_config` / :func:`build_tiny_model`: a ~0.9M-parameter ``Qwen3ForCausalLM``.
+* :func:`warm_start`: a short supervised pass with TRL's ``SFTTrainer`` on episodes played by the
+  scripted solver (``envs.tool_env.tasks.solve``), so that RL starts from a policy that emits
+  well-formed tool calls and sometimes solves the task (reward variance inside GRPO groups).
+* :func:`load_policy`: the one entry point for the rest of the project.
+* :func:`evaluate_policy`: play fresh episodes in-process against ``execute`` (greedy or sampled).
+
+Text format (the "no-think" Qwen3 form): every assistant turn is exactly
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>`` after the generation prompt
+``<|im_start|>assistant\\n``. That is how ``qwen3.jinja`` renders every assistant turn of an episode that
+ends with a tool message, so re-rendering a history with the template gives back the tokens the policy
+generated. Do not pass ``enable_thinking=False`` (it appends an empty think block the warm start never
+shows), and do not re-render histories with TRL's ``qwen3_training.jinja`` (it adds ``<think>\\n\\n</think>``
+to every assistant turn); token-carrying rollouts (TRL's GRPO tool loop) are fine either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
+
+from composer_diloco.chat import episode_messages, parse_tool_call
+from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task, solve
+
+__all__ = [
+    "DEFAULT_TOKENIZER_DIR",
+    "DEFAULT_WARMSTART_STEPS",
+    "PolicyLoadError",
+    "build_tiny_model",
+    "build_tokenizer",
+    "evaluate_policy",
+    "load_default_tokenizer",
+    "load_policy",
+    "tiny_model_config",
+    "tokenize_episode",
+    "warm_start",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
+"""The shipped tokenizer of the embedded default policy (built by ``build-tokenizer``)."""
+
+DEFAULT_WARMSTART_STEPS = 300
+"""Warm-start optimizer steps of the embedded default (see the module's measured curve in the README)."""
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""Control tokens (``special=True``: dropped by ``decode(skip_special_tokens=True)``), as in Qwen3."""
+
+MARKUP_TOKENS: tuple[str, ...] = (
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+)
+"""Markup tokens: single tokens that survive ``skip_special_tokens`` (``special=False``), as in Qwen3."""
+
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+
+# Qwen2/3's pre-tokenizer regex with one change: a letter run never absorbs the character before it,
+# so "apple" is the same token in the question ("of apple") and in a call ('"item": "apple"'), and the
+# policy can copy item names token for token. Digits stay one per token (\p{N}), as in Qwen.
+_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TOKENIZER_VOCAB_SIZE = 1000
+_TOKENIZER_CORPUS_EPISODES = 2000
+_TOKENIZER_CORPUS_SEED = 0
+_ERROR_RATE = 0.3
+
+
+class PolicyLoadError(RuntimeError):
+    """A policy (model or tokenizer) named by the user could not be loaded; the message names it."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+
+
+def trl_qwen3_chat_template() -> str:
+    """The text of TRL's ``trl/chat_templates/qwen3.jinja`` from the installed ``trl`` (build time only).
+
+    Raises:
+        FileNotFoundError: if the installed TRL does not ship the template.
+    """
+    import trl  # only needed to build the tokenizer; the shipped tokenizer carries the text itself
+
+    return (Path(trl.__file__).resolve().parent / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+
+
+def _episode_texts(tokenizer: PreTrainedTokenizerFast, *, seed: int, n_episodes: int,
+                   prefix: str, error_rate: float) -> list[str]:
+    """Episodes played by the scripted solver, rendered with ``tokenizer``'s chat template + tools."""
+    texts = []
+    for i in range(n_episodes):
+        task = make_task(seed, f"{prefix}-{i}")
+        calls = solve(task, random.Random(f"{seed}:{prefix}-{i}"), error_rate)
+        results = [execute(task, name, args)[0] for name, args in calls]
+        messages = episode_messages(task.question, calls, results)
+        texts.append(tokenizer.apply_chat_template(messages, tools=TOOL_SCHEMAS, tokenize=False))
+    return texts
+
+
+def _bare_tokenizer() -> Tokenizer:
+    """An empty byte-level BPE with our pre-tokenizer and decoder."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _wrap(tok: Tokenizer, chat_template: str) -> PreTrainedTokenizerFast:
+    """Register the special/markup tokens on ``tok`` and wrap it for transformers."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=chat_template,
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """Build the default tokenizer deterministically and save it (``save_pretrained``) into ``out_dir``.
+
+    Method: a byte-level BPE (``tokenizers.models.BPE`` + ``ByteLevel``, as GPT-2/Qwen) trained with a
+    target vocabulary of 1000 on 2000 solver episodes (``make_task(0, "corpus-i")``, error rate 0.3)
+    rendered with TRL's Qwen3 chat template and ``tools=TOOL_SCHEMAS``. The trainer stops early when
+    every pre-token is a single token (about 570 entries). Pre-tokenization is Qwen's regex, except that
+    words never absorb the preceding space or quote, and digits are one token each (so numbers compose
+    and are copied digit by digit). Ids 0..8: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
+    (eos), then ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``,
+    ``<think>``, ``</think>``. The chat template is TRL's ``qwen3.jinja``, byte for byte.
+
+    Args:
+        out_dir: directory to write (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``);
+            created if missing, files overwritten.
+
+    Returns:
+        The tokenizer (the same object that was saved).
+    """
+    chat_template = trl_qwen3_chat_template()
+    bootstrap = _wrap(_bare_tokenizer(), chat_template)  # byte-level, no merges: only used to render
+    texts = _episode_texts(bootstrap, seed=_TOKENIZER_CORPUS_SEED, n_episodes=_TOKENIZER_CORPUS_EPISODES,
+                           prefix="corpus", error_rate=_ERROR_RATE)
+    # Train on the text between special/markup tokens: those are atomic and take the first ids.
+    splitter = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS))
+    pieces = [piece for text in texts for piece in splitter.split(text) if piece]
+    tok = _bare_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS + MARKUP_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(pieces, trainer)
+    tokenizer = _wrap(tok, chat_template)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    logger.info("built tokenizer: %d tokens from %d episodes -> %s", len(tokenizer), len(texts), out_dir)
+    return tokenizer
+
+
+def load_default_tokenizer() -> PreTrainedTokenizerFast:
+    """Load the shipped tokenizer from :data:`DEFAULT_TOKENIZER_DIR` (no TRL files needed).
+
+    Raises:
+        PolicyLoadError: if the shipped files are missing (rebuild with
+            ``python -m composer_diloco.policy build-tokenizer``).
+    """
+    if not (DEFAULT_TOKENIZER_DIR / "tokenizer.json").is_file():
+        raise PolicyLoadError(
+            f"default tokenizer missing at {DEFAULT_TOKENIZER_DIR}; "
+            "build it with `python -m composer_diloco.policy build-tokenizer`"
+        )
+    return AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR, local_files_only=True)
+
+
+def tokenize_episode(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Token ids of a rendered episode and a mask of the tokens the policy generated.
+
+    The episode is rendered once with the tokenizer's chat template and ``tools=TOOL_SCHEMAS``; an
+    assistant turn is the text after each ``<|im_start|>assistant\\n`` up to and including its
+    ``<|im_end|>`` (what generation after the prompt ``add_generation_prompt=True`` produces and stops
+    at). Token boundaries fall on the special tokens around it, so the masked tokens are exactly the
+    ones generated at inference.
+
+    Args:
+        tokenizer: a tokenizer with a Qwen-style chat template (the default one).
+        messages: chat messages from :func:`composer_diloco.chat.episode_messages`.
+
+    Returns:
+        ``{"input_ids": list[int] (T,), "assistant_masks": list[int] (T,)}`` with 1 on assistant tokens.
+
+    Raises:
+        ValueError: if the rendering holds no assistant turn.
+    """
+    text = tokenizer.apply_chat_template(messages, tools=TOOL_SCHEMAS, tokenize=False)
+    header = "<|im_start|>assistant\n"
+    spans = []
+    start = text.find(header)
+    while start >= 0:
+        begin = start + len(header)
+        end = text.index(EOS_TOKEN, begin) + len(EOS_TOKEN)
+        spans.append((begin, end))
+        start = text.find(header, end)
+    if not spans:
+        raise ValueError("tokenize_episode: the rendered episode holds no assistant turn")
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    mask = [int(any(b <= lo and hi <= e for b, e in spans)) for lo, hi in enc["offset_mapping"]]
+    return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny model
+# --------------------------------------------------------------------------------------------------
+
+
+def tiny_model_config(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overrides: Any) -> Qwen3Config:
+    """Config of the embedded default policy: a ~0.9M-parameter Qwen3 sized for CPU warm starts.
+
+    Hidden 128, 4 layers, 4 attention heads of 32, 2 key/value heads (GQA), SwiGLU 384, tied
+    embeddings, RoPE theta 10000, 1024 positions, fp32. ``seed`` is recorded as
+    ``config.init_seed`` (provenance only; :func:`build_tiny_model` seeds the initialisation).
+
+    Args:
+        tokenizer: gives the vocabulary size and the pad/eos ids.
+        seed: the initialisation seed to record.
+        **overrides: any ``Qwen3Config`` field, e.g. ``hidden_size=192``.
+    """
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_cache=True,
+        init_seed=seed,
+    )
+    fields.update(overrides)
+    return Qwen3Config(**fields)
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, seed: int, **overrides: Any) -> PreTrainedModel:
+    """A freshly initialised ``Qwen3ForCausalLM`` from :func:`tiny_model_config`, fp32 on CPU.
+
+    Initialisation runs under ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``, so the same
+    seed gives the same weights and the caller's global RNG is left untouched.
+    """
+    config = tiny_model_config(tokenizer, seed, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model.to("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm start
+# --------------------------------------------------------------------------------------------------
+
+
+def warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int,
+    steps: int,
+    out_dir: str | Path,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    error_rate: float = _ERROR_RATE,
+) -> Path:
+    """Supervised warm start on scripted-solver episodes with TRL's ``SFTTrainer``; saves model + tokenizer.
+
+    Data: ``steps * batch_size`` fresh episodes ``make_task(seed, "warmstart-i")`` played by
+    ``solve(..., error_rate)`` (a fraction ``error_rate`` hold one failed call followed by its
+    recovery), rendered with the chat template and ``tools=TOOL_SCHEMAS``. Loss: next-token cross
+    entropy on assistant tokens only (labels -100 elsewhere, built by :func:`tokenize_episode`; TRL's
+    own ``assistant_only_loss`` would swap in ``qwen3_training.jinja``, whose think blocks the inference
+    template does not render). Optimiser: AdamW (TRL/transformers defaults, no weight decay), ``lr``
+    with 5% warmup then cosine decay, gradient clipping 1.0, fp32 on CPU, one epoch.
+
+    Deterministic: the same model weights, ``seed`` and arguments give the same bytes (single process,
+    same torch thread count). Atomic: training happens in a temporary directory next to ``out_dir``
+    which is renamed to ``out_dir`` at the end; ``out_dir`` also receives ``warmstart.json`` (arguments,
+    final loss, seconds). ``steps=0`` saves the model unchanged.
+
+    Args:
+        model: the policy to train in place (fp32, CPU).
+        tokenizer: its tokenizer (saved next to it).
+        seed: seeds the episodes, the data order and the trainer.
+        steps: optimizer steps (``>= 0``).
+        out_dir: the directory to create.
+        batch_size: episodes per step.
+        lr: peak learning rate.
+        error_rate: fraction of episodes with one failed call and its recovery, in [0, 1].
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ValueError: on a negative ``steps`` or non-positive ``batch_size`` / ``lr``.
+        FileExistsError: if ``out_dir`` already exists (nothing is overwritten).
+    """
+    from datasets import Dataset  # heavy imports only for training
+    from trl import SFTConfig, SFTTrainer
+
+    if steps < 0 or batch_size <= 0 or lr <= 0:
+        raise ValueError(f"warm_start: need steps >= 0, batch_size > 0, lr > 0; got {steps}, {batch_size}, {lr}")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"warm_start: {out_dir} already exists")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    t0 = time.monotonic()
+    try:
+        final_loss = math.nan
+        if steps > 0:
+            rows = []
+            for i in range(steps * batch_size):
+                task = make_task(seed, f"warmstart-{i}")
+                calls = solve(task, random.Random(f"{seed}:warmstart-{i}"), error_rate)
+                results = [execute(task, name, args)[0] for name, args in calls]
+                enc = tokenize_episode(tokenizer, episode_messages(task.question, calls, results))
+                labels = [t if m else -100 for t, m in zip(enc["input_ids"], enc["assistant_masks"])]
+                rows.append({"input_ids": enc["input_ids"], "labels": labels})
+            config = SFTConfig(
+                output_dir=str(staging / "trainer"),
+                max_steps=steps,
+                num_train_epochs=1,
+                per_device_train_batch_size=batch_size,
+                learning_rate=lr,
+                lr_scheduler_type="cosine",
+                warmup_steps=max(1, steps // 20),
+                weight_decay=0.0,
+                max_grad_norm=1.0,
+                optim="adamw_torch",
+                seed=seed,
+                data_seed=seed,
+                use_cpu=True,
+                bf16=False,
+                fp16=False,
+                gradient_checkpointing=False,
+                max_length=None,
+                report_to="none",
+                save_strategy="no",
+                logging_strategy="steps",
+                logging_steps=max(1, steps // 10),
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+            )
+            trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                                 processing_class=tokenizer)
+            result = trainer.train()
+            final_loss = next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h),
+                              result.training_loss)
+            shutil.rmtree(staging / "trainer", ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        meta = dict(seed=seed, steps=steps, batch_size=batch_size, lr=lr, error_rate=error_rate,
+                    final_loss=final_loss, train_seconds=round(time.monotonic() - t0, 2),
+                    torch=torch.__version__, transformers=transformers.__version__)
+        (staging / "warmstart.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.rename(staging, out_dir)  # atomic; fails if out_dir appeared meanwhile
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("warm start: %d steps in %.1f s, final loss %.4f -> %s", steps, time.monotonic() - t0,
+                final_loss, out_dir)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _default_cache_key(seed: int, steps: int, config: Qwen3Config) -> str:
+    """Short hash of everything that determines the default warm-started weights."""
+    h = hashlib.sha256()
+    cfg = config.to_dict()
+    cfg.pop("transformers_version", None)
+    h.update(json.dumps({"seed": seed, "steps": steps, "config": cfg, "v": 1}, sort_keys=True).encode())
+    for name in sorted(os.listdir(DEFAULT_TOKENIZER_DIR)):
+        h.update(name.encode())
+        h.update((DEFAULT_TOKENIZER_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load_pretrained(source: str, *, local: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """``from_pretrained`` for model and tokenizer, fp32, CPU, eval mode."""
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to("cpu").float().eval(), tokenizer
+
+
+def load_policy(
+    model: str | os.PathLike[str] | None, *, run_dir: str | Path, seed: int, warmstart_steps: int
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
+
+    ``None``: the tiny Qwen3 of :func:`build_tiny_model` with the shipped tokenizer, warm-started for
+    ``warmstart_steps`` steps (:func:`warm_start`), cached in ``run_dir / "warmstart" / <hash>`` where
+    the hash covers ``seed``, ``warmstart_steps``, the model config and the tokenizer files; a cached
+    copy is reused. Otherwise ``model`` is a local directory (``save_pretrained`` layout) or a Hugging
+    Face Hub id, loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``: first from local files only,
+    then (unless ``HF_HUB_OFFLINE`` is set) from the Hub. A tokenizer without a pad token gets eos.
+
+    Args:
+        model: ``None``, a directory, or a hub id such as ``"Qwen/Qwen3-0.6B"``.
+        run_dir: the run's directory (holds the warm-start cache).
+        seed: seed of the default policy's initialisation and warm start (ignored otherwise).
+        warmstart_steps: warm-start steps of the default policy (ignored otherwise).
+
+    Returns:
+        ``(model, tokenizer)``, the model in fp32 on CPU in eval mode.
+
+    Raises:
+        PolicyLoadError: if ``model`` names neither a loadable local directory nor a reachable hub model,
+            or the shipped tokenizer is missing.
+    """
+    if model is None:
+        tokenizer = load_default_tokenizer()
+        config = tiny_model_config(tokenizer, seed)
+        cache = Path(run_dir) / "warmstart" / _default_cache_key(seed, warmstart_steps, config)
+        if not (cache / "config.json").is_file():
+            logger.info("warm-starting the default policy (%d steps, seed %d) into %s", warmstart_steps, seed, cache)
+            try:
+                warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
+                           out_dir=cache)
+            except (FileExistsError, OSError):
+                if not (cache / "config.json").is_file():  # not a concurrent writer winning the rename
+                    raise
+        else:
+            logger.info("reusing the warm-started default policy at %s", cache)
+        return _load_pretrained(str(cache), local=True)
+
+    value = os.fspath(model)
+    path = Path(value).expanduser()
+    if path.exists():
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise PolicyLoadError(f"policy {value!r}: expected a model directory with config.json "
+                                  "(save_pretrained layout)")
+        try:
+            return _load_pretrained(str(path), local=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise PolicyLoadError(f"policy {value!r}: cannot load model/tokenizer from this directory: {exc}") from exc
+    looks_like_path = path.is_absolute() or value.startswith((".", "~")) or value.count("/") > 1 or "\\" in value
+    if looks_like_path:
+        raise PolicyLoadError(f"policy {value!r}: no such directory (expected a save_pretrained model "
+                              "directory or a Hugging Face Hub id like 'org/name')")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    errors = []
+    for local in (True,) if offline else (True, False):
+        try:
+            return _load_pretrained(value, local=local)
+        except (OSError, ValueError, KeyError) as exc:  # huggingface_hub errors subclass OSError/ValueError
+            errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    raise PolicyLoadError(f"policy {value!r}: not a local directory and not a loadable Hugging Face Hub model "
+                          f"id (cache{'' if offline else ' or Hub'}): {errors[-1]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    n_episodes: int,
+    seed: int,
+    *,
+    temperature: float = 0.0,
+    max_calls: int = 8,
+    max_new_tokens: int = 48,
+    batch_size: int = 32,
+) -> dict[str, float]:
+    """Play fresh episodes end to end in-process: generate, parse, ``execute``, repeat until ``submit``.
+
+    Each turn renders the episode so far with the chat template (``tools=TOOL_SCHEMAS``,
+    ``add_generation_prompt=True``), generates one assistant turn (``model.generate``, stopping at
+    eos ``<|im_end|>``), parses it with :func:`composer_diloco.chat.parse_tool_call` and feeds the tool
+    result back. An episode ends at the first ``submit`` (success iff the answer equals
+    ``task.answer``), at a turn with no parsable tool call (a format failure), or after ``max_calls``
+    calls. Episodes are ``make_task(seed, "eval-i")``, batched ``batch_size`` at a time with left padding.
+
+    Args:
+        model: a causal LM (any dtype/device; inputs follow ``model.device``).
+        tokenizer: its tokenizer, with a chat template that supports tools.
+        n_episodes: number of episodes.
+        seed: task seed; for ``temperature > 0`` also the sampling seed (global RNG untouched).
+        temperature: 0 for greedy decoding, else sampling at this temperature (no top-k/top-p).
+        max_calls: tool calls allowed per episode.
+        max_new_tokens: generation budget per turn.
+        batch_size: episodes generated together.
+
+    Returns:
+        ``success_rate`` (fraction of episodes with a correct submit), ``submit_rate`` (any submit),
+        ``format_error_rate`` (episodes ended by an unparsable turn), ``tool_error_rate`` (failed
+        calls / all calls), ``mean_tool_calls`` (per episode), ``n_episodes``, ``seconds``.
+    """
+    was_training = model.training
+    model.eval()
+    t0 = time.monotonic()
+    totals = dict(success=0, submitted=0, format_errors=0, tool_errors=0, calls=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for first in range(0, n_episodes, batch_size):
+            tasks = [make_task(seed, f"eval-{i}") for i in range(first, min(first + batch_size, n_episodes))]
+            calls: list[list[tuple[str, dict]]] = [[] for _ in tasks]
+            results: list[list[str]] = [[] for _ in tasks]
+            active = list(range(len(tasks)))
+            while active:
+                prompts = [
+                    tokenizer.apply_chat_template(episode_messages(tasks[i].question, calls[i], results[i]),
+                                                  tools=TOOL_SCHEMAS, add_generation_prompt=True, tokenize=False)
+                    for i in active
+                ]
+                batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                                  add_special_tokens=False).to(model.device)
+                sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) \
+                    if temperature > 0 else dict(do_sample=False)
+                out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=tokenizer.eos_token_id, **sampling)
+                texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                still = []
+                for i, text in zip(active, texts):
+                    parsed = parse_tool_call(text)
+                    if not parsed.ok:
+                        totals["format_errors"] += 1
+                        continue
+                    content, error_kind, _ = execute(tasks[i], parsed.name, parsed.arguments)
+                    calls[i].append((parsed.name, parsed.arguments))
+                    results[i].append(content)
+                    totals["calls"] += 1
+                    totals["tool_errors"] += error_kind is not None
+                    if parsed.name == "submit" and error_kind is None:
+                        totals["submitted"] += 1
+                        totals["success"] += parsed.arguments["answer"] == tasks[i].answer
+                    elif len(calls[i]) < max_calls:
+                        still.append(i)
+                active = still
+    model.train(was_training)
+    n = max(n_episodes, 1)
+    return dict(
+        success_rate=totals["success"] / n,
+        submit_rate=totals["submitted"] / n,
+        format_error_rate=totals["format_errors"] / n,
+        tool_error_rate=totals["tool_errors"] / max(totals["calls"], 1),
+        mean_tool_calls=totals["calls"] / n,
+        n_episodes=n_episodes,
+        seconds=round(time.monotonic() - t0, 2),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m composer_diloco.policy", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build-tokenizer", help="build the shipped tokenizer")
+    p.add_argument("--out", type=Path, default=DEFAULT_TOKENIZER_DIR, help="output directory")
+    p = sub.add_parser("warm-start", help="warm-start the tiny default policy into a new directory")
+    p.add_argument("--steps", type=int, default=DEFAULT_WARMSTART_STEPS)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--error-rate", type=float, default=_ERROR_RATE)
+    p = sub.add_parser("evaluate", help="play fresh episodes with a saved policy")
+    p.add_argument("model_dir", help="a save_pretrained directory or hub id")
+    p.add_argument("--episodes", type=int, default=100)
+    p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="only this temperature (default: greedy, then 1.0)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "build-tokenizer":
+        tok = build_tokenizer(args.out)
+        print(f"tokenizer: {len(tok)} tokens -> {args.out}")
+    elif args.command == "warm-start":
+        tokenizer = load_default_tokenizer()
+        t0 = time.monotonic()
+        out = warm_start(build_tiny_model(tokenizer, args.seed), tokenizer, seed=args.seed, steps=args.steps,
+                         out_dir=args.out, batch_size=args.batch_size, lr=args.lr, error_rate=args.error_rate)
+        print(f"warm start: {args.steps} steps in {time.monotonic() - t0:.1f} s -> {out}")
+    else:
+        try:
+            model, tokenizer = load_policy(args.model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
+        except PolicyLoadError as exc:
+            print(f"error: {exc}")
+            return 2
+        temps = [args.temperature] if args.temperature is not None else [0.0, 1.0]
+        for temp in temps:
+            stats = evaluate_policy(model, tokenizer, args.episodes, args.seed, temperature=temp)
+            print(json.dumps({"temperature": temp, **stats}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""The run's records in the hivemind DHT: the config, heartbeats of live peers, and the per-round barrier.
+
+Keys (all under the run name, so two runs can share a DHT):
+    ``{run}.config``            the run config as canonical JSON (published by the coordinator)
+    ``{run}.peers`` / peer      ``{"role", "round", "t"}``: who is alive and which round it trains toward
+    ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
+
+Why a barrier: hivemind's matchmaking only groups peers that look for a group at about the same time, and each
+round is a separate group (its group key carries the round number, see `diloco.py`). Peers announce that they
+are ready, wait until every live node is ready (or ``round_slack_s`` after the first one), and then all start
+matchmaking for the same ``scheduled_time``, so one round forms one group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from composer_diloco.config import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+_RECORD_TTL_S = 3600.0
+
+
+class SwarmError(RuntimeError):
+    """The DHT could not be joined, or the run's records are missing or inconsistent."""
+
+
+def parse_multiaddr(text: str) -> Multiaddr:
+    """Parse ``--peer``. Raises SwarmError naming the value unless it is a multiaddr with a /p2p/ peer id."""
+    try:
+        addr = Multiaddr(text)
+    except Exception as e:  # the multiaddr package raises several unrelated types
+        raise SwarmError(
+            f"--peer {text!r} is not a multiaddr (expected e.g. /ip4/127.0.0.1/tcp/4000/p2p/12D3KooW...): {e}"
+        ) from None
+    if "/p2p/" not in str(addr):
+        raise SwarmError(f"--peer {text!r} has no /p2p/<peer id> part (copy the whole `peer:` line)")
+    return addr
+
+
+def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None) -> hivemind.DHT:
+    """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
+
+    Raises:
+        SwarmError: the daemon did not start, or no initial peer answered.
+    """
+    kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
+    if announce:
+        kwargs["announce_maddrs"] = announce
+    try:
+        return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
+    except Exception as e:
+        where = f"peers {initial_peers}" if initial_peers else f"address {kwargs['host_maddrs'][0]}"
+        raise SwarmError(f"could not start a DHT peer with {where}: {type(e).__name__}: {e}") from None
+
+
+def visible_multiaddr(dht: hivemind.DHT) -> str:
+    """The first address other peers can dial, with its /p2p/ part: what `composer-node --peer` takes."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    if not addrs:
+        raise SwarmError("the DHT peer has no visible address")
+    return addrs[0]
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    name: str
+    role: str  # "coordinator" | "node"
+    round: int
+    t: float
+
+
+class Swarm:
+    """The run's view of the DHT: publish/read the config, heartbeats, the round barrier.
+
+    Args:
+        dht: a started DHT.
+        run_name: the run's key prefix.
+        peer_name: this peer's unique name (``coordinator`` or ``node-<...>``).
+        role: ``"coordinator"`` or ``"node"``.
+    """
+
+    def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str):
+        self.dht, self.run, self.name, self.role = dht, run_name, peer_name, role
+        self.round = 0
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # -- config -----------------------------------------------------------------------------------------
+    def publish_config(self, config: RunConfig) -> None:
+        """Store the run config (canonical JSON) in the DHT for nodes to read."""
+        ok = self.dht.store(f"{self.run}.config", config.to_json(), get_dht_time() + _RECORD_TTL_S)
+        if not ok:
+            raise SwarmError("could not store the run config in the DHT")
+
+    def fetch_config(self, timeout_s: float) -> RunConfig:
+        """Read and validate the run config, retrying for ``timeout_s`` seconds.
+
+        Raises:
+            SwarmError: nothing answered within ``timeout_s`` (names the timeout).
+            ConfigError: the published config does not validate.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.dht.get(f"{self.run}.config", latest=True)
+            if found is not None and isinstance(found.value, str):
+                return RunConfig.from_json(found.value)
+            if time.monotonic() > deadline:
+                raise SwarmError(
+                    f"no run config for run {self.run!r} in the DHT after {timeout_s:.0f} s: is the coordinator "
+                    "at --peer running, and is the run name the same?"
+                )
+            time.sleep(0.5)
+
+    # -- heartbeats ---------------------------------------------------------------------------------------
+    def start_heartbeat(self, period_s: float, ttl_s: float) -> None:
+        """Publish this peer's record every ``period_s`` seconds, each valid for ``ttl_s`` seconds."""
+
+        def beat() -> None:
+            while not self._stop.is_set():
+                try:
+                    self._store_heartbeat(ttl_s)
+                except Exception as e:  # a missed heartbeat is harmless; the next one retries
+                    log.debug("heartbeat failed: %r", e)
+                self._stop.wait(period_s)
+
+        self._store_heartbeat(ttl_s)
+        self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
+        self._heartbeat.start()
+
+    def _store_heartbeat(self, ttl_s: float) -> None:
+        value = {"role": self.role, "round": self.round, "t": get_dht_time()}
+        self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
+
+    def live_peers(self) -> list[PeerRecord]:
+        """Peers whose heartbeat has not expired."""
+        found = self.dht.get(f"{self.run}.peers", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for name, item in found.value.items():
+            v = getattr(item, "value", None)
+            if isinstance(v, dict) and {"role", "round", "t"} <= v.keys():
+                out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"])))
+        return out
+
+    # -- the round barrier --------------------------------------------------------------------------------
+    def announce_ready(self, round_: int, weight: float) -> None:
+        """Tell the swarm this peer finished the inner phase of ``round_`` with ``weight`` samples."""
+        self.dht.store(
+            f"{self.run}.ready.{round_}", {"t": get_dht_time(), "weight": float(weight), "role": self.role},
+            get_dht_time() + _RECORD_TTL_S, subkey=self.name,
+        )
+
+    def ready_peers(self, round_: int) -> dict[str, dict]:
+        found = self.dht.get(f"{self.run}.ready.{round_}", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(k): v.value for k, v in found.value.items() if isinstance(getattr(v, "value", None), dict)}
+
+    def wait_for_round(self, round_: int, *, slack_s: float, matchmaking_s: float,
+                       stop: threading.Event | None = None, poll_s: float = 0.25) -> tuple[float, list[str]] | None:
+        """Block until every live node training toward ``round_`` is ready, or ``slack_s`` after the first.
+
+        Returns:
+            ``(scheduled_time, ready_nodes)``: the DHT time at which all peers start the all-reduce (the same
+            on every peer when all were ready) and the names of the ready nodes; None if ``stop`` was set.
+        """
+        while stop is None or not stop.is_set():
+            ready = {n: v for n, v in self.ready_peers(round_).items() if v.get("role") == "node"}
+            if ready:
+                live = {p.name for p in self.live_peers() if p.role == "node" and p.round == round_}
+                first = min(v["t"] for v in ready.values())
+                if live <= ready.keys():
+                    return max(v["t"] for v in ready.values()) + matchmaking_s, sorted(ready)
+                if get_dht_time() > first + slack_s:
+                    missing = sorted(live - ready.keys())
+                    log.warning("round %d: going on without %s after %.0f s", round_, missing, slack_s)
+                    return first + slack_s + matchmaking_s, sorted(ready)
+            time.sleep(poll_s)
+        return None
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (the DHT is shut down by its owner)."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+
+
+__all__ = ["ConfigError", "PeerRecord", "Swarm", "SwarmError", "parse_multiaddr", "start_dht", "visible_multiaddr"]

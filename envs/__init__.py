@@ -1,0 +1,1 @@
+"""OpenEnv environments of composer-diloco, one package each in OpenEnv's own layout."""
