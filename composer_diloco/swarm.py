@@ -1,7 +1,7 @@
 """The run's records in the hivemind DHT: the config, heartbeats of live peers, and the per-round barrier.
 
-Keys (all under the run name, so two runs can share a DHT):
-    ``{run}.config``            the run config as canonical JSON (published by the coordinator)
+Keys (all but the first under the run name, so two runs can share a DHT):
+    ``composer_diloco.runs`` / run   the run config as canonical JSON (published by the coordinator)
     ``{run}.peers`` / peer      ``{"role", "round", "t"}``: who is alive and which round it trains toward
     ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
 
@@ -28,6 +28,7 @@ from composer_diloco.config import ConfigError, RunConfig
 log = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 3600.0
+RUNS_KEY = "composer_diloco.runs"
 
 
 class SwarmError(RuntimeError):
@@ -71,6 +72,44 @@ def visible_multiaddr(dht: hivemind.DHT) -> str:
     return addrs[0]
 
 
+def publish_config(dht: hivemind.DHT, config: RunConfig) -> None:
+    """Store the run config (canonical JSON) in the DHT registry of runs, for nodes to read.
+
+    Raises:
+        SwarmError: the DHT refused the record.
+    """
+    ok = dht.store(RUNS_KEY, config.to_json(), get_dht_time() + _RECORD_TTL_S, subkey=config.run_name)
+    if not ok:
+        raise SwarmError(f"could not store the config of run {config.run_name!r} in the DHT")
+
+
+def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: float) -> RunConfig:
+    """Read and validate a run config from the DHT, retrying for ``timeout_s`` seconds.
+
+    Args:
+        run_name: which run; None = the only run on this DHT.
+    Raises:
+        SwarmError: no run (or not the named one) appeared within ``timeout_s``, or several runs and no name.
+        ConfigError: the published config does not validate.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = dht.get(RUNS_KEY, latest=True)
+        runs = {}
+        if found is not None and isinstance(found.value, dict):
+            runs = {str(k): v.value for k, v in found.value.items() if isinstance(getattr(v, "value", None), str)}
+        if run_name is None and len(runs) > 1:
+            raise SwarmError(f"this DHT holds several runs {sorted(runs)}: pass --run-name")
+        chosen = runs.get(run_name) if run_name is not None else next(iter(runs.values()), None)
+        if chosen is not None:
+            return RunConfig.from_json(chosen)
+        if time.monotonic() > deadline:
+            what = f"run {run_name!r}" if run_name else "any run"
+            raise SwarmError(f"no config of {what} appeared in the DHT within {timeout_s:.0f} s "
+                             "(is the coordinator at --peer running?)")
+        time.sleep(0.5)
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     name: str
@@ -80,7 +119,7 @@ class PeerRecord:
 
 
 class Swarm:
-    """The run's view of the DHT: publish/read the config, heartbeats, the round barrier.
+    """This peer's records in the DHT: heartbeats and the round barrier.
 
     Args:
         dht: a started DHT.
@@ -94,32 +133,6 @@ class Swarm:
         self.round = 0
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-
-    # -- config -----------------------------------------------------------------------------------------
-    def publish_config(self, config: RunConfig) -> None:
-        """Store the run config (canonical JSON) in the DHT for nodes to read."""
-        ok = self.dht.store(f"{self.run}.config", config.to_json(), get_dht_time() + _RECORD_TTL_S)
-        if not ok:
-            raise SwarmError("could not store the run config in the DHT")
-
-    def fetch_config(self, timeout_s: float) -> RunConfig:
-        """Read and validate the run config, retrying for ``timeout_s`` seconds.
-
-        Raises:
-            SwarmError: nothing answered within ``timeout_s`` (names the timeout).
-            ConfigError: the published config does not validate.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = self.dht.get(f"{self.run}.config", latest=True)
-            if found is not None and isinstance(found.value, str):
-                return RunConfig.from_json(found.value)
-            if time.monotonic() > deadline:
-                raise SwarmError(
-                    f"no run config for run {self.run!r} in the DHT after {timeout_s:.0f} s: is the coordinator "
-                    "at --peer running, and is the run name the same?"
-                )
-            time.sleep(0.5)
 
     # -- heartbeats ---------------------------------------------------------------------------------------
     def start_heartbeat(self, period_s: float, ttl_s: float) -> None:
@@ -196,4 +209,5 @@ class Swarm:
             self._heartbeat.join(timeout=5)
 
 
-__all__ = ["ConfigError", "PeerRecord", "Swarm", "SwarmError", "parse_multiaddr", "start_dht", "visible_multiaddr"]
+__all__ = ["ConfigError", "PeerRecord", "Swarm", "SwarmError", "fetch_run_config", "parse_multiaddr", "publish_config",
+           "start_dht", "visible_multiaddr"]

@@ -1,0 +1,93 @@
+"""Per-round metrics: one JSON line per round in ``<run-dir>/<peer-name>/metrics.jsonl``, and the table of a run.
+
+Fields every peer writes: ``round``, ``peers``, ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``,
+``inner_seconds``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``, ``peer``, ``role``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+TABLE_COLUMNS = (
+    ("round", "round", "{}"),
+    ("peers", "peers", "{}"),
+    ("mean_reward", "mean reward", "{:.3f}"),
+    ("success_rate", "success", "{:.2f}"),
+    ("loss_grpo", "GRPO loss", "{:+.4f}"),
+    ("inner_seconds", "inner s", "{:.1f}"),
+    ("sync_seconds", "sync s", "{:.1f}"),
+    ("bytes_sent", "bytes sent", "{:,}"),
+)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (created with its folder), flushed and fsynced per line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """All peers' records of a run: ``{peer_name: [record, ...]}`` (peers without a metrics file are absent)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(Path(run_dir).glob("*/metrics.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+        out[path.parent.name] = records
+    return out
+
+
+def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per round over the nodes (the coordinator only counts in ``peers``): mean reward and success
+    rate weighted by samples, mean GRPO loss, the slowest node's inner and sync seconds, total bytes sent."""
+    by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for records in metrics.values():
+        for r in records:
+            by_round[int(r["round"])].append(r)
+    rows = []
+    for rnd in sorted(by_round):
+        recs = by_round[rnd]
+        nodes = [r for r in recs if r.get("role") == "node"]
+        samples = sum(r.get("samples", 0) for r in nodes) or 1
+        rows.append({
+            "round": rnd,
+            "peers": max((r.get("peers", 0) for r in recs), default=0),
+            "mean_reward": sum(r.get("mean_reward", 0.0) * r.get("samples", 0) for r in nodes) / samples,
+            "success_rate": sum(r.get("success_rate", 0.0) * r.get("samples", 0) for r in nodes) / samples,
+            "loss_grpo": _mean(r.get("loss_grpo", 0.0) for r in nodes),
+            "inner_seconds": max((r.get("inner_seconds", 0.0) for r in nodes), default=0.0),
+            "sync_seconds": max((r.get("sync_seconds", 0.0) for r in recs), default=0.0),
+            "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),
+            "sha_agree": len({r.get("global_sha256") for r in recs}) == 1,
+        })
+    return rows
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of `round_table` as fixed-width text (one header line, one line per round)."""
+    header = [title for _, title, _ in TABLE_COLUMNS] + ["sha256 agree"]
+    body = [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] + ["yes" if row["sha_agree"] else "NO"]
+            for row in rows]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *body]]
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""Multi-turn agentic episodes: the policy generates a tool call, the OpenEnv server runs it, repeat.
+
+Token ids are carried through the episode and never re-tokenized (INTELLECT-2 / prime-rl, TRL's tool loop):
+``completion_ids`` is the concatenation of the policy's generated turns and the chat template's rendering of
+each tool reply, ``env_mask`` marks which tokens the policy produced (1) and which the environment did (0,
+excluded from the loss), and ``logprobs`` holds the sampler's log-probability of each generated token (0.0 on
+environment tokens) for importance ratios.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer_diloco.chat import parse_tool_call
+
+log = logging.getLogger(__name__)
+
+ToolSuffix = Callable[[list[dict[str, Any]]], list[int]]
+
+
+@dataclass
+class Turn:
+    """One message of an episode.
+
+    Attributes:
+        role: "user", "assistant" or "tool".
+        content: the message text (for the assistant: the decoded generated text).
+        tool_call: ``{"name", "arguments"}`` the assistant called, or None.
+        error_kind: for a tool turn, the env's error kind ("tool_not_found", "invalid_args",
+            "execution_error", ...) or None when the call succeeded.
+        error_meta: the env's metadata for that error (available tools, expected schema, message).
+    """
+
+    role: str
+    content: str
+    tool_call: dict[str, Any] | None = None
+    error_kind: str | None = None
+    error_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One played episode, as the trainer, the collator and the metrics read it.
+
+    Attributes:
+        seed, episode_id: the env's reproducibility key of this episode.
+        turns: the chat history, user question first.
+        tools: the tool schemas the prompt was rendered with.
+        prompt_ids: (P,) int token ids of the rendered prompt (chat template, generation prompt).
+        completion_ids: (C,) int token ids of everything after the prompt.
+        env_mask: (C,) 1 for policy-generated tokens, 0 for tool-reply tokens.
+        logprobs: (C,) float sampler log-probs of generated tokens, 0.0 on tool-reply tokens.
+        reward: the env's final reward (0.0 if the episode never submitted).
+        end_reason: "done" (env ended it), "no_tool_call", "truncated" (turn hit max tokens),
+            "max_tool_calls" or "max_seq_len".
+    """
+
+    seed: int
+    episode_id: str
+    turns: list[Turn]
+    tools: list[dict[str, Any]]
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    end_reason: str = ""
+
+    @property
+    def tool_errors(self) -> int:
+        """Number of tool calls that came back with an error."""
+        return sum(1 for t in self.turns if t.role == "tool" and t.error_kind is not None)
+
+    def check(self) -> None:
+        """Raise ValueError if the per-token fields disagree in length (names both lengths)."""
+        n = len(self.completion_ids)
+        for name in ("env_mask", "logprobs"):
+            m = len(getattr(self, name))
+            if m != n:
+                raise ValueError(f"episode {self.episode_id}: {name} has {m} entries but completion_ids has {n}")
+
+
+class EnvSession:
+    """What the rollout needs from an environment session (OpenEnv's sync client fits via `OpenEnvSession`)."""
+
+    def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:  # pragma: no cover - protocol
+        """Start an episode; return (question, tool schemas)."""
+        raise NotImplementedError
+
+    def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:  # pragma: no cover
+        """Run one tool call; return (content, error_kind, error_meta, reward, done)."""
+        raise NotImplementedError
+
+
+class OpenEnvSession(EnvSession):
+    """A `envs.tool_env` WebSocket session (OpenEnv ``EnvClient.sync()``), one episode at a time.
+
+    Raises:
+        EnvServerError (from `composer_diloco.env_process`) when the server cannot be reached.
+    """
+
+    def __init__(self, url: str, *, max_tool_calls: int):
+        from envs.tool_env import ToolAction, ToolEnvClient
+
+        self._action = ToolAction
+        self._client = ToolEnvClient(base_url=url).sync()
+        self._client.connect()
+        self.url, self.max_tool_calls = url, max_tool_calls
+
+    def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
+        obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls).observation
+        return obs.question, list(obs.tools)
+
+    def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
+        result = self._client.step(self._action(tool=tool, arguments=arguments))
+        obs = result.observation
+        return obs.content, obs.error_kind, dict(obs.error_meta), float(result.reward or 0.0), bool(result.done)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception as e:  # closing a dead socket
+            log.debug("closing env session %s: %r", self.url, e)
+
+
+@torch.no_grad()
+def play_episodes(
+    model: nn.Module,
+    tokenizer: Any,
+    sessions: Sequence[EnvSession],
+    keys: Sequence[tuple[int, str]],
+    *,
+    tool_suffix_ids: ToolSuffix,
+    max_tool_calls: int,
+    max_turn_tokens: int,
+    max_seq_len: int,
+    temperature: float,
+) -> list[Episode]:
+    """Play ``len(keys)`` episodes in lock-step, one batched ``generate`` per assistant turn.
+
+    Args:
+        model: causal LM; generation runs on its device.
+        tokenizer: its tokenizer, with a chat template that renders ``tools`` and tool calls.
+        sessions: one env session per episode (``len(sessions) >= len(keys)``).
+        keys: ``(seed, episode_id)`` of each episode.
+        tool_suffix_ids: token ids of the template's rendering of tool replies that follow an assistant turn
+            ending in EOS (TRL ``GRPOTrainer._get_tool_suffix_ids``).
+        max_tool_calls: assistant turns per episode.
+        max_turn_tokens: new tokens per assistant turn.
+        max_seq_len: prompt + completion tokens; an episode reaching it ends ("max_seq_len").
+        temperature: sampling temperature (1.0 = the policy's distribution).
+    Returns:
+        The episodes, in the order of ``keys``.
+    """
+    if len(sessions) < len(keys):
+        raise ValueError(f"{len(keys)} episodes need as many env sessions, got {len(sessions)}")
+    episodes: list[Episode] = []
+    for session, (seed, episode_id) in zip(sessions, keys):
+        question, tools = session.reset(seed, episode_id)
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tools=tools, add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        )
+        episodes.append(Episode(seed, episode_id, [Turn("user", question)], tools, list(prompt_ids)))
+
+    eos = tokenizer.eos_token_id
+    active = list(range(len(episodes)))
+    for _ in range(max_tool_calls):
+        if not active:
+            break
+        contexts = [episodes[i].prompt_ids + episodes[i].completion_ids for i in active]
+        generated, logps = _generate(model, tokenizer, contexts, max_turn_tokens, temperature)
+        still = []
+        for i, ids, lp in zip(active, generated, logps):
+            ep = episodes[i]
+            ep.completion_ids += ids
+            ep.env_mask += [1] * len(ids)
+            ep.logprobs += lp
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            call = parse_tool_call(text)
+            ep.turns.append(Turn("assistant", text, {"name": call.name, "arguments": call.arguments} if call.ok else None))
+            if not ids or ids[-1] != eos:
+                ep.end_reason = "truncated"
+                continue
+            if not call.ok:
+                ep.end_reason = "no_tool_call"
+                continue
+            content, kind, meta, reward, done = sessions[i].call(call.name, call.arguments)
+            ep.turns.append(Turn("tool", content, None, kind, meta))
+            if done:
+                ep.reward, ep.end_reason = reward, "done"
+                continue
+            suffix = tool_suffix_ids([{"role": "tool", "name": call.name, "content": content}])
+            if len(ep.prompt_ids) + len(ep.completion_ids) + len(suffix) + max_turn_tokens > max_seq_len:
+                ep.end_reason = "max_seq_len"
+                continue
+            ep.completion_ids += suffix
+            ep.env_mask += [0] * len(suffix)
+            ep.logprobs += [0.0] * len(suffix)
+            still.append(i)
+        active = still
+    for i in active:
+        episodes[i].end_reason = "max_tool_calls"
+    for ep in episodes:
+        ep.check()
+    return episodes
+
+
+def _generate(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
+              temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample one turn for each context (left-padded batch). Returns new token ids (up to and including EOS)
+    and the sampler's log-prob of each, under the temperature-scaled distribution."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    width = max(len(c) for c in contexts)
+    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, c in enumerate(contexts):
+        input_ids[row, width - len(c):] = torch.tensor(c)
+        attention[row, width - len(c):] = 1
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id, output_scores=True, return_dict_in_generate=True,
+    )
+    new = out.sequences[:, width:].cpu()  # (B, T_new)
+    scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, T_new, V), temperature already applied
+    token_logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T_new)
+    ids_out, lps_out = [], []
+    for row in range(new.shape[0]):
+        ids = new[row].tolist()
+        if tokenizer.eos_token_id in ids:
+            ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+        ids_out.append(ids)
+        lps_out.append(token_logps[row, : len(ids)].tolist())
+    return ids_out, lps_out

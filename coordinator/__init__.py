@@ -1,0 +1,1 @@
+"""The `composer-coordinator` command: `start` (DHT bootstrap, canonical model, checkpoints) and `simulate`."""

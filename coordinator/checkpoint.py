@@ -1,0 +1,103 @@
+"""Atomic checkpoints of the canonical global model: ``<run-dir>/checkpoints/round-NNNNNN/``.
+
+A checkpoint named ``round-000003`` holds theta after 3 outer steps (the next round to train is 3):
+``save_pretrained`` files of the policy and its tokenizer, plus ``outer.pt`` (outer momentum, round, theta's
+SHA-256, the run config). It is written into a temporary sibling folder and renamed into place, and
+``checkpoints/latest`` is replaced atomically after that, so a process killed while writing leaves the previous
+checkpoint as the latest loadable one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composer_diloco.outer import GlobalModel
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or unreadable."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, global_model: GlobalModel,
+                    config_json: str) -> Path:
+    """Write theta_round (and the outer optimizer state) atomically; returns the checkpoint folder.
+
+    Args:
+        run_dir: the run's directory.
+        round_: outer steps taken so far.
+        model: a policy of the run's architecture (its weights are overwritten with theta, on CPU).
+        tokenizer: saved beside the weights.
+        global_model: theta and the outer momentum.
+        config_json: the run config (canonical JSON) recorded with the checkpoint.
+    """
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"round-{round_:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    global_model.load_into(model)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({
+        "round": round_,
+        "names": global_model.names,
+        "momentum": [m.clone() for m in global_model.momentum],
+        "global_sha256": global_model.sha256(),
+        "config": config_json,
+    }, tmp / "outer.pt")
+    _fsync_tree(tmp)
+    if final.exists():  # a re-save of the same round (resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None when the run has none."""
+    root = checkpoint_dir(run_dir)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / "outer.pt").is_file():
+            return candidate
+    complete = sorted(p for p in root.glob("round-*") if (p / "outer.pt").is_file())
+    return complete[-1] if complete else None
+
+
+def read_outer_state(folder: Path) -> dict[str, Any]:
+    """``outer.pt`` of a checkpoint: round, names, momentum, global_sha256, config. Raises CheckpointError."""
+    try:
+        return torch.load(Path(folder) / "outer.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {str(folder)!r} is unreadable: {e}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def describe(folder: Path) -> str:
+    state = read_outer_state(folder)
+    return json.dumps({"round": state["round"], "global_sha256": state["global_sha256"][:16]})

@@ -1,0 +1,113 @@
+"""`composer-coordinator`: start a run (DHT bootstrap, canonical model, checkpoints) or simulate one locally."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Coordinator of a composer-diloco run: DHT bootstrap, canonical model, checkpoints.")
+log = logging.getLogger("composer.coordinator")
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Run config (TOML); default: built-in defaults.")]
+RoundsOpt = Annotated[Optional[int], typer.Option("--rounds", help="Override the config's number of rounds.")]
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Checkpoints, metrics, logs and caches go here.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
+
+
+def _load(config: Path | None, rounds: int | None):
+    from composer_diloco.config import load_config
+
+    return load_config(config, rounds=rounds)
+
+
+@app.command()
+def start(
+    config: ConfigOpt = None,
+    rounds: RoundsOpt = None,
+    listen: Annotated[Optional[str], typer.Option(help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4000 "
+                                                       "(default: 127.0.0.1, a free port).")] = None,
+    announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
+    run_dir: RunDirOpt = Path("runs/default"),
+    verbose: VerboseOpt = False,
+) -> None:
+    """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0."""
+    from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from coordinator.coordinator import Coordinator, CoordinatorOptions
+
+    setup_logging("coordinator", verbose)
+    stop = GracefulStop().install()
+    coordinator = None
+    code = 0
+    try:
+        cfg = _load(config, rounds)
+        if listen is not None:
+            from composer_diloco.swarm import SwarmError
+
+            from hivemind.utils.multiaddr import Multiaddr
+
+            try:
+                Multiaddr(listen)
+            except Exception:
+                raise SwarmError(f"--listen {listen!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)")
+        coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None), stop)
+        peer = coordinator.start()
+        print(f"peer: {peer}", flush=True)
+        done = coordinator.serve()
+        if stop.event.is_set():
+            log.info("stopped by signal after %d round(s)", done)
+            code = 130
+        else:
+            log.info("run finished: %d round(s); checkpoints in %s", done, run_dir / "checkpoints")
+    except Exception as e:
+        if verbose:
+            log.exception("coordinator failed")
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        code = 1
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+    raise typer.Exit(code)
+
+
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Number of node processes.")] = 2,
+    rounds: RoundsOpt = None,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = Path("runs/simulate"),
+    device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table."""
+    from composer_diloco.config import ConfigError
+    from coordinator.simulate import Simulation, run_simulation
+
+    try:
+        cfg = _load(config, rounds)
+    except ConfigError as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1)
+    if any(run_dir.glob("*/metrics.jsonl")):
+        typer.echo(f"composer-coordinator: error: --run-dir {str(run_dir)!r} already holds a run's metrics "
+                   "(pick a new folder)", err=True)
+        raise typer.Exit(1)
+    sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, device=device, verbose=verbose)
+    raise typer.Exit(run_simulation(sim, cfg.rounds))
+
+
+def main() -> int:
+    """Console-script entry point."""
+    try:
+        app()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The coordinator life cycle: bootstrap the DHT, publish the config, hold the canonical model, checkpoint it.
+
+Per round it joins the all-reduce with weight 0 (`DiLoCoPeer.sync(None, 0.0)`): it receives the nodes' mean
+pseudo-gradient without moving it and applies the same outer step, so its theta is the run's canonical one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from composer_diloco.config import RunConfig
+from composer_diloco.diloco import DiLoCoPeer
+from composer_diloco.lifecycle import GracefulStop
+from composer_diloco.metrics import MetricsWriter
+from composer_diloco.swarm import Swarm, publish_config, start_dht, visible_multiaddr
+from coordinator.checkpoint import save_checkpoint
+
+log = logging.getLogger(__name__)
+
+PEER_NAME = "coordinator"
+
+
+@dataclass
+class CoordinatorOptions:
+    """The `composer-coordinator start` options.
+
+    Attributes:
+        config: the validated run config.
+        run_dir: checkpoints, the warm-start cache and ``coordinator/metrics.jsonl`` go here.
+        listen: multiaddr to listen on (default: 127.0.0.1, a free TCP port).
+        announce: multiaddrs other machines should dial (for a public address behind NAT).
+    """
+
+    config: RunConfig
+    run_dir: Path
+    listen: str | None = None
+    announce: list[str] | None = None
+
+
+class Coordinator:
+    """A running coordinator: `start`, then `serve` until the last round, then `close`."""
+
+    def __init__(self, options: CoordinatorOptions, stop: GracefulStop):
+        self.options, self.stop = options, stop
+        self.config = options.config
+        self.run_dir = Path(options.run_dir)
+        self.metrics = MetricsWriter(self.run_dir / PEER_NAME / "metrics.jsonl")
+        self.dht = None
+        self.swarm: Swarm | None = None
+        self.peer: DiLoCoPeer | None = None
+
+    def start(self) -> str:
+        """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
+        from composer_diloco.policy import load_policy
+
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(config.to_json())
+        self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir, seed=config.warmstart.seed,
+                                                 warmstart_steps=config.warmstart.steps)
+        self.dht = start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce)
+        self.stop.add_cleanup(self._shutdown_dht)
+        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator")
+        self.peer = DiLoCoPeer(self.model, config, self.swarm)
+        self.stop.add_cleanup(self.peer.shutdown)
+        publish_config(self.dht, config)
+        self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
+        save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
+                        config.to_json())
+        return visible_multiaddr(self.dht)
+
+    def serve(self) -> int:
+        """Take part in every round until the run's last; returns the rounds completed (stops on a signal)."""
+        config, peer = self.config, self.peer
+        first = peer.round
+        while peer.round < config.rounds and not self.stop.event.is_set():
+            result = peer.sync(None, 0.0, stop=self.stop.event)
+            if result is None:
+                break
+            self.metrics.write({
+                "round": result.round, "peer": PEER_NAME, "role": "coordinator", "peers": result.peers,
+                "samples": 0, "weight_total": result.weight_total, "sync_seconds": round(result.sync_seconds, 3),
+                "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
+                "global_sha256": result.global_sha256, "status": result.status, "time": time.time(),
+            })
+            log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
+                     result.weight_total, result.global_sha256[:12])
+            if peer.round % config.checkpoint_every == 0 or peer.round == config.rounds:
+                path = save_checkpoint(self.run_dir, peer.round, self.model, self.tokenizer, peer.global_model,
+                                       config.to_json())
+                log.info("checkpoint %s", path)
+        self._linger()
+        return peer.round - first
+
+    def _linger(self, max_s: float = 10.0) -> None:
+        # A node whose last all-reduce failed resynchronises from us: stay while a live node is behind.
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline and not self.stop.event.is_set():
+            behind = [p for p in self.swarm.live_peers() if p.role == "node" and p.round < self.config.rounds]
+            if not behind:
+                return
+            time.sleep(0.5)
+
+    def _shutdown_dht(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    def close(self) -> None:
+        """Stop heartbeats, the averager and the DHT (idempotent)."""
+        if self.swarm is not None:
+            self.swarm.close()
+        self.stop.run_cleanups()

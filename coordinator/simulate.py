@@ -1,0 +1,177 @@
+"""`composer-coordinator simulate`: a whole run as real OS processes on 127.0.0.1.
+
+It starts ``python -m coordinator start``, waits for its ``peer:`` line, starts N ``python -m nodes join``
+(each starts its own env server process), shows progress from the metrics files, waits for all, prints the
+per-round table, and returns 0 only if every process exited 0 and every round's ``global_sha256`` agreed.
+Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C stops them all (SIGTERM, then SIGKILL after 10 s).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from composer_diloco.metrics import format_table, read_metrics, round_table
+
+
+class SimulationError(RuntimeError):
+    """A process of the simulation failed to start."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Simulation:
+    """The processes of one simulated run (see module docstring)."""
+
+    nodes: int
+    run_dir: Path
+    config_path: Path | None = None
+    rounds: int | None = None
+    device: str = "cpu"
+    verbose: bool = False
+    peer_timeout_s: float = 1200.0
+    procs: list[Proc] = field(default_factory=list)
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+
+    def _spawn(self, name: str, args: list[str], stdout: int | None = None) -> Proc:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N trainers on few cores: no thread oversubscription
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(
+                [sys.executable, *args], stdout=stdout if stdout is not None else log_file, stderr=log_file,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_coordinator(self) -> str:
+        """Start the coordinator and return its multiaddr (its ``peer:`` line). Raises SimulationError."""
+        args = ["-m", "coordinator", "start", "--run-dir", str(self.run_dir)]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        if self.rounds is not None:
+            args += ["--rounds", str(self.rounds)]
+        if self.verbose:
+            args.append("--verbose")
+        proc = self._spawn("coordinator", args, stdout=subprocess.PIPE)
+        found: list[str] = []
+
+        def read_stdout() -> None:
+            for raw in proc.popen.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("peer: ") and not found:
+                    found.append(line.removeprefix("peer: ").strip())
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        deadline = time.monotonic() + self.peer_timeout_s
+        while not found:
+            if proc.popen.poll() is not None:
+                raise SimulationError(f"the coordinator exited with code {proc.popen.returncode}:\n{proc.tail()}")
+            if time.monotonic() > deadline:
+                raise SimulationError(f"the coordinator printed no peer line in {self.peer_timeout_s:.0f} s")
+            time.sleep(0.2)
+        return found[0]
+
+    def start_nodes(self, peer: str) -> None:
+        for i in range(self.nodes):
+            args = ["-m", "nodes", "join", "--peer", peer, "--run-dir", str(self.run_dir), "--name", f"node-{i}",
+                    "--device", self.device]
+            if self.verbose:
+                args.append("--verbose")
+            self._spawn(f"node-{i}", args)
+
+    def wait(self, total_rounds: int) -> dict[str, int]:
+        """Show progress until every process exits; returns ``{name: exit code}``."""
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=self.console, transient=False) as progress:
+            tasks = {p.name: progress.add_task(p.name, total=total_rounds) for p in self.procs}
+            while any(p.popen.poll() is None for p in self.procs):
+                metrics = read_metrics(self.run_dir)
+                for p in self.procs:
+                    done = len(metrics.get(p.name, []))
+                    state = "" if p.popen.poll() is None else f" (exit {p.popen.returncode})"
+                    progress.update(tasks[p.name], completed=done, description=f"{p.name}{state}")
+                time.sleep(0.5)
+            metrics = read_metrics(self.run_dir)
+            for p in self.procs:
+                progress.update(tasks[p.name], completed=len(metrics.get(p.name, [])),
+                                description=f"{p.name} (exit {p.popen.returncode})")
+        return {p.name: p.popen.returncode for p in self.procs}
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every process group still running, then SIGKILL what is left after ``timeout_s``."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_simulation(sim: Simulation, total_rounds: int) -> int:
+    """Run it all; print the table to stdout; returns the exit code (0 = all succeeded and agreed)."""
+    console = sim.console
+    try:
+        console.print(f"starting the coordinator (run dir {sim.run_dir}; the first run warm-starts the policy)")
+        peer = sim.start_coordinator()
+        console.print(f"coordinator at {peer}; starting {sim.nodes} node(s)")
+        sim.start_nodes(peer)
+        codes = sim.wait(total_rounds)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping all processes")
+        sim.stop_all()
+        return 130
+    except SimulationError as e:
+        console.print(f"[red]error:[/red] {e}")
+        sim.stop_all()
+        return 1
+    finally:
+        sim.stop_all()
+    rows = round_table(read_metrics(sim.run_dir))
+    print(format_table(rows))
+    failed = {n: c for n, c in codes.items() if c != 0}
+    for name in failed:
+        proc = next(p for p in sim.procs if p.name == name)
+        console.print(f"[red]{name} exited with code {failed[name]}[/red]; last lines of {proc.log_path}:\n{proc.tail()}")
+    disagree = [r["round"] for r in rows if not r["sha_agree"]]
+    if disagree:
+        console.print(f"[red]global_sha256 differs between peers in round(s) {disagree}[/red]")
+    if len(rows) < total_rounds:
+        console.print(f"[red]only {len(rows)} of {total_rounds} rounds completed[/red]")
+    return 0 if not failed and not disagree and len(rows) >= total_rounds else 1

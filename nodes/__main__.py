@@ -1,0 +1,3 @@
+from nodes.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""`composer-node join`: one training peer of a run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="A training node of a composer-diloco run.")
+log = logging.getLogger("composer.node")
+
+
+@app.callback()
+def _root() -> None:
+    """A training node of a composer-diloco run."""
+
+
+@app.command()
+def join(
+    peer: Annotated[str, typer.Option(help="Multiaddr of a peer of the run: the coordinator's `peer:` line.")],
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda:N.")] = "auto",
+    env_url: Annotated[list[str], typer.Option(help="Env server URL (repeat for several, used round-robin); "
+                                                     "default: start a local env server process.")] = [],
+    run_dir: Annotated[Path, typer.Option(help="Where <name>/metrics.jsonl is written.")] = Path("runs/default"),
+    name: Annotated[str, typer.Option(help="Unique peer name (default node-<host>-<pid>).")] = "",
+    run_name: Annotated[str, typer.Option(help="Run to join when the DHT holds several.")] = "",
+    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for the DHT and the run config.")] = 30.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Join a run, train until its last round, and exit 0."""
+    from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from nodes.node import Node, NodeOptions
+
+    options = NodeOptions(peer=peer, device=device, env_urls=list(env_url), run_dir=run_dir, name=name,
+                          run_name=run_name or None, join_timeout_s=join_timeout)
+    setup_logging(options.name, verbose)
+    stop = GracefulStop().install()
+    node = Node(options, stop)
+    code = 0
+    try:
+        node.join()
+        rounds = node.train()
+        if stop.event.is_set():
+            log.info("stopped by signal after %d round(s)", rounds)
+            code = 130
+        else:
+            log.info("run finished: took part in %d round(s)", rounds)
+    except Exception as e:  # every failure: one line naming the cause, non-zero exit
+        if verbose:
+            log.exception("node failed")
+        typer.echo(f"composer-node: error: {e}", err=True)
+        code = 1
+    finally:
+        node.close()
+    raise typer.Exit(code)
+
+
+def main() -> int:
+    """Console-script entry point."""
+    try:
+        app()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The node life cycle: join the DHT, read the run config, fetch the global model, train round after round.
+
+One round on a node, in order (the calls are in `RoundCallback.on_step_end` and `Node.end_round`):
+    H x [rollouts against the env -> GRPO loss -> AdamW step]     (TRL GRPOTrainer, `ComposerGRPOTrainer`)
+    pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
+    one line in <run-dir>/<name>/metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from composer_diloco.config import RunConfig
+from composer_diloco.diloco import DiLoCoPeer
+from composer_diloco.env_process import EnvServer, start_env_server, wait_for_env
+from composer_diloco.lifecycle import GracefulStop
+from composer_diloco.metrics import MetricsWriter
+from composer_diloco.rollout import OpenEnvSession
+from composer_diloco.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
+from composer_diloco.trainer import ComposerGRPOTrainer, grpo_args
+from nodes.device import Placement
+
+log = logging.getLogger(__name__)
+
+
+class NodeError(RuntimeError):
+    """The node cannot take part in the run (bad peer, unreachable env, no global model ...)."""
+
+
+@dataclass
+class NodeOptions:
+    """The `composer-node join` options.
+
+    Attributes:
+        peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line).
+        device: "auto", "cpu" or "cuda:N".
+        env_urls: env server URLs to use round-robin; empty = start a local env server process.
+        run_dir: where ``<name>/metrics.jsonl`` goes.
+        name: this peer's unique name (default ``node-<host>-<pid>``).
+        run_name: which run of the DHT to join (needed only when several runs share it).
+        join_timeout_s: seconds to wait for the DHT and the run config.
+    """
+
+    peer: str
+    device: str = "auto"
+    env_urls: list[str] = field(default_factory=list)
+    run_dir: Path = Path("runs/default")
+    name: str = ""
+    run_name: str | None = None
+    join_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"node-{socket.gethostname()}-{os.getpid()}"
+
+
+class Node:
+    """A running node (see module docstring). Build with `Node.join`, then `train`, then `close`."""
+
+    def __init__(self, options: NodeOptions, stop: GracefulStop):
+        self.options, self.stop = options, stop
+        self.env_servers: list[EnvServer] = []
+        self.sessions: list[OpenEnvSession] = []
+        self.dht = None
+        self.swarm: Swarm | None = None
+        self.peer: DiLoCoPeer | None = None
+        self.trainer: ComposerGRPOTrainer | None = None
+        self.config: RunConfig | None = None
+        self.metrics = MetricsWriter(Path(options.run_dir) / options.name / "metrics.jsonl")
+        self._round_started = time.monotonic()
+        self._steps_in_round = 0
+
+    # -- joining ------------------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Join the DHT, read the config, start or reach the env servers, download the global model.
+
+        Raises:
+            SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError, each with a one-line message.
+        """
+        o = self.options
+        parse_multiaddr(o.peer)
+        self.dht = start_dht(initial_peers=[o.peer])
+        self.stop.add_cleanup(self._shutdown_dht)
+        self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
+        log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
+                 config.inner_steps)
+        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node")
+
+        urls = list(o.env_urls)
+        for url in urls:
+            wait_for_env(url, timeout_s=config.env.connect_timeout_s)
+        if not urls:
+            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
+            self.env_servers.append(server)
+            self.stop.add_cleanup(server.stop)
+            urls = [server.url]
+        self.sessions = [OpenEnvSession(urls[i % len(urls)], max_tool_calls=config.env.max_tool_calls)
+                         for i in range(config.batch_size)]
+
+        self.placement = Placement.resolve(o.device)
+        model, self.tokenizer = _policy_skeleton(config)
+        self.peer = DiLoCoPeer(model, config, self.swarm)
+        self.stop.add_cleanup(self.peer.shutdown)
+        if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
+            raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
+        self.peer.global_model.load_into(model)
+        self.model = self.placement.place(model)
+        self.swarm.round = self.peer.round
+        self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
+        log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
+                 self.peer.global_model.sha256()[:12], self.placement.describe())
+
+    # -- training -----------------------------------------------------------------------------------------
+    def train(self) -> int:
+        """Train until the run's last round; returns the number of rounds this node took part in."""
+        config, peer = self.config, self.peer
+        remaining = config.rounds - peer.round
+        if remaining <= 0:
+            log.info("the run is already over (round %d of %d)", peer.round, config.rounds)
+            return 0
+        out_dir = Path(tempfile.mkdtemp(prefix=f"trl-{self.options.name}-"))
+        args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
+                         use_cpu=self.placement.use_cpu, bf16=self.placement.bf16)
+        self.trainer = ComposerGRPOTrainer(
+            model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
+            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)],
+        )
+        first = peer.round
+        self._round_started = time.monotonic()
+        self.trainer.train()
+        return peer.round - first
+
+    def end_round(self, model: torch.nn.Module) -> None:
+        """Close the current round: sync with the swarm and write the round's metrics line."""
+        inner_seconds = time.monotonic() - self._round_started
+        episodes, losses = self.trainer.take_round_stats()
+        samples = len(episodes)
+        result = self.peer.sync(model, float(samples), stop=self.stop.event)
+        if result is None:
+            return
+        rewards = [e.reward for e in episodes]
+        record = {
+            "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
+            "samples": samples, "mean_reward": statistics.fmean(rewards) if rewards else 0.0,
+            "success_rate": sum(r >= 1.0 for r in rewards) / samples if samples else 0.0,
+            "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
+            "loss_grpo": statistics.fmean(losses) if losses else 0.0, "inner_steps": len(losses),
+            "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
+            "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
+            "global_sha256": result.global_sha256, "status": result.status, "time": time.time(),
+        }
+        self.metrics.write(record)
+        log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, %d peers, %s",
+                 result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"], inner_seconds,
+                 result.sync_seconds, result.peers, result.status)
+        self._steps_in_round = 0
+        self._round_started = time.monotonic()
+
+    # -- leaving ------------------------------------------------------------------------------------------
+    def _shutdown_dht(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    def close(self) -> None:
+        """Stop heartbeats, the averager, the DHT, env sessions and env servers (idempotent)."""
+        if self.swarm is not None:
+            self.swarm.close()
+        for s in self.sessions:
+            s.close()
+        self.sessions = []
+        self.stop.run_cleanups()
+
+
+class RoundCallback(TrainerCallback):
+    """Ends a DiLoCo round every H inner steps, and stops training at the run's end or on a stop request."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        node = self.node
+        node._steps_in_round += 1
+        if node.stop.event.is_set():
+            control.should_training_stop = True
+            return control
+        if node._steps_in_round >= node.config.inner_steps:
+            node.end_round(model)
+        if node.peer.round >= node.config.rounds or node.stop.event.is_set():
+            control.should_training_stop = True
+        return control
+
+
+def _policy_skeleton(config: RunConfig):
+    """A model of the run's architecture (its weights are replaced by the global model) and its tokenizer."""
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer, load_policy
+
+    if config.model is None:
+        tokenizer = load_default_tokenizer()
+        return build_tiny_model(tokenizer, config.warmstart.seed), tokenizer
+    return load_policy(config.model, run_dir=Path("."), seed=config.seed, warmstart_steps=0)
+
+
+__all__ = ["Node", "NodeError", "NodeOptions", "RoundCallback", "SwarmError"]
