@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from rich.console import Console
 from rich.logging import RichHandler
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 def setup_logging(peer_name: str, verbose: bool) -> None:
     """Log lines to stderr carrying the peer name; ``verbose`` adds DEBUG and hivemind's INFO."""
     level = logging.DEBUG if verbose else logging.INFO
-    handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False, log_time_format="%H:%M:%S")
+    handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False, markup=False, log_time_format="%H:%M:%S")
     handler.setFormatter(logging.Formatter(f"[{peer_name}] %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

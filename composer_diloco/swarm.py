@@ -60,6 +60,9 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     try:
         return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
+        if initial_peers and "bootstrap" in str(e):
+            raise SwarmError(f"no peer answered at --peer {' '.join(initial_peers)} (is the coordinator running "
+                             "and reachable from here?)") from None
         where = f"peers {initial_peers}" if initial_peers else f"address {kwargs['host_maddrs'][0]}"
         raise SwarmError(f"could not start a DHT peer with {where}: {type(e).__name__}: {e}") from None
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from datasets import Dataset
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from composer_diloco.config import RunConfig
@@ -115,6 +116,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             rollout_func=_rollout,
             callbacks=callbacks,
         )
+        self.remove_callback(PrinterCallback)  # it prints log dicts to stdout; per-round metrics go to metrics.jsonl
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         self._rows = inputs  # rollout_func receives prompts only; it needs each row's (seed, episode_id)

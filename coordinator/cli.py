@@ -17,18 +17,21 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Run config 
 RoundsOpt = Annotated[Optional[int], typer.Option("--rounds", help="Override the config's number of rounds.")]
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Checkpoints, metrics, logs and caches go here.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Hub id or local model directory (replaces the "
+                                                                 "embedded tiny default).")]
 
 
-def _load(config: Path | None, rounds: int | None):
+def _load(config: Path | None, rounds: int | None, model: str | None):
     from composer_diloco.config import load_config
 
-    return load_config(config, rounds=rounds)
+    return load_config(config, rounds=rounds, model=model)
 
 
 @app.command()
 def start(
     config: ConfigOpt = None,
     rounds: RoundsOpt = None,
+    model: ModelOpt = None,
     listen: Annotated[Optional[str], typer.Option(help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4000 "
                                                        "(default: 127.0.0.1, a free port).")] = None,
     announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
@@ -44,7 +47,7 @@ def start(
     coordinator = None
     code = 0
     try:
-        cfg = _load(config, rounds)
+        cfg = _load(config, rounds, model)
         if listen is not None:
             from composer_diloco.swarm import SwarmError
 
@@ -79,6 +82,7 @@ def simulate(
     nodes: Annotated[int, typer.Option("--nodes", min=1, help="Number of node processes.")] = 2,
     rounds: RoundsOpt = None,
     config: ConfigOpt = None,
+    model: ModelOpt = None,
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
     verbose: VerboseOpt = False,
@@ -88,7 +92,7 @@ def simulate(
     from coordinator.simulate import Simulation, run_simulation
 
     try:
-        cfg = _load(config, rounds)
+        cfg = _load(config, rounds, model)
     except ConfigError as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1)
@@ -96,7 +100,8 @@ def simulate(
         typer.echo(f"composer-coordinator: error: --run-dir {str(run_dir)!r} already holds a run's metrics "
                    "(pick a new folder)", err=True)
         raise typer.Exit(1)
-    sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, device=device, verbose=verbose)
+    sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, model=model, device=device,
+                     verbose=verbose)
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 
 

@@ -48,6 +48,7 @@ class Simulation:
     run_dir: Path
     config_path: Path | None = None
     rounds: int | None = None
+    model: str | None = None
     device: str = "cpu"
     verbose: bool = False
     peer_timeout_s: float = 1200.0
@@ -76,6 +77,8 @@ class Simulation:
             args += ["--config", str(self.config_path)]
         if self.rounds is not None:
             args += ["--rounds", str(self.rounds)]
+        if self.model is not None:
+            args += ["--model", self.model]
         if self.verbose:
             args.append("--verbose")
         proc = self._spawn("coordinator", args, stdout=subprocess.PIPE)

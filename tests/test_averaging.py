@@ -1,0 +1,57 @@
+"""The exact all-reduce across real processes: known pseudo-gradients and weights give the hand-computed weighted
+mean and Nesterov step, bit-identical on every peer, for each compression."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests_support import stop_processes
+
+HERE = Path(__file__).parent
+WEIGHTS = [0.0, 1.0, 3.0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_three_peers_agree_bit_for_bit(tmp_path):
+    procs = []
+    try:
+        addr_file = tmp_path / "addr"
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "allreduce_peer.py"), "--index", "0",
+                                       "--out", str(tmp_path / "0.json"), "--addr-out", str(addr_file)]))
+        deadline = time.monotonic() + 60
+        while not addr_file.exists() or not addr_file.read_text():
+            assert procs[0].poll() is None, "peer 0 died"
+            assert time.monotonic() < deadline, "peer 0 printed no address"
+            time.sleep(0.2)
+        for i in (1, 2):
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "allreduce_peer.py"), "--index", str(i),
+                                           "--peer", addr_file.read_text(), "--out", str(tmp_path / f"{i}.json")]))
+        for p in procs:
+            assert p.wait(timeout=200) == 0
+    finally:
+        stop_processes(procs)
+    results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
+
+    for compression in ("none", "fp16", "int8"):
+        per_peer = [r[compression] for r in results]
+        assert {p["group"] for p in per_peer} == {3}
+        assert len({p["mean_sha"] for p in per_peer}) == 1, f"{compression}: peers hold different means"
+        assert len({p["theta_sha"] for p in per_peer}) == 1, f"{compression}: peers hold different theta"
+        # second tensor: peer i sent the constant i, weights 0, 1, 3 -> mean (0*0 + 1*1 + 3*2) / 4 = 1.75
+        mean = torch.tensor(per_peer[0]["mean_small"])
+        tol = {"none": 0.0, "fp16": 1e-3, "int8": 0.05}[compression]
+        assert torch.allclose(mean, torch.full_like(mean, 1.75), atol=tol), (compression, mean)
+        # outer step from theta = 1: v = g, theta' = 1 - 0.7 * (g + 0.9 g) = 1 - 1.33 g
+        theta = torch.tensor(per_peer[0]["theta_small"])
+        assert torch.allclose(theta, 1 - 1.33 * mean, atol=1e-6)
+    none_bytes = sum(r["none"]["bytes_sent"] for r in results)
+    fp16_bytes = sum(r["fp16"]["bytes_sent"] for r in results)
+    int8_bytes = sum(r["int8"]["bytes_sent"] for r in results)
+    assert 1.8 < none_bytes / fp16_bytes < 2.2 and 3.2 < none_bytes / int8_bytes < 4.4, (
+        none_bytes, fp16_bytes, int8_bytes)

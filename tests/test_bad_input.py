@@ -1,0 +1,79 @@
+"""Bad input: one line naming the bad value, a non-zero exit, and nothing half-written."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_missing_config_file(tmp_path):
+    r = run("coordinator", "start", "--config", str(tmp_path / "nope.toml"), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode != 0 and "nope.toml" in error_line(r) and "does not exist" in error_line(r)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
+def test_invalid_config_names_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[outer]\nmomentum = 1.5\n")
+    r = run("coordinator", "simulate", "--config", str(bad), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode != 0 and "outer.momentum" in error_line(r)
+
+
+@pytest.mark.timeout(120)
+def test_peer_that_is_not_a_multiaddr(tmp_path):
+    r = run("nodes", "join", "--peer", "localhost:4000", "--run-dir", str(tmp_path))
+    assert r.returncode != 0 and "'localhost:4000' is not a multiaddr" in error_line(r)
+
+
+@pytest.mark.timeout(120)
+def test_peer_where_no_one_answers(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    r = run("nodes", "join", "--peer", dead, "--run-dir", str(tmp_path), "--join-timeout", "10")
+    assert r.returncode != 0 and "no peer answered" in error_line(r) and "tcp/9" in error_line(r)
+
+
+@pytest.mark.timeout(120)
+def test_model_that_does_not_exist(tmp_path):
+    r = run("coordinator", "start", "--model", str(tmp_path / "no-such-model"), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode != 0 and "no-such-model" in error_line(r)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_env_server_that_cannot_be_reached(tmp_path):
+    """A real coordinator, and a node pointed at an env URL where nothing listens."""
+    from tests_support import stop_processes
+
+    smoke = ROOT / "configs" / "smoke.toml"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "start", "--config", str(smoke), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+    )
+    try:
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        r = run("nodes", "join", "--peer", line.split()[1], "--env-url", "http://127.0.0.1:9",
+                "--run-dir", str(tmp_path / "run"), timeout_s=200)
+        assert r.returncode != 0
+        assert "http://127.0.0.1:9" in error_line(r) and "not reachable" in error_line(r)
+    finally:
+        stop_processes([coordinator])
+    assert coordinator.returncode in (0, 130, -15)

@@ -1,0 +1,47 @@
+"""The run config: defaults run the embedded default, TOML is validated field by field."""
+
+import pytest
+
+from composer_diloco.config import ConfigError, RunConfig, load_config
+
+
+def test_defaults_are_valid_and_embedded():
+    cfg = load_config(None)
+    assert cfg.model is None and cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9 and cfg.outer.nesterov
+    assert cfg.batch_size == cfg.grpo.tasks_per_step * cfg.grpo.num_generations
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('rounds = 7\ninner_steps = 3\n[outer]\nlr = 0.5\n[grpo]\nloss_type = "grpo"\n')
+    cfg = load_config(path, rounds=9)
+    assert (cfg.rounds, cfg.inner_steps, cfg.outer.lr, cfg.grpo.loss_type) == (9, 3, 0.5, "grpo")
+
+
+def test_json_roundtrip_and_digest():
+    cfg = RunConfig(rounds=5)
+    again = RunConfig.from_json(cfg.to_json())
+    assert again == cfg and again.digest() == cfg.digest() != RunConfig().digest()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("rounds = 0\n", "field 'rounds'"),
+        ("[outer]\nlrr = 1\n", "field 'outer.lrr'"),
+        ('[grpo]\nloss_type = "ppo"\n', "field 'grpo.loss_type'"),
+        ("[network]\nheartbeat_s = 5\nheartbeat_ttl_s = 6\n", "heartbeat_ttl_s"),
+        ("rounds = [\n", "not valid TOML"),
+    ],
+)
+def test_invalid_file_names_field(tmp_path, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")

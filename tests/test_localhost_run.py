@@ -1,0 +1,85 @@
+"""The main job end to end: `composer-coordinator simulate` with real coordinator, node and env-server processes."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_diloco.metrics import read_metrics
+from coordinator.checkpoint import latest_checkpoint, read_outer_state
+from tests_support import port_is_free, run_processes_snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+
+
+def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", "simulate", "--run-dir", str(run_dir), *extra],
+        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_coordinator_and_two_nodes_agree_every_round(tmp_path):
+    before = run_processes_snapshot()
+    run_dir = tmp_path / "run"
+    result = simulate(run_dir, "--nodes", "2", "--config", str(SMOKE))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert re.search(r"^\s+1\s+3\s", result.stdout, re.M), result.stdout  # table row: round 1, 3 peers
+
+    metrics = read_metrics(run_dir)
+    assert set(metrics) == {"coordinator", "node-0", "node-1"}
+    initial = read_outer_state(run_dir / "checkpoints" / "round-000000")["global_sha256"]
+    shas = []
+    for rnd in (0, 1):
+        records = [next(r for r in recs if r["round"] == rnd) for recs in metrics.values()]
+        assert {r["global_sha256"] for r in records} == {records[0]["global_sha256"]}, records
+        assert all(r["peers"] == 3 and r["status"] == "averaged" for r in records), records
+        shas.append(records[0]["global_sha256"])
+        for r in records:
+            for key in ("samples", "mean_reward", "loss_grpo", "inner_seconds", "sync_seconds", "bytes_sent"):
+                assert key in r or r["role"] == "coordinator" and key in ("mean_reward", "loss_grpo", "inner_seconds")
+    assert len({initial, *shas}) == 3, "the global params did not change every round"
+    node = metrics["node-0"][0]
+    assert node["samples"] == 2 * 8 and node["bytes_sent"] > 0
+    final = latest_checkpoint(run_dir)
+    assert final is not None and final.name == "round-000002"
+    assert read_outer_state(final)["global_sha256"] == shas[-1]
+
+    # nothing left behind: no new p2pd / env server / peer process, the coordinator's port is free again
+    time.sleep(1.0)
+    assert run_processes_snapshot() - before == set()
+    coordinator_log = (run_dir / "logs" / "coordinator.log").read_text()
+    assert "Traceback" not in coordinator_log, coordinator_log[-2000:]
+    peer_line = re.search(r"/tcp/(\d+)/p2p/", result.stderr)
+    if peer_line:
+        assert port_is_free(int(peer_line.group(1)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    model = build_tiny_model(tokenizer, seed=3, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    model_dir = tmp_path / "my-model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    run_dir = tmp_path / "run"
+    result = simulate(run_dir, "--nodes", "1", "--rounds", "1", "--config", str(SMOKE), "--model", str(model_dir))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"] == str(model_dir)
+    saved = json.loads((run_dir / "checkpoints" / "round-000001" / "config.json").read_text())
+    assert saved["hidden_size"] == 64 and saved["num_hidden_layers"] == 2
+    records = read_metrics(run_dir)
+    assert records["node-0"][0]["global_sha256"] == records["coordinator"][0]["global_sha256"]
+    assert not (run_dir / "warmstart").exists()  # no warm start for a user's model

@@ -1,0 +1,78 @@
+"""The outer step against a hand computation of DiLoCo's weighted mean and Nesterov update."""
+
+import torch
+from torch import nn
+
+from composer_diloco.outer import GlobalModel
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+        self.b = nn.Parameter(torch.tensor([[0.25, 4.0]]))
+
+
+def hand_nesterov(theta, grads, lr, mu):
+    """theta_{t+1} = theta_t - lr * (g_t + mu * v_t), v_t = mu * v_{t-1} + g_t (PyTorch SGD, dampening 0)."""
+    v = torch.zeros_like(theta)
+    for g in grads:
+        v = mu * v + g
+        theta = theta - lr * (g + mu * v)
+    return theta
+
+
+def test_weighted_mean_then_two_nesterov_steps():
+    model = Tiny()
+    gm = GlobalModel(model, lr=0.7, momentum=0.9)
+    # three peers' pseudo-gradients with weights 0 (coordinator), 1 and 3, for two rounds
+    weights = [0.0, 1.0, 3.0]
+    rounds = [
+        [torch.tensor([9.0, 9.0, 9.0, 9.0, 9.0]), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]),
+         torch.tensor([-1.0, 0.0, 1.0, 2.0, 3.0])],
+        [torch.zeros(5), torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5]), torch.tensor([2.0, -2.0, 0.0, 1.0, 1.0])],
+    ]
+    means = [sum(w * d for w, d in zip(weights, deltas)) / sum(weights) for deltas in rounds]
+    assert torch.allclose(means[0], torch.tensor([-0.5, 0.5, 1.5, 2.5, 3.5]))
+    for mean in means:
+        gm.outer_step([mean[:3], mean[3:].reshape(1, 2)])
+    theta0 = torch.tensor([1.0, -2.0, 0.5, 0.25, 4.0])
+    expected = hand_nesterov(theta0, means, 0.7, 0.9)
+    got = torch.cat([gm.params[0], gm.params[1].flatten()])
+    assert torch.allclose(got, expected, atol=1e-6), (got, expected)
+    gm.load_into(model)
+    assert torch.equal(model.a.detach(), gm.params[0].detach())
+
+
+def test_pseudo_gradient_is_global_minus_local():
+    model = Tiny()
+    gm = GlobalModel(model, lr=0.7, momentum=0.9)
+    with torch.no_grad():
+        model.a.add_(1.0)
+    out = [torch.empty(3), torch.empty(1, 2)]
+    gm.pseudo_gradient(model, out)
+    assert torch.equal(out[0], torch.full((3,), -1.0)) and torch.equal(out[1], torch.zeros(1, 2))
+
+
+def test_nan_pseudo_gradient_refused_and_theta_kept():
+    gm = GlobalModel(Tiny(), lr=0.7, momentum=0.9)
+    before = gm.sha256()
+    bad = [torch.tensor([1.0, float("nan"), 0.0]), torch.zeros(1, 2)]
+    try:
+        gm.outer_step(bad)
+    except ValueError as e:
+        assert "'a'" in str(e)
+    else:
+        raise AssertionError("NaN pseudo-gradient was applied")
+    assert gm.sha256() == before
+
+
+def test_state_roundtrip_and_sha():
+    a, b = GlobalModel(Tiny(), lr=0.7, momentum=0.9), GlobalModel(Tiny(), lr=0.7, momentum=0.9)
+    a.outer_step([torch.ones(3), torch.ones(1, 2)])
+    assert a.sha256() != b.sha256()
+    b.load_state_tensors(a.state_tensors())
+    assert a.sha256() == b.sha256()
+    a.outer_step([torch.ones(3), torch.ones(1, 2)])
+    b.outer_step([torch.ones(3), torch.ones(1, 2)])
+    assert a.sha256() == b.sha256()  # the momentum came along too

@@ -1,0 +1,55 @@
+"""Helpers for tests that start real processes: stop them (SIGTERM, then SIGKILL) in `finally`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """Terminate each process (its group if it leads one), wait, then kill; safe on exited processes."""
+    for p in procs:
+        if p.poll() is None:
+            _signal(p, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait(timeout=timeout_s)
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_processes_snapshot() -> set[int]:
+    """PIDs of processes a run leaves behind if it leaks: p2pd daemons and env servers."""
+    import psutil
+
+    pids = set()
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if p.info.get("name") == "p2pd" or "envs.tool_env.server" in cmd or "-m nodes" in cmd \
+                or "-m coordinator" in cmd:
+            pids.add(p.info["pid"])
+    return pids
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
