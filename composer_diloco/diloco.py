@@ -25,6 +25,7 @@ from torch import nn
 from composer_diloco.averaging import ExactAverager
 from composer_diloco.compression import make_compression
 from composer_diloco.config import RunConfig
+from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer import GlobalModel
 from composer_diloco.swarm import Swarm
 
@@ -78,8 +79,14 @@ class DiLoCoPeer:
             model, lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov
         )
         self.delta = [torch.zeros_like(p, requires_grad=False) for p in self.global_model.params]
+        self._lock = threading.Lock()  # guards theta while a peer downloads our state
+        with keep_signal_handlers():
+            self.averager = self._make_averager(swarm, config)
+        self._update_priority()
+
+    def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
         net = config.network
-        self.averager = ExactAverager(
+        return ExactAverager(
             self.delta,
             swarm.dht,
             state_provider=self._state,
@@ -94,8 +101,6 @@ class DiLoCoPeer:
             declare_state_period=5.0,
             shutdown_timeout=5.0,
         )
-        self._update_priority()
-        self._lock = threading.Lock()  # guards theta while a peer downloads our state
 
     # -- state sharing (late joiners, resync) -------------------------------------------------------
     def _state(self) -> tuple[dict, list[torch.Tensor]]:

@@ -7,12 +7,13 @@ servers, averager, DHT) run and the process exits with code 130, so Ctrl+C alway
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -34,6 +35,24 @@ def setup_logging(peer_name: str, verbose: bool) -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
+
+
+@contextlib.contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """Restore this process's SIGINT/SIGTERM handlers after the block.
+
+    hivemind's ``DHT`` and ``DecentralizedAverager`` set SIGINT to SIG_IGN in the *parent* before forking their
+    background process (so the child ignores Ctrl+C) and never restore it, which leaves the parent deaf to
+    Ctrl+C. Wrap every hivemind start in this.
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 class GracefulStop:
@@ -80,6 +99,8 @@ class GracefulStop:
 
     def _hard_exit(self) -> None:
         log.warning("did not stop in time: forcing exit")
-        self.run_cleanups()
+        cleaner = threading.Thread(target=self.run_cleanups, daemon=True)
+        cleaner.start()
+        cleaner.join(timeout=1.5)  # a hanging cleanup must not keep the process alive
         sys.stderr.flush()
         os._exit(130)

@@ -24,6 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from composer_diloco.config import ConfigError, RunConfig
+from composer_diloco.lifecycle import keep_signal_handlers
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     if announce:
         kwargs["announce_maddrs"] = announce
     try:
-        return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
+        with keep_signal_handlers():
+            return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):
             raise SwarmError(f"no peer answered at --peer {' '.join(initial_peers)} (is the coordinator running "
