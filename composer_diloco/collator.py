@@ -1,0 +1,316 @@
+"""The composite-loss collator: played episodes (or raw traces) -> the tensors of the SDPO and DPO channels.
+
+The GRPO channel's tensors are the rollout's own token ids (``prompt_ids`` / ``completion_ids`` / ``env_mask``,
+exactly what TRL's GRPOTrainer trains on). This collator builds the other two channels *from those same ids*,
+so every SDPO position is a position the GRPO channel trains on:
+
+SDPO, hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802; the "SDPO" of TRL's
+``trl/experimental/sdpo``). A site is an assistant turn whose tool call failed, followed by a non-empty recovery
+turn, with a hint for the error (`composer_diloco.hints`). The student context is the episode up to the end of
+the recovery turn; the teacher context is the same tokens with the hint message (the chat template's rendering
+of ``{"role": "user", "content": hint}``) inserted right before the recovery turn's assistant header. Student
+and teacher are aligned by explicit indices (``student_response_idx[s, j]`` and ``teacher_response_idx[s, j]``
+hold the same token), covering the recovery turn's content tokens only: never the template's scaffolding, never
+the hint. Sites without a hint or with an empty recovery are skipped and counted.
+
+DPO pairs (`composer_diloco.preference`): ``prompt + chosen`` and ``prompt + rejected`` with response masks, and
+the reference policy's summed log-probs of each response. The reference policy is the global model theta_r of
+the current round (frozen at the round's start): it is the anchor all peers share, so the DPO trust region
+is the same on every node and moves only with the outer step, as DPO's KL-to-reference intends.
+
+Cost: linear in trace length. Episodes are read through their ``env_mask`` runs (`episode_tokens`); raw traces
+are rendered once with offsets; nothing re-tokenizes a prefix (`bench/collator.py` compares with the prefix
+re-tokenizing approach of the seed collator).
+
+Truncation to ``max_length`` cuts context from the left, the same number of tokens from student and teacher, and
+never inside the hint or the SDPO region; a site whose region and hint cannot fit is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer_diloco.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
+from composer_diloco.hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.losses import sequence_logprobs
+from composer_diloco.rollout import Episode, Turn
+
+
+@dataclass
+class SdpoSite:
+    """One SDPO site: student and teacher token ids and the aligned indices of the recovery turn's content.
+
+    Attributes:
+        episode_id: the episode the site comes from.
+        turn: index in the trace's turns of the recovery (assistant) turn.
+        error_kind: the tool error that preceded it.
+        hint: the hint text inserted into the teacher context.
+        student_ids: (Ls,) student context, ending with the recovery turn.
+        teacher_ids: (Lt,) = student_ids with the hint message inserted; Lt = Ls + len(hint tokens).
+        student_idx: positions in student_ids of the recovery turn's content tokens.
+        teacher_idx: the same tokens' positions in teacher_ids (``student_ids[s] == teacher_ids[t]`` pairwise).
+    """
+
+    episode_id: str
+    turn: int
+    error_kind: str
+    hint: str
+    student_ids: list[int]
+    teacher_ids: list[int]
+    student_idx: list[int]
+    teacher_idx: list[int]
+
+
+@dataclass
+class CollatorStats:
+    """What the collator kept and skipped in one call (per-step metrics)."""
+
+    sdpo_sites: int = 0
+    sdpo_skipped_no_hint: int = 0
+    sdpo_skipped_empty_recovery: int = 0
+    sdpo_skipped_no_recovery: int = 0
+    sdpo_skipped_truncated: int = 0
+    dpo_pairs: int = 0
+    dpo_skipped_truncated: int = 0
+
+    def add(self, other: CollatorStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class ComposerBatch:
+    """Tensors of the SDPO and DPO channels (keys below; a channel with no rows has no keys) and stats.
+
+    SDPO (S sites): ``sdpo_student_ids`` (S, Ls) long, ``sdpo_student_attention_mask`` (S, Ls),
+    ``sdpo_teacher_ids`` (S, Lt), ``sdpo_teacher_attention_mask`` (S, Lt), ``student_response_idx`` (S, R) long,
+    ``teacher_response_idx`` (S, R) long, ``student_response_valid`` / ``teacher_response_valid`` (S, R) bool,
+    ``sdpo_student_mask`` (S, Ls) and ``sdpo_teacher_mask`` (S, Lt) bool (the same tokens as masks).
+    DPO (P pairs): ``dpo_chosen_ids`` / ``dpo_rejected_ids`` (P, L) long, ``*_attention_mask`` (P, L),
+    ``*_response_mask`` (P, L) (1 on response tokens), ``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``
+    (P,) float32 (summed over response tokens, reference policy, no grad).
+    Padding is on the right with ``pad_token_id``.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: CollatorStats = field(default_factory=CollatorStats)
+    sites: list[SdpoSite] = field(default_factory=list)
+
+    @property
+    def num_sdpo(self) -> int:
+        return 0 if "sdpo_student_ids" not in self.tensors else int(self.tensors["sdpo_student_ids"].shape[0])
+
+    @property
+    def num_dpo(self) -> int:
+        return 0 if "dpo_chosen_ids" not in self.tensors else int(self.tensors["dpo_chosen_ids"].shape[0])
+
+
+class ComposerCollator:
+    """Builds `ComposerBatch` es. See the module docstring for the method.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (fast tokenizer with offsets for raw traces).
+        hints: the hint registry (error kind + metadata -> hint text).
+        max_length: maximum tokens of a student, teacher or DPO sequence.
+        hint_role: role of the inserted hint message ("user" renders in every common template).
+    """
+
+    def __init__(self, tokenizer: Any, *, hints: HintRegistry = DEFAULT_HINTS, max_length: int = 1024,
+                 hint_role: str = "user"):
+        self.tokenizer, self.hints, self.max_length, self.hint_role = tokenizer, hints, max_length, hint_role
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.header_ids = generation_prompt_ids(tokenizer)
+
+    # -- SDPO sites -----------------------------------------------------------------------------------
+    def sites_from_episode(self, episode: Episode, stats: CollatorStats) -> list[SdpoSite]:
+        """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs)."""
+        ids = episode.prompt_ids + episode.completion_ids
+        spans = turn_spans(episode, self.tokenizer.eos_token_id)
+        sites = []
+        for i, span in enumerate(spans):
+            tool = episode.turns[span.turn]
+            if span.role != "tool" or tool.error_kind is None:
+                continue
+            recovery = spans[i + 1] if i + 1 < len(spans) else None
+            if recovery is None:
+                stats.sdpo_skipped_no_recovery += 1
+                continue
+            site = self._site(episode.episode_id, ids, recovery.turn, header_start(episode, recovery, self.header_ids),
+                              recovery.start, recovery.content_end, tool, stats)
+            if site is not None:
+                sites.append(site)
+        return sites
+
+    def sites_from_trace(self, turns: Sequence[Turn], tools: list[dict] | None, stats: CollatorStats,
+                         episode_id: str = "") -> tuple[list[int], list[SdpoSite]]:
+        """Render a raw trace once with the chat template and find its SDPO sites.
+
+        Assistant turns are rendered with their raw text as content (the text the policy produced).
+        Returns:
+            (input_ids, sites): the single rendering's token ids (what GRPO would train on) and the sites.
+        Raises:
+            ValueError: a message's content cannot be located in the rendering (a template that rewrites it).
+        """
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        starts = {s: k for k, (s, e) in enumerate(offsets) if e > s}
+        header_text = self.tokenizer.decode(self.header_ids)
+        cursor, char_spans = 0, []
+        for t in turns:  # each content located once, left to right: linear in the text's length
+            content = t.content.strip()
+            pos = text.find(content, cursor) if content else cursor
+            if pos < 0:
+                raise ValueError(f"chat template: content of a {t.role} turn not found in the rendering")
+            char_spans.append((pos, pos + len(content)))
+            cursor = pos + len(content)
+        sites = []
+        for k in range(1, len(turns) - 1):
+            tool = turns[k]
+            if tool.role != "tool" or tool.error_kind is None:
+                continue
+            nxt = k + 1
+            if turns[nxt].role != "assistant":
+                stats.sdpo_skipped_no_recovery += 1
+                continue
+            cs, ce = char_spans[nxt]
+            h_char = text.rfind(header_text, char_spans[k][1], cs + 1) if cs > char_spans[k][1] else -1
+            if h_char < 0 or h_char not in starts:
+                raise ValueError(f"chat template: no assistant header before turn {nxt}")
+            tok_s = _token_at_or_after(offsets, cs)
+            tok_e = _token_at_or_after(offsets, ce)
+            while tok_e > tok_s and offsets[tok_e - 1][1] > ce:  # a token running into the scaffolding
+                tok_e -= 1
+            site = self._site(episode_id, ids, nxt, starts[h_char], tok_s, tok_e, tool, stats)
+            if site is not None:
+                sites.append(site)
+        return ids, sites
+
+    def _site(self, episode_id: str, ids: list[int], turn: int, header: int, content_start: int, content_end: int,
+              tool: Turn, stats: CollatorStats) -> SdpoSite | None:
+        if content_end <= content_start:
+            stats.sdpo_skipped_empty_recovery += 1
+            return None
+        hint = self.hints.hint(tool.error_kind, tool.error_meta)
+        if not hint:
+            stats.sdpo_skipped_no_hint += 1
+            return None
+        hint_ids = message_ids(self.tokenizer, hint, self.hint_role)
+        student = ids[:content_end]
+        teacher = student[:header] + hint_ids + student[header:]
+        cut = max(0, len(teacher) - self.max_length)
+        if cut > header:  # the hint or the region would be cut: drop the site rather than lose loss tokens
+            stats.sdpo_skipped_truncated += 1
+            return None
+        student, teacher = student[cut:], teacher[cut:]
+        s_idx = list(range(content_start - cut, content_end - cut))
+        t_idx = [s + len(hint_ids) for s in s_idx]
+        stats.sdpo_sites += 1
+        return SdpoSite(episode_id, turn, tool.error_kind, hint, student, teacher, s_idx, t_idx)
+
+    # -- the batch ------------------------------------------------------------------------------------
+    def __call__(self, episodes: Sequence[Episode], pairs: Sequence[Any] = (), *,
+                 reference_model: torch.nn.Module | None = None, with_sdpo: bool = True) -> ComposerBatch:
+        """SDPO tensors from ``episodes`` (when ``with_sdpo``) and DPO tensors from ``pairs``.
+
+        Args:
+            episodes: played episodes of this step.
+            pairs: `preference.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
+            reference_model: the frozen reference policy; required when ``pairs`` is non-empty.
+            with_sdpo: False skips the SDPO channel entirely (its weight is 0).
+        Raises:
+            ValueError: pairs without a reference model.
+        """
+        batch = ComposerBatch()
+        if with_sdpo:
+            for ep in episodes:
+                batch.sites += self.sites_from_episode(ep, batch.stats)
+            if batch.sites:
+                batch.tensors.update(self.sdpo_tensors(batch.sites))
+        if pairs:
+            if reference_model is None:
+                raise ValueError("DPO pairs need a reference model for their reference log-probs")
+            batch.tensors.update(self.dpo_tensors(pairs, reference_model, batch.stats))
+        return batch
+
+    def sdpo_tensors(self, sites: Sequence[SdpoSite]) -> dict[str, torch.Tensor]:
+        """Pad the sites into the SDPO tensors of `ComposerBatch`."""
+        s_ids, s_att = _pad([s.student_ids for s in sites], self.pad_token_id)
+        t_ids, t_att = _pad([s.teacher_ids for s in sites], self.pad_token_id)
+        r = max(len(s.student_idx) for s in sites)
+        s_idx = torch.zeros((len(sites), r), dtype=torch.long)
+        t_idx = torch.zeros((len(sites), r), dtype=torch.long)
+        valid = torch.zeros((len(sites), r), dtype=torch.bool)
+        s_mask = torch.zeros_like(s_ids, dtype=torch.bool)
+        t_mask = torch.zeros_like(t_ids, dtype=torch.bool)
+        for row, site in enumerate(sites):
+            n = len(site.student_idx)
+            s_idx[row, :n] = torch.tensor(site.student_idx)
+            t_idx[row, :n] = torch.tensor(site.teacher_idx)
+            valid[row, :n] = True
+            s_mask[row, site.student_idx] = True
+            t_mask[row, site.teacher_idx] = True
+        return {
+            "sdpo_student_ids": s_ids, "sdpo_student_attention_mask": s_att,
+            "sdpo_teacher_ids": t_ids, "sdpo_teacher_attention_mask": t_att,
+            "student_response_idx": s_idx, "teacher_response_idx": t_idx,
+            "student_response_valid": valid, "teacher_response_valid": valid.clone(),
+            "sdpo_student_mask": s_mask, "sdpo_teacher_mask": t_mask,
+        }
+
+    @torch.no_grad()
+    def dpo_tensors(self, pairs: Sequence[Any], reference_model: torch.nn.Module,
+                    stats: CollatorStats) -> dict[str, torch.Tensor]:
+        """``prompt + chosen`` / ``prompt + rejected`` ids, response masks and reference log-probs."""
+        rows_c, rows_r = [], []
+        for p in pairs:
+            longest = max(len(p.chosen_ids), len(p.rejected_ids))
+            if longest >= self.max_length:
+                stats.dpo_skipped_truncated += 1
+                continue
+            prompt = list(p.prompt_ids)[-(self.max_length - longest):]
+            rows_c.append((prompt + list(p.chosen_ids), len(prompt)))
+            rows_r.append((prompt + list(p.rejected_ids), len(prompt)))
+        if not rows_c:
+            return {}
+        out = {}
+        device = next(reference_model.parameters()).device
+        for name, rows in (("chosen", rows_c), ("rejected", rows_r)):
+            ids, att = _pad([r[0] for r in rows], self.pad_token_id)
+            resp = torch.zeros_like(ids)
+            for row, (seq, n_prompt) in enumerate(rows):
+                resp[row, n_prompt:len(seq)] = 1
+            logits = reference_model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
+            out[f"dpo_{name}_ids"], out[f"dpo_{name}_attention_mask"] = ids, att
+            out[f"dpo_{name}_response_mask"] = resp
+            out[f"dpo_ref_{name}_logps"] = sequence_logprobs(logits, ids.to(device), resp.to(device)).cpu()
+        stats.dpo_pairs += len(rows_c)
+        return out
+
+
+def _pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``rows`` into (N, L) long ids and an attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        att[i, :len(r)] = 1
+    return ids, att
+
+
+def _token_at_or_after(offsets: Sequence[tuple[int, int]], char: int) -> int:
+    """Index of the first token whose span starts at or after ``char`` (binary search over offsets)."""
+    lo, hi = 0, len(offsets)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if offsets[mid][0] < char:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

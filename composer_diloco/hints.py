@@ -1,0 +1,287 @@
+"""Hint text for SDPO's teacher context, built from a failed tool call's ``error_kind`` and ``error_meta``.
+
+SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802) distills the policy
+towards itself conditioned on feedback. Here the feedback is a short hint about a failed tool call: the teacher
+sees the student's context plus the hint, and the student is pulled towards what the teacher would have emitted.
+
+The tool environment (``envs/tool_env/tasks.py``) reports a failed call as ``error_kind`` and ``error_meta``:
+
+- ``tool_not_found``: ``{"tool", "available_tools", "message"}``;
+- ``invalid_args``: ``{"tool", "expected_schema", "message"}`` (``expected_schema``: the JSON schema of the tool's
+  parameters);
+- ``execution_error``: ``{"tool", "message"}``;
+- ``timeout`` (coding environments): ``{"tool", "message"}`` and maybe ``timeout_s``.
+
+A tiny model reads the hints, so they are one or two short sentences, and a pure function of the metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_HINTS", "HintFn", "HintRegistry", "render_signature"]
+
+logger = logging.getLogger(__name__)
+
+HintFn = Callable[[Mapping[str, Any]], str | None]
+"""A hint function: error metadata -> hint text, or None for no hint at this error site."""
+
+
+def _params_schema(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The ``{"properties", "required"}`` part of a schema, also when wrapped in OpenAI function format."""
+    if isinstance(schema.get("function"), Mapping):
+        schema = schema["function"]
+    if isinstance(schema.get("parameters"), Mapping):
+        schema = schema["parameters"]
+    return schema
+
+
+def _type_name(spec: Any) -> str:
+    """The JSON type of one property spec: ``integer``, ``integer|string`` for a list, ``any`` when absent."""
+    if not isinstance(spec, Mapping):
+        return "any"
+    kind = spec.get("type")
+    if isinstance(kind, str):
+        return kind
+    if isinstance(kind, Sequence) and kind:
+        return "|".join(str(k) for k in kind)
+    return "any"
+
+
+def _render_args(schema: Mapping[str, Any]) -> str:
+    """``a: integer, b: integer``: required arguments first (schema order), then optional ones as ``name?``."""
+    params = _params_schema(schema)
+    props = params.get("properties")
+    props = props if isinstance(props, Mapping) else {}
+    required = [str(r) for r in params.get("required", ()) if isinstance(r, str)]
+    optional = [p for p in props if p not in required]
+    parts = [f"{name}: {_type_name(props.get(name))}" for name in required]
+    parts += [f"{name}?: {_type_name(props[name])}" for name in optional]
+    return ", ".join(parts)
+
+
+def render_signature(tool: str, schema: Mapping[str, Any]) -> str:
+    """A compact call signature from a JSON schema, e.g. ``add(a: integer, b: integer)``.
+
+    Args:
+        tool: the tool name.
+        schema: the tool's parameter schema (``{"type": "object", "properties", "required"}``), or a whole tool
+            schema in OpenAI function format. Required arguments come first, in schema order, then optional ones
+            marked ``name?``; a property without a type shows ``any``.
+    """
+    return f"{tool}({_render_args(schema)})"
+
+
+def _template_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a template sees: meta with lists joined by ", ", schemas rendered, and ``signature`` added."""
+    fields: dict[str, Any] = {}
+    for key, value in meta.items():
+        if isinstance(value, Mapping) and ("properties" in value or "parameters" in value or "function" in value):
+            fields[key] = _render_args(value)
+        elif isinstance(value, (list, tuple)):
+            fields[key] = ", ".join(str(v) for v in value)
+        else:
+            fields[key] = value
+    schema = meta.get("expected_schema")
+    if "tool" in meta and isinstance(schema, Mapping) and "signature" not in meta:
+        fields["signature"] = render_signature(str(meta["tool"]), schema)
+    return fields
+
+
+def _check_template(kind: str, template: str) -> None:
+    """Raise ValueError when ``template`` is not valid ``str.format`` syntax (e.g. an unmatched brace)."""
+    try:
+        list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"hint template for {kind!r} is not a valid str.format template: {template!r} ({exc})"
+        ) from exc
+
+
+def _template_fn(kind: str, template: str) -> HintFn:
+    """A hint function that fills ``template`` from the metadata (see `HintRegistry.register`)."""
+    _check_template(kind, template)
+
+    def fill(meta: Mapping[str, Any]) -> str | None:
+        try:
+            return template.format(**_template_fields(meta))
+        except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
+            logger.debug("no %s hint: template %r does not fit meta keys %s (%r)", kind, template,
+                         sorted(meta), exc)
+            return None
+
+    fill.__doc__ = f"Template hint for {kind!r}: {template!r}"
+    return fill
+
+
+class HintRegistry:
+    """Maps a tool error kind to a hint function ``(meta) -> str | None``.
+
+    Args:
+        hints: optional initial ``kind -> hint function or template`` entries (see `register`).
+        read_only: if True, `register` raises; `copy` gives a writable copy. `DEFAULT_HINTS` is read-only so
+            that no caller changes the defaults for everyone.
+
+    Example::
+
+        hints = HintRegistry.from_config({"tool_not_found": "No tool {tool!r}. Tools: {available_tools}."})
+        hints.hint("tool_not_found", meta)   # -> "No tool 'sum'. Tools: lookup, add, ..."
+    """
+
+    def __init__(self, hints: Mapping[str, HintFn | str] | None = None, *, read_only: bool = False):
+        self._hints: dict[str, HintFn] = {}
+        self._read_only = False
+        for kind, hint in (hints or {}).items():
+            self.register(kind, hint)
+        self._read_only = read_only
+
+    def register(self, kind: str, hint: HintFn | str) -> None:
+        """Set (or replace) the hint of ``kind``.
+
+        Args:
+            kind: an error kind, e.g. ``"invalid_args"``.
+            hint: a function ``(meta) -> str | None``, or a ``str.format`` template over the meta keys. A
+                template sees every meta key, with lists joined by ``", "`` and a JSON schema rendered as
+                ``a: integer, b: integer``, plus ``signature`` (e.g. ``add(a: integer, b: integer)``) when the meta
+                has ``tool`` and ``expected_schema``. An empty template turns the kind's hints off.
+
+        Raises:
+            ValueError: if ``kind`` is not a non-empty string or the template has bad ``str.format`` syntax.
+            TypeError: if ``hint`` is neither callable nor a string, or the registry is read-only.
+        """
+        if self._read_only:
+            raise TypeError("this HintRegistry is read-only (DEFAULT_HINTS); register on a .copy() instead")
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"error kind must be a non-empty string, got {kind!r}")
+        if isinstance(hint, str):
+            self._hints[kind] = _template_fn(kind, hint)
+        elif callable(hint):
+            self._hints[kind] = hint
+        else:
+            raise TypeError(f"hint for {kind!r} must be a template string or a callable, got {type(hint).__name__}")
+
+    def hint(self, kind: str | None, meta: Mapping[str, Any] | None) -> str | None:
+        """The hint text for one error site, or None for no hint.
+
+        None when ``kind`` has no registered hint (including None: a successful call), when a template needs a key
+        the meta lacks (logged at debug level), or when the hint comes out empty. A hint function's own
+        ``KeyError`` counts as a missing key; other exceptions from a user's function propagate.
+
+        Args:
+            kind: the ``error_kind`` the environment reported.
+            meta: the ``error_meta`` the environment reported (None is treated as ``{}``).
+        """
+        fn = self._hints.get(kind) if kind is not None else None
+        if fn is None:
+            logger.debug("no hint registered for error kind %r", kind)
+            return None
+        try:
+            text = fn(meta or {})
+        except KeyError as exc:
+            logger.debug("no %s hint: meta lacks key %s", kind, exc)
+            return None
+        if text is None:
+            return None
+        text = str(text).strip()
+        return text or None
+
+    def kinds(self) -> tuple[str, ...]:
+        """The error kinds that have a hint, sorted."""
+        return tuple(sorted(self._hints))
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._hints
+
+    def copy(self) -> HintRegistry:
+        """A writable copy (the hint functions are shared; they are stateless)."""
+        return HintRegistry(self._hints)
+
+    @classmethod
+    def from_config(cls, mapping: Mapping[str, str] | None, *, base: HintRegistry | None = None) -> HintRegistry:
+        """The defaults (or ``base``), overridden and extended by templates from a config table.
+
+        Args:
+            mapping: the ``[hints]`` table, ``kind = "template"`` (see `register` for the template fields). An
+                empty template turns that kind's hints off. None or ``{}`` gives the defaults.
+            base: the registry to start from (default: `DEFAULT_HINTS`); it is not modified.
+
+        Raises:
+            ValueError: if a value is not a string or not a valid template (naming the kind).
+        """
+        registry = (base if base is not None else DEFAULT_HINTS).copy()
+        for kind, template in (mapping or {}).items():
+            if not isinstance(template, str):
+                raise ValueError(
+                    f"[hints] {kind} must be a template string, got {type(template).__name__} {template!r}"
+                )
+            registry.register(kind, template)
+        return registry
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Default hints: one or two short sentences each.
+
+
+def _sentence(text: str) -> str:
+    """``text`` stripped, ending with exactly one period (unless it ends with other punctuation)."""
+    text = text.strip()
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def _tool_not_found(meta: Mapping[str, Any]) -> str | None:
+    """``There is no tool 'sum'. Use one of: lookup, add, subtract, multiply, submit.``"""
+    tool, tools = meta.get("tool"), meta.get("available_tools")
+    listed = ", ".join(str(t) for t in tools) if isinstance(tools, (list, tuple)) and tools else None
+    if tool is None and listed is None:
+        return None
+    first = f"There is no tool {str(tool)!r}." if tool is not None else "That tool does not exist."
+    return f"{first} Use one of: {listed}." if listed else first
+
+
+def _invalid_args(meta: Mapping[str, Any]) -> str | None:
+    """``Call add(a: integer, b: integer). Problem: missing argument(s) a.``"""
+    tool, schema, message = meta.get("tool"), meta.get("expected_schema"), meta.get("message")
+    problem = None
+    if isinstance(message, str) and message.strip():
+        problem = message.strip()
+        prefix = f"invalid arguments for {tool}:"
+        if problem.startswith(prefix):  # the env's own wording; the tool name is already in the signature
+            problem = problem[len(prefix):].strip()
+    if tool is not None and isinstance(schema, Mapping):
+        call = f"Call {render_signature(str(tool), schema)}."
+        return f"{call} Problem: {_sentence(problem)}" if problem else call
+    if problem:
+        return f"Wrong arguments: {_sentence(problem)}"
+    return None
+
+
+def _execution_error(meta: Mapping[str, Any]) -> str | None:
+    """``lookup failed: unknown item 'kiwi'; known items: apple, pear. Check the arguments.``"""
+    tool, message = meta.get("tool"), meta.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return None
+    who = f"{tool} failed" if tool is not None else "The call failed"
+    return f"{who}: {_sentence(message)} Check the arguments."
+
+
+def _timeout(meta: Mapping[str, Any]) -> str:
+    """``run_code timed out after 5 s. Make the call faster or simpler.``"""
+    tool, limit = meta.get("tool"), meta.get("timeout_s")
+    who = f"{tool} timed out" if tool is not None else "The call timed out"
+    after = f" after {limit:g} s" if isinstance(limit, (int, float)) and not isinstance(limit, bool) else ""
+    return f"{who}{after}. Make the call faster or simpler."
+
+
+DEFAULT_HINTS = HintRegistry(
+    {
+        "tool_not_found": _tool_not_found,
+        "invalid_args": _invalid_args,
+        "execution_error": _execution_error,
+        "timeout": _timeout,
+    },
+    read_only=True,
+)
+"""Default hints for ``tool_not_found``, ``invalid_args``, ``execution_error`` and ``timeout`` (read-only)."""

@@ -1,0 +1,172 @@
+"""The collator: SDPO alignment at error sites (episodes and raw traces, two chat templates), DPO tensors."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from trl.chat_template_utils import get_training_chat_template  # noqa: F401  (TRL present: templates below)
+
+from composer_diloco.collator import CollatorStats, ComposerCollator
+from composer_diloco.episode_tokens import scripted_episode, tool_call_text, tool_suffix_ids
+from composer_diloco.hints import DEFAULT_HINTS
+from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+from composer_diloco.rollout import Turn
+from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
+
+TRL_TEMPLATES = __import__("pathlib").Path(__import__("trl").__file__).parent / "chat_templates"
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    return load_default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama_tok():
+    tok = load_default_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                          "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = (TRL_TEMPLATES / "llama3_1.jinja").read_text()
+    tok.eos_token = "<|eot_id|>"
+    tok.bos_token = "<|begin_of_text|>"
+    return tok
+
+
+def failing_steps(task, n_errors: int, n_turns: int):
+    """Assistant texts and env replies: ``n_errors`` wrong calls, each followed by a correct recovery call."""
+    bad = [("sum", {"a": 1, "b": 2}), ("lookup", {"item": "zzz"}), ("add", {"x": 3})]
+    good = [("lookup", {"item": task.x}), ("lookup", {"item": task.y})]
+    steps = []
+    for k in range(n_turns):
+        name, args = bad[(k // 2) % 3] if (k % 2 == 0 and k // 2 < n_errors) else good[k % 2]
+        content, kind, meta = execute(task, name, args)
+        steps.append((tool_call_text(name, args), content, kind, meta))
+    return steps
+
+
+def check_sites(collator, sites, turns_text):
+    for site in sites:
+        s, t = torch.tensor(site.student_ids), torch.tensor(site.teacher_ids)
+        assert torch.equal(s[site.student_idx], t[site.teacher_idx])  # aligned token by token
+        region = collator.tokenizer.decode(s[site.student_idx].tolist())
+        assert region == turns_text[site.turn]  # exactly the recovery turn's content
+        # the teacher is the student with one inserted block holding the hint, before the region
+        hint_len = len(site.teacher_ids) - len(site.student_ids)
+        assert hint_len > 0 and site.teacher_idx == [i + hint_len for i in site.student_idx]
+        start = next(i for i, (a, b) in enumerate(zip(site.student_ids, site.teacher_ids)) if a != b)
+        block = site.teacher_ids[start:start + hint_len]
+        assert site.student_ids[start:] == site.teacher_ids[start + hint_len:]
+        assert site.hint in collator.tokenizer.decode(block)
+        assert start + hint_len <= site.teacher_idx[0]  # hint tokens carry no loss
+
+
+def test_episode_sites_align_and_cover_only_the_recovery(qwen_tok):
+    task = make_task(0, "c1")
+    steps = failing_steps(task, n_errors=2, n_turns=6)
+    ep = scripted_episode(qwen_tok, seed=0, episode_id="c1", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
+    collator = ComposerCollator(qwen_tok)
+    batch = collator([ep])
+    assert batch.stats.sdpo_sites == 2 and batch.num_sdpo == 2
+    texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
+    check_sites(collator, batch.sites, texts)
+    tensors = batch.tensors
+    # masks and index tensors say the same thing; hint tokens carry no loss
+    for row, site in enumerate(batch.sites):
+        assert tensors["sdpo_student_mask"][row].nonzero().flatten().tolist() == site.student_idx
+        assert tensors["sdpo_teacher_mask"][row].nonzero().flatten().tolist() == site.teacher_idx
+        hint_ids = site.teacher_ids[len(site.teacher_ids) - len(site.student_ids):]
+        assert collator.tokenizer.decode(site.teacher_ids).count("Use one of") + \
+            collator.tokenizer.decode(site.teacher_ids).count("unknown item") >= 1 and hint_ids
+    # the student is a prefix of the very ids the GRPO channel trains on
+    full = ep.prompt_ids + ep.completion_ids
+    for site in batch.sites:
+        assert full[: len(site.student_ids)] == site.student_ids
+
+
+@pytest.mark.parametrize("template", ["qwen", "llama"])
+def test_raw_traces_under_two_chat_templates(template, qwen_tok, llama_tok):
+    tok = qwen_tok if template == "qwen" else llama_tok
+    task = make_task(1, "c2")
+    steps = failing_steps(task, n_errors=1, n_turns=4)
+    turns = [Turn("user", task.question)]
+    for text, reply, kind, meta in steps:
+        turns += [Turn("assistant", text), Turn("tool", reply, None, kind, meta)]
+    collator = ComposerCollator(tok, max_length=8192)
+    stats = CollatorStats()
+    ids, sites = collator.sites_from_trace(turns, TOOL_SCHEMAS, stats)
+    assert len(sites) == 1 and stats.sdpo_sites == 1
+    check_sites(collator, sites, {k: t.content for k, t in enumerate(turns)})
+    assert ids[: len(sites[0].student_ids)] == sites[0].student_ids
+
+
+def test_32_turn_trace_with_8_error_sites(qwen_tok):
+    task = make_task(2, "c3")
+    steps = failing_steps(task, n_errors=8, n_turns=32)
+    ep = scripted_episode(qwen_tok, seed=2, episode_id="c3", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
+    collator = ComposerCollator(qwen_tok, max_length=4096)
+    batch = collator([ep])
+    assert batch.stats.sdpo_sites == 8
+    texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
+    check_sites(collator, batch.sites, texts)
+
+
+def test_skips_are_counted(qwen_tok):
+    task = make_task(3, "c4")
+    steps = failing_steps(task, n_errors=2, n_turns=4)
+    ep = scripted_episode(qwen_tok, seed=3, episode_id="c4", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
+    no_hints = DEFAULT_HINTS.copy()
+    no_hints.register("tool_not_found", "")  # an empty template turns a kind off
+    batch = ComposerCollator(qwen_tok, hints=no_hints)([ep])
+    assert batch.stats.sdpo_sites == 1 and batch.stats.sdpo_skipped_no_hint == 1
+    # an error on the last turn has no recovery
+    last = scripted_episode(qwen_tok, seed=3, episode_id="c5", question=task.question, tools=TOOL_SCHEMAS,
+                            steps=steps[:1])
+    batch = ComposerCollator(qwen_tok)([last])
+    assert batch.stats.sdpo_sites == 0 and batch.stats.sdpo_skipped_no_recovery == 1
+
+
+def test_truncation_keeps_the_region_or_drops_the_site(qwen_tok):
+    task = make_task(4, "c6")
+    steps = failing_steps(task, n_errors=8, n_turns=32)
+    ep = scripted_episode(qwen_tok, seed=4, episode_id="c6", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
+    full = ComposerCollator(qwen_tok, max_length=4096)([ep])
+    longest = max(len(s.teacher_ids) for s in full.sites)
+    short = ComposerCollator(qwen_tok, max_length=longest - 40)([ep])
+    assert short.stats.sdpo_sites == 8 and all(len(s.teacher_ids) <= longest - 40 for s in short.sites)
+    texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
+    check_sites(short.sites and ComposerCollator(qwen_tok), short.sites, texts)
+    tiny = ComposerCollator(qwen_tok, max_length=20)([ep])
+    assert tiny.stats.sdpo_sites == 0 and tiny.stats.sdpo_skipped_truncated == 8
+
+
+@dataclass
+class Pair:
+    prompt_ids: list
+    chosen_ids: list
+    rejected_ids: list
+
+
+def test_dpo_tensors_and_reference_logps(qwen_tok):
+    model = build_tiny_model(qwen_tok, seed=0)
+    pairs = [Pair([1, 5, 7, 9], [11, 12, qwen_tok.eos_token_id], [13, qwen_tok.eos_token_id]),
+             Pair([2, 3], [14, qwen_tok.eos_token_id], [15, 16, 17, qwen_tok.eos_token_id])]
+    batch = ComposerCollator(qwen_tok)([], pairs, reference_model=model, with_sdpo=False)
+    t = batch.tensors
+    assert batch.num_dpo == 2 and batch.num_sdpo == 0
+    assert t["dpo_chosen_response_mask"][0].tolist()[:7] == [0, 0, 0, 0, 1, 1, 1]
+    with torch.no_grad():
+        logits = torch.log_softmax(model(input_ids=torch.tensor([[1, 5, 7, 9, 11, 12, qwen_tok.eos_token_id]])).logits, -1)
+    hand = sum(logits[0, i - 1, tok].item() for i, tok in [(4, 11), (5, 12), (6, qwen_tok.eos_token_id)])
+    assert abs(t["dpo_ref_chosen_logps"][0].item() - hand) < 1e-4
+    with pytest.raises(ValueError, match="reference model"):
+        ComposerCollator(qwen_tok)([], pairs)
+
+
+def test_tool_suffix_matches_trl(qwen_tok):
+    from trl import GRPOTrainer
+
+    fake = GRPOTrainer.__new__(GRPOTrainer)
+    fake.processing_class, fake._tokenizer, fake._is_vlm = qwen_tok, qwen_tok, False
+    fake.chat_template, fake.chat_template_kwargs = get_training_chat_template(qwen_tok), {}
+    msgs = [{"role": "tool", "name": "lookup", "content": "7"}]
+    assert tool_suffix_ids(qwen_tok, msgs) == GRPOTrainer._get_tool_suffix_ids(fake, msgs)
