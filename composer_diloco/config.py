@@ -51,6 +51,32 @@ class GRPOSettings(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling, as TRL.")
 
 
+class LossConfig(_Section):
+    """The composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO."""
+
+    alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
+    beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
+    sdpo_jsd_beta: float = Field(
+        1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
+    )
+    sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
+    sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
+    sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
+
+
+class PreferenceConfig(_Section):
+    """Trace-replay DPO pairs: candidates compared at error sites by replaying the env."""
+
+    mode: Literal["exhaustive", "best_vs_worst"] = Field("best_vs_worst", description="How pairs form within a turn.")
+    min_score_diff: float = Field(0.5, ge=0, description="Minimum score gap between chosen and rejected.")
+    max_pairs_per_turn: int = Field(2, ge=1)
+    max_sites: int = Field(4, ge=1, description="Error sites replayed per inner step.")
+    teachers: list[str] = Field(
+        default_factory=lambda: ["scripted"], description="Extra teacher policies proposing candidates."
+    )
+
+
 class InnerOptimizer(_Section):
     """AdamW, the inner optimizer; its state stays on the node across rounds (DiLoCo, arXiv 2311.08105)."""
 
@@ -116,6 +142,11 @@ class RunConfig(_Section):
     outer: OuterOptimizer = OuterOptimizer()
     network: NetworkConfig = NetworkConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
+    loss: LossConfig = LossConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    hints: dict[str, str] = Field(
+        default_factory=dict, description="Hint templates by error kind, overriding/extending the defaults."
+    )
 
     @property
     def batch_size(self) -> int:
