@@ -1,0 +1,108 @@
+"""Collator speed: our one-pass SDPO site finder against the prefix re-tokenizing approach, on the same traces.
+
+The baseline is the approach of the seed collator (`../shared/seeds/000_*`): to find where message i's tokens
+lie, render and tokenize messages[:i] and messages[:i+1] with the chat template and take the difference; that is
+O(turns) renderings of O(turns) length each, quadratic in the number of turns. Ours renders once with offsets
+(raw traces) or reads the rollout's env_mask runs (played episodes): linear.
+
+Both produce the same SDPO sites (checked below before timing). Run:
+
+    python bench/collator.py --turns 8 16 32 64 --traces 16 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from composer_diloco.collator import CollatorStats, ComposerCollator
+from composer_diloco.episode_tokens import scripted_episode, tool_call_text
+from composer_diloco.policy import load_default_tokenizer
+from composer_diloco.rollout import Turn
+from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
+
+
+def make_trace(seed: int, n_turns: int, error_every: int = 4):
+    """A trace of ``n_turns`` assistant turns, one in ``error_every`` a failing call followed by its recovery."""
+    task = make_task(seed, f"bench-{seed}")
+    bad = [("sum", {"a": 1, "b": 2}), ("lookup", {"item": "zzz"}), ("add", {"x": 3})]
+    good = [("lookup", {"item": task.x}), ("lookup", {"item": task.y})]
+    steps = []
+    for k in range(n_turns):
+        name, args = bad[k % 3] if k % error_every == 0 else good[k % 2]
+        content, kind, meta = execute(task, name, args)
+        steps.append((tool_call_text(name, args), content, kind, meta))
+    turns = [Turn("user", task.question)]
+    for text, reply, kind, meta in steps:
+        turns += [Turn("assistant", text), Turn("tool", reply, None, kind, meta)]
+    return task, steps, turns
+
+
+def prefix_retokenize_sites(collator: ComposerCollator, turns: list[Turn], tools: list[dict]) -> list[tuple]:
+    """The baseline: per-message token spans by re-tokenizing every prefix, then the same sites."""
+    tok = collator.tokenizer
+    messages = [{"role": t.role, "content": t.content} for t in turns]
+    bounds = [len(tok.apply_chat_template(messages[:1], tools=tools, tokenize=True, return_dict=False))]
+    for i in range(1, len(messages)):
+        bounds.append(len(tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=True, return_dict=False)))
+    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    header = collator.header_ids
+    sites = []
+    for k in range(1, len(turns) - 1):
+        if turns[k].role != "tool" or turns[k].error_kind is None or turns[k + 1].role != "assistant":
+            continue
+        start, end = bounds[k], bounds[k + 1]  # the recovery message's tokens, scaffolding included
+        content = tok(turns[k + 1].content, add_special_tokens=False)["input_ids"]
+        c0 = next(i for i in range(start, end) if ids[i:i + len(content)] == content)
+        hint = collator.hints.hint(turns[k].error_kind, turns[k].error_meta)
+        sites.append((k + 1, start if ids[start:start + len(header)] == header else None, c0, c0 + len(content), hint))
+    return sites
+
+
+def ours_sites(collator: ComposerCollator, turns: list[Turn], tools: list[dict]) -> list[tuple]:
+    _, sites = collator.sites_from_trace(turns, tools, CollatorStats())
+    return [(s.turn, s.student_idx[0], s.student_idx[-1] + 1) for s in sites]
+
+
+def timed(fn, repeats: int) -> float:
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--traces", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    tok = load_default_tokenizer()
+    collator = ComposerCollator(tok, max_length=1 << 16)
+    rows = []
+    for n in args.turns:
+        traces = [make_trace(seed, n) for seed in range(args.traces)]
+        for _, _, turns in traces:  # same sites from both before timing
+            base = [(t, c0, c1) for t, _, c0, c1, _ in prefix_retokenize_sites(collator, turns, TOOL_SCHEMAS)]
+            assert base == ours_sites(collator, turns, TOOL_SCHEMAS), "baseline and collator disagree"
+        episodes = [scripted_episode(tok, seed=s, episode_id=f"bench-{s}", question=task.question, tools=TOOL_SCHEMAS,
+                                     steps=steps) for s, (task, steps, _) in enumerate(traces)]
+        t_base = timed(lambda: [prefix_retokenize_sites(collator, tr, TOOL_SCHEMAS) for _, _, tr in traces],
+                       args.repeats)
+        t_trace = timed(lambda: [collator.sites_from_trace(tr, TOOL_SCHEMAS, CollatorStats()) for _, _, tr in traces],
+                        args.repeats)
+        t_episode = timed(lambda: collator(episodes), args.repeats)
+        row = {"turns": n, "traces": args.traces, "error_sites_per_trace": sum(1 for k in range(n) if k % 4 == 0),
+               "prefix_retokenize_s": round(t_base, 4), "ours_raw_trace_s": round(t_trace, 4),
+               "ours_episode_s": round(t_episode, 4), "speedup_raw_trace": round(t_base / t_trace, 1),
+               "speedup_episode": round(t_base / t_episode, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
