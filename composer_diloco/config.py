@@ -117,7 +117,7 @@ class NetworkConfig(_Section):
 class WarmStartConfig(_Section):
     """The supervised pass that makes the embedded default earn reward from round 0."""
 
-    steps: int = Field(300, ge=0, description="SFTTrainer steps on scripted-solver episodes (0 = no warm start).")
+    steps: int = Field(200, ge=0, description="SFTTrainer steps on scripted-solver episodes (0 = no warm start).")
     seed: int = Field(0, description="Seed of the tiny model's init and of the warm-start data.")
 
 

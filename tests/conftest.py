@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.toml"
 
 
 def descendants() -> list[psutil.Process]:
@@ -30,3 +33,24 @@ def reap_children():
     if leaked:
         names = sorted({p.name() for p in leaked if p.is_running()} or {"?"})
         print(f"\nreaped {len(leaked)} leaked child process(es): {names}")
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory) -> Path:
+    """The embedded default's warm start, computed once per session (~45 s) and shared by the run tests."""
+    from composer_diloco.config import load_config
+    from composer_diloco.policy import load_policy
+
+    root = tmp_path_factory.mktemp("warm")
+    cfg = load_config(SMOKE)
+    load_policy(None, run_dir=root, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    return root / "warmstart"
+
+
+@pytest.fixture
+def run_dir(tmp_path, warm_cache) -> Path:
+    """A fresh run directory whose warm-start cache is the session's (so no test repeats the warm start)."""
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "warmstart").symlink_to(warm_cache, target_is_directory=True)
+    return path

@@ -56,13 +56,13 @@ def test_model_that_does_not_exist(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_env_server_that_cannot_be_reached(tmp_path):
+def test_env_server_that_cannot_be_reached(tmp_path, run_dir):
     """A real coordinator, and a node pointed at an env URL where nothing listens."""
     from tests_support import stop_processes
 
     smoke = ROOT / "configs" / "smoke.toml"
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "start", "--config", str(smoke), "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "coordinator", "start", "--config", str(smoke), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
     )
     try:
@@ -71,7 +71,7 @@ def test_env_server_that_cannot_be_reached(tmp_path):
             line = coordinator.stdout.readline()
             assert line, "the coordinator exited without a peer line"
         r = run("nodes", "join", "--peer", line.split()[1], "--env-url", "http://127.0.0.1:9",
-                "--run-dir", str(tmp_path / "run"), timeout_s=200)
+                "--run-dir", str(run_dir), timeout_s=200)
         assert r.returncode != 0
         assert "http://127.0.0.1:9" in error_line(r) and "not reachable" in error_line(r)
     finally:

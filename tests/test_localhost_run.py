@@ -26,9 +26,9 @@ def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.C
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_coordinator_and_two_nodes_agree_every_round(tmp_path):
+def test_coordinator_and_two_nodes_agree_every_round(run_dir):
+    """Issue 2 and 3's main check: 3 peers agree on theta every round, theta moves, all channels train."""
     before = run_processes_snapshot()
-    run_dir = tmp_path / "run"
     result = simulate(run_dir, "--nodes", "2", "--config", str(SMOKE))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert re.search(r"^\s+1\s+3\s", result.stdout, re.M), result.stdout  # table row: round 1, 3 peers
@@ -48,6 +48,10 @@ def test_coordinator_and_two_nodes_agree_every_round(tmp_path):
     assert len({initial, *shas}) == 3, "the global params did not change every round"
     node = metrics["node-0"][0]
     assert node["samples"] == 2 * 8 and node["bytes_sent"] > 0
+    # the composite loss: SDPO sites and DPO pairs found and trained on (default config: both weights > 0)
+    nodes = [r for name, recs in metrics.items() if name.startswith("node") for r in recs]
+    assert sum(r["sdpo_sites"] for r in nodes) > 0 and sum(r["dpo_pairs"] for r in nodes) > 0, nodes
+    assert any(r["loss_sdpo"] > 0 for r in nodes) and any(r["loss_dpo"] > 0 for r in nodes), nodes
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == "round-000002"
     assert read_outer_state(final)["global_sha256"] == shas[-1]

@@ -23,9 +23,8 @@ def wait_exit(proc: subprocess.Popen, timeout_s: float) -> float:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_sigint_stops_node_and_coordinator_within_10_s(tmp_path):
+def test_sigint_stops_node_and_coordinator_within_10_s(run_dir):
     before = run_processes_snapshot()
-    run_dir = tmp_path / "run"
     procs = []
     try:
         coordinator = subprocess.Popen(

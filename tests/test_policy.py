@@ -1,0 +1,268 @@
+"""Tests of the embedded default policy (tokenizer, tiny model, warm start, loading) and of chat parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from composer_diloco import policy
+from composer_diloco.chat import ParsedCall, episode_messages, parse_tool_call
+from composer_diloco.policy import (
+    DEFAULT_TOKENIZER_DIR,
+    PolicyLoadError,
+    build_tiny_model,
+    build_tokenizer,
+    evaluate_policy,
+    load_default_tokenizer,
+    load_policy,
+    tokenize_episode,
+    warm_start,
+)
+from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task, solve
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_default_tokenizer()
+
+
+def _episode(seed: int = 1, error_rate: float = 1.0):
+    task = make_task(seed, "test")
+    calls = solve(task, random.Random(seed), error_rate)
+    results = [execute(task, name, args)[0] for name, args in calls]
+    return task, calls, results
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.timeout(20)
+def test_shipped_tokenizer_loads_and_round_trips(tok):
+    for text in ["What is the price of apple plus the price of pear?", "héllo wörld ✓ 12345\n\t{}", ""]:
+        assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"]) == [0, 1, 2, 3]
+    # one token per digit; environment nouns are single tokens
+    assert [tok.decode([i]) for i in tok("2024", add_special_tokens=False)["input_ids"]] == ["2", "0", "2", "4"]
+    assert len(tok("apple", add_special_tokens=False)["input_ids"]) == 1
+    assert len(tok) < 1000
+
+
+@pytest.mark.timeout(20)
+def test_shipped_tokenizer_is_trl_qwen3(tok):
+    from trl.chat_template_utils import (
+        add_response_schema,
+        get_training_chat_template,
+        parse_response,
+        qwen3_training_chat_template,
+        supports_tool_calling,
+    )
+
+    assert tok.chat_template == policy.trl_qwen3_chat_template()
+    assert supports_tool_calling(tok)
+    assert get_training_chat_template(tok) == qwen3_training_chat_template
+    add_response_schema(tok)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=TOOL_SCHEMAS,
+                                     add_generation_prompt=True, return_dict=False)
+    ids = tok('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>')["input_ids"]
+    parsed = parse_response(tok, ids, prefix=prompt)
+    assert parsed["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 3, "b": 4}}
+
+
+@pytest.mark.timeout(60)
+def test_shipped_tokenizer_is_current(tmp_path):
+    """The shipped files equal a fresh deterministic build (rebuild them after changing tasks.py)."""
+    build_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (DEFAULT_TOKENIZER_DIR / name).read_bytes(), (
+            f"{name} is stale: run `python -m composer_diloco.policy build-tokenizer`")
+
+
+# -------------------------------------------------------------------------------------------- chat
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+         ParsedCall("add", {"a": 3, "b": 4}, None)),
+        ('  <think>\n\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"item": "fig"}}\n'
+         '</tool_call><|im_end|>\n', ParsedCall("lookup", {"item": "fig"}, None)),
+        ('<tool_call>\n{"name": "submit", "arguments": {"answer": -3}}<|im_end|>',  # cut before the end tag
+         ParsedCall("submit", {"answer": -3}, None)),
+        ('<tool_call>{"name": "submit", "arguments": "{\\"answer\\": 5}"}</tool_call>',
+         ParsedCall("submit", {"answer": 5}, None)),
+        ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b"}\n</tool_call>',
+         ParsedCall("a", {}, None)),
+        ("The answer is 7.", ParsedCall(None, None, "no tool call")),
+        ("", ParsedCall(None, None, "no tool call")),
+    ],
+)
+def test_parse_tool_call_ok_and_missing(text, expected):
+    assert parse_tool_call(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix"),
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 3,}}\n</tool_call>', "malformed json: "),
+        ("<tool_call>\n</tool_call>", "malformed json: "),
+        ("<tool_call>[1, 2]</tool_call>", "malformed call: "),
+        ('<tool_call>{"arguments": {}}</tool_call>', "malformed call: "),
+        ('<tool_call>{"name": "add", "arguments": [3, 4]}</tool_call>', "malformed call: "),
+    ],
+)
+def test_parse_tool_call_errors(text, prefix):
+    parsed = parse_tool_call(text)
+    assert not parsed.ok and parsed.name is None and parsed.arguments is None
+    assert parsed.error.startswith(prefix)
+
+
+@pytest.mark.timeout(20)
+def test_episode_messages_render_with_the_template(tok):
+    task, calls, results = _episode()
+    messages = episode_messages(task.question, calls, results)
+    assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * len(calls)
+    text = tok.apply_chat_template(messages, tools=TOOL_SCHEMAS, tokenize=False)
+    assert task.question in text
+    assert f'<tool_call>\n{{"name": "lookup", "arguments": {{"item": "{task.x}"}}}}\n</tool_call>' in text
+    assert "<think>" not in text.split("<|im_start|>user")[1]  # no-think form in every assistant turn
+    pending = episode_messages(task.question, calls, results[:-1])
+    assert pending[-1]["role"] == "assistant"
+    with pytest.raises(ValueError, match="results"):
+        episode_messages(task.question, calls, results[:-2])
+
+
+@pytest.mark.timeout(20)
+def test_tokenize_episode_masks_exactly_the_generated_turns(tok):
+    task, calls, results = _episode()
+    enc = tokenize_episode(tok, episode_messages(task.question, calls, results))
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    for k in range(len(calls)):  # the generation prompt after k calls is a prefix; turn k follows it
+        prompt = tok.apply_chat_template(episode_messages(task.question, calls[:k], results[:k]),
+                                         tools=TOOL_SCHEMAS, add_generation_prompt=True, tokenize=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        assert ids[: len(p)] == p
+        end = len(p)
+        while mask[end]:
+            end += 1
+        turn = tok.decode(ids[len(p):end])
+        assert parse_tool_call(turn) == ParsedCall(calls[k][0], calls[k][1], None)
+        assert turn.endswith("</tool_call><|im_end|>")
+    assert sum(mask) > 0 and len(mask) == len(ids)
+    failed = [execute(task, n, a)[1] is None for n, a in calls]
+    partial = tokenize_episode(tok, episode_messages(task.question, calls, results), trained_turns=failed)
+    assert 0 < sum(partial["assistant_masks"]) < sum(mask)
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+@pytest.mark.timeout(20)
+def test_tiny_model_forward_shapes(tok):
+    model = build_tiny_model(tok, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.5e6 < n_params < 1.5e6
+    assert model.config.tie_word_embeddings and model.dtype == torch.float32
+    ids = torch.randint(0, len(tok), (2, 7))
+    logits = model(input_ids=ids).logits
+    assert logits.shape == (2, 7, len(tok)) and logits.dtype == torch.float32
+    same = build_tiny_model(tok, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
+
+
+@pytest.mark.timeout(60)
+def test_warm_start_is_deterministic_and_atomic(tok, tmp_path):
+    state = torch.random.get_rng_state()
+    runs = []
+    for name in ("a", "b"):
+        out = warm_start(build_tiny_model(tok, seed=3), tok, seed=3, steps=5, batch_size=4,
+                         out_dir=tmp_path / name)
+        assert out == tmp_path / name
+        runs.append((out / "model.safetensors").read_bytes())
+    assert runs[0] == runs[1]
+    assert torch.equal(torch.random.get_rng_state(), state)  # caller's RNG untouched
+    initial = warm_start(build_tiny_model(tok, seed=3), tok, seed=3, steps=0, out_dir=tmp_path / "init")
+    assert (initial / "model.safetensors").read_bytes() != runs[0]  # training moved the weights
+    files = set(os.listdir(tmp_path / "a"))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "warmstart.json"} <= files
+    meta = json.loads((tmp_path / "a" / "warmstart.json").read_text())
+    assert meta["steps"] == 5 and meta["seed"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "init"]  # no temp dirs left behind
+    with pytest.raises(FileExistsError):
+        warm_start(build_tiny_model(tok, seed=3), tok, seed=3, steps=0, out_dir=tmp_path / "a")
+
+
+@pytest.mark.timeout(30)
+def test_warm_start_failure_leaves_nothing(tok, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(policy, "solver_examples", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        warm_start(build_tiny_model(tok, seed=0), tok, seed=0, steps=2, out_dir=tmp_path / "ws")
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("value", ["/definitely/not/here", "./not-here-either", "no/such/deep/path"])
+def test_load_policy_missing_path_raises(value, tmp_path):
+    with pytest.raises(PolicyLoadError, match=value.replace(".", r"\.")) as info:
+        load_policy(value, run_dir=tmp_path, seed=0, warmstart_steps=0)
+    assert "\n" not in str(info.value)
+
+
+def test_load_policy_rejects_a_directory_without_a_model(tmp_path):
+    with pytest.raises(PolicyLoadError, match="config.json"):
+        load_policy(tmp_path, run_dir=tmp_path, seed=0, warmstart_steps=0)
+
+
+@pytest.mark.timeout(30)
+def test_load_policy_local_directory(tok, tmp_path):
+    model = build_tiny_model(tok, seed=1).to(torch.float16)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    loaded, loaded_tok = load_policy(str(tmp_path / "m"), run_dir=tmp_path, seed=0, warmstart_steps=0)
+    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu" and not loaded.training
+    assert loaded_tok.chat_template == tok.chat_template
+    ids = torch.tensor([[1, 5, 9, 30]])
+    assert torch.allclose(loaded(input_ids=ids).logits, model.float()(input_ids=ids).logits, atol=1e-3)
+
+
+@pytest.mark.timeout(60)
+def test_load_policy_default_warm_starts_once_and_caches(tmp_path, monkeypatch):
+    model, tok = load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=2)
+    (cache,) = (tmp_path / "warmstart").iterdir()
+    assert (cache / "model.safetensors").is_file()
+    assert model.dtype == torch.float32 and tok.chat_template
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("should reuse the cache")
+
+    monkeypatch.setattr(policy, "warm_start", no_training)
+    again, _ = load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.mark.timeout(30)
+def test_evaluate_policy_runs_episodes(tok):
+    model = build_tiny_model(tok, seed=0)
+    for temperature in (0.0, 1.0):
+        stats = evaluate_policy(model, tok, n_episodes=3, seed=0, temperature=temperature, max_new_tokens=8)
+        assert stats["n_episodes"] == 3
+        for key in ("success_rate", "submit_rate", "format_error_rate", "tool_error_rate"):
+            assert 0.0 <= stats[key] <= 1.0
+        assert stats["success_rate"] == 0.0  # an untrained model does not solve the task
+
+
+@pytest.mark.timeout(30)
+def test_load_policy_unknown_hub_id_offline_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network attempt: local cache only
+    with pytest.raises(PolicyLoadError, match="nonexistent-org/nonexistent-model"):
+        load_policy("nonexistent-org/nonexistent-model", run_dir=tmp_path, seed=0, warmstart_steps=0)
