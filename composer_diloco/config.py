@@ -80,7 +80,7 @@ class PreferenceConfig(_Section):
 class InnerOptimizer(_Section):
     """AdamW, the inner optimizer; its state stays on the node across rounds (DiLoCo, arXiv 2311.08105)."""
 
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (1e-3 collapses the tiny default policy within 2 steps).")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
 

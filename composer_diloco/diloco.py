@@ -155,7 +155,7 @@ class DiLoCoPeer:
             return None
         scheduled_time, ready_nodes = barrier
         waited = time.monotonic() - start
-        others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round == r]
+        others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
         others = [p for p in others if p.role == "coordinator" or p.name in ready_nodes]
         bytes_before = self.averager.bytes_sent.value
 
@@ -211,7 +211,7 @@ class DiLoCoPeer:
         if model is not None:
             self.global_model.load_into(model)
         self._update_priority()
-        self.swarm.round = self.round
+        self.swarm.set_round(self.round)
         return SyncResult(
             round=r, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - start,
             wait_seconds=waited, bytes_sent=int(self.averager.bytes_sent.value - bytes_before),

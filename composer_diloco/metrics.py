@@ -1,7 +1,8 @@
 """Per-round metrics: one JSON line per round in ``<run-dir>/<peer-name>/metrics.jsonl``, and the table of a run.
 
-Fields every peer writes: ``round``, ``peers``, ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``,
-``inner_seconds``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``, ``peer``, ``role``.
+Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
+``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``, ``loss_sdpo``,
+``loss_dpo``, ``sdpo_sites``, ``dpo_pairs`` and ``inner_seconds``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ TABLE_COLUMNS = (
     ("mean_reward", "mean reward", "{:.3f}"),
     ("success_rate", "success", "{:.2f}"),
     ("loss_grpo", "GRPO loss", "{:+.4f}"),
+    ("loss_sdpo", "SDPO loss", "{:.4f}"),
+    ("loss_dpo", "DPO loss", "{:.4f}"),
+    ("sdpo_sites", "sites", "{}"),
+    ("dpo_pairs", "pairs", "{}"),
     ("inner_seconds", "inner s", "{:.1f}"),
     ("sync_seconds", "sync s", "{:.1f}"),
     ("bytes_sent", "bytes sent", "{:,}"),
@@ -70,6 +75,10 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "mean_reward": sum(r.get("mean_reward", 0.0) * r.get("samples", 0) for r in nodes) / samples,
             "success_rate": sum(r.get("success_rate", 0.0) * r.get("samples", 0) for r in nodes) / samples,
             "loss_grpo": _mean(r.get("loss_grpo", 0.0) for r in nodes),
+            "loss_sdpo": _mean(r.get("loss_sdpo", 0.0) for r in nodes),
+            "loss_dpo": _mean(r.get("loss_dpo", 0.0) for r in nodes),
+            "sdpo_sites": sum(int(r.get("sdpo_sites", 0)) for r in nodes),
+            "dpo_pairs": sum(int(r.get("dpo_pairs", 0)) for r in nodes),
             "inner_seconds": max((r.get("inner_seconds", 0.0) for r in nodes), default=0.0),
             "sync_seconds": max((r.get("sync_seconds", 0.0) for r in recs), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),

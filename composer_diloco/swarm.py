@@ -136,6 +136,7 @@ class Swarm:
     def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str):
         self.dht, self.run, self.name, self.role = dht, run_name, peer_name, role
         self.round = 0
+        self._ttl_s: float | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -151,9 +152,19 @@ class Swarm:
                     log.debug("heartbeat failed: %r", e)
                 self._stop.wait(period_s)
 
+        self._ttl_s = ttl_s
         self._store_heartbeat(ttl_s)
         self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         self._heartbeat.start()
+
+    def set_round(self, round_: int) -> None:
+        """Record the round this peer now trains toward, and publish it at once (not at the next beat)."""
+        self.round = round_
+        if self._ttl_s is not None:
+            try:
+                self._store_heartbeat(self._ttl_s)
+            except Exception as e:
+                log.debug("heartbeat failed: %r", e)
 
     def _store_heartbeat(self, ttl_s: float) -> None:
         value = {"role": self.role, "round": self.round, "t": get_dht_time()}
@@ -189,6 +200,9 @@ class Swarm:
                        stop: threading.Event | None = None, poll_s: float = 0.25) -> tuple[float, list[str]] | None:
         """Block until every live node training toward ``round_`` is ready, or ``slack_s`` after the first.
 
+        Live nodes whose heartbeat says an earlier round are waited for too (they are finishing the previous
+        all-reduce); a node that never arrives is given up ``slack_s`` after the first ready one.
+
         Returns:
             ``(scheduled_time, ready_nodes)``: the DHT time at which all peers start the all-reduce (the same
             on every peer when all were ready) and the names of the ready nodes; None if ``stop`` was set.
@@ -196,7 +210,8 @@ class Swarm:
         while stop is None or not stop.is_set():
             ready = {n: v for n, v in self.ready_peers(round_).items() if v.get("role") == "node"}
             if ready:
-                live = {p.name for p in self.live_peers() if p.role == "node" and p.round == round_}
+                # live nodes at this round or behind it (finishing the previous sync) are still coming
+                live = {p.name for p in self.live_peers() if p.role == "node" and p.round <= round_}
                 first = min(v["t"] for v in ready.values())
                 if live <= ready.keys():
                     return max(v["t"] for v in ready.values()) + matchmaking_s, sorted(ready)

@@ -115,7 +115,7 @@ class Node:
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
         self.peer.global_model.load_into(model)
         self.model = self.placement.place(model)
-        self.swarm.round = self.peer.round
+        self.swarm.set_round(self.peer.round)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
         log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
                  self.peer.global_model.sha256()[:12], self.placement.describe())
