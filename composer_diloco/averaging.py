@@ -29,8 +29,7 @@ from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from composer_diloco.compression import roundtrip
 
@@ -167,4 +166,4 @@ class ExactAverager(DecentralizedAverager):
         return metadata, tensors, None
 
 
-__all__ = ["ExactAverager", "ExactAllReduceRunner", "enter_asynchronously", "get_dht_time"]
+__all__ = ["ExactAverager", "ExactAllReduceRunner"]

@@ -58,8 +58,9 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per round over the nodes (the coordinator only counts in ``peers``): mean reward and success
-    rate weighted by samples, mean GRPO loss, the slowest node's inner and sync seconds, total bytes sent."""
+    """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
+    and success rate weighted by samples, mean losses, summed sites and pairs, the slowest node's inner and
+    sync seconds, and the bytes all peers sent."""
     by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for records in metrics.values():
         for r in records:
@@ -80,7 +81,8 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "sdpo_sites": sum(int(r.get("sdpo_sites", 0)) for r in nodes),
             "dpo_pairs": sum(int(r.get("dpo_pairs", 0)) for r in nodes),
             "inner_seconds": max((r.get("inner_seconds", 0.0) for r in nodes), default=0.0),
-            "sync_seconds": max((r.get("sync_seconds", 0.0) for r in recs), default=0.0),
+            # the nodes' sync: the coordinator's also holds its wait for the nodes' inner phase
+            "sync_seconds": max((r.get("sync_seconds", 0.0) for r in nodes), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),
             "sha_agree": len({r.get("global_sha256") for r in recs}) == 1,
         })

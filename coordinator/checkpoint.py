@@ -9,7 +9,6 @@ checkpoint as the latest loadable one.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -96,8 +95,3 @@ def _fsync_tree(folder: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-
-
-def describe(folder: Path) -> str:
-    state = read_outer_state(folder)
-    return json.dumps({"round": state["round"], "global_sha256": state["global_sha256"][:16]})

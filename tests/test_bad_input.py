@@ -60,7 +60,8 @@ def test_env_server_that_cannot_be_reached(tmp_path, run_dir):
     """A real coordinator, and a node pointed at an env URL where nothing listens."""
     from tests_support import stop_processes
 
-    smoke = ROOT / "configs" / "smoke.toml"
+    smoke = tmp_path / "fast-fail.toml"  # the smoke run, giving up on an env server after 5 s
+    smoke.write_text((ROOT / "configs" / "smoke.toml").read_text() + "\n[env]\nconnect_timeout_s = 5.0\n")
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "coordinator", "start", "--config", str(smoke), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,

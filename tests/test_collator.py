@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from trl.chat_template_utils import get_training_chat_template  # noqa: F401  (TRL present: templates below)
+from trl.chat_template_utils import get_training_chat_template
 
 from composer_diloco.collator import CollatorStats, ComposerCollator
 from composer_diloco.episode_tokens import scripted_episode, tool_call_text, tool_suffix_ids
