@@ -59,6 +59,10 @@ class Episode:
         reward: the env's final reward (0.0 if the episode never submitted).
         end_reason: "done" (env ended it), "no_tool_call", "truncated" (turn hit max tokens),
             "max_tool_calls" or "max_seq_len".
+        prompt_text, completion_text: the decoded ids (special tokens kept), set by `play_episodes`.
+
+    The full sequence is ``full_ids = prompt_ids + completion_ids`` with ``full_mask`` (0 on the prompt, then
+    ``env_mask``): the policy's own tokens, those GRPO, SDPO and the importance ratios are computed on.
     """
 
     seed: int
@@ -71,6 +75,22 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
     end_reason: str = ""
+    prompt_text: str = ""
+    completion_text: str = ""
+
+    @property
+    def full_ids(self) -> list[int]:
+        """(P + C,) prompt then completion token ids."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def full_mask(self) -> list[int]:
+        """(P + C,) 1 on the policy's generated tokens, 0 on prompt and tool-reply tokens."""
+        return [0] * len(self.prompt_ids) + self.env_mask
+
+    @property
+    def full_text(self) -> str:
+        return self.prompt_text + self.completion_text
 
     @property
     def tool_errors(self) -> int:
@@ -209,6 +229,8 @@ def play_episodes(
         episodes[i].end_reason = "max_tool_calls"
     for ep in episodes:
         ep.check()
+        ep.prompt_text = tokenizer.decode(ep.prompt_ids, skip_special_tokens=False)
+        ep.completion_text = tokenizer.decode(ep.completion_ids, skip_special_tokens=False)
     return episodes
 
 

@@ -170,3 +170,16 @@ def test_tool_suffix_matches_trl(qwen_tok):
     fake.chat_template, fake.chat_template_kwargs = get_training_chat_template(qwen_tok), {}
     msgs = [{"role": "tool", "name": "lookup", "content": "7"}]
     assert tool_suffix_ids(qwen_tok, msgs) == GRPOTrainer._get_tool_suffix_ids(fake, msgs)
+
+
+def test_episode_record_views_and_length_errors(qwen_tok):
+    task = make_task(5, "c7")
+    ep = scripted_episode(qwen_tok, seed=5, episode_id="c7", question=task.question, tools=TOOL_SCHEMAS,
+                          steps=failing_steps(task, n_errors=1, n_turns=2))
+    assert ep.full_ids == ep.prompt_ids + ep.completion_ids and len(ep.full_mask) == len(ep.full_ids)
+    assert sum(ep.full_mask) == sum(ep.env_mask) > 0
+    ep.logprobs.pop()
+    with pytest.raises(ValueError) as err:
+        ep.check()
+    n = len(ep.completion_ids)
+    assert f"logprobs has {n - 1} entries but completion_ids has {n}" in str(err.value)
