@@ -36,6 +36,7 @@ def start(
                                                        "(default: 127.0.0.1, a free port).")] = None,
     announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
     run_dir: RunDirOpt = Path("runs/default"),
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --run-dir.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0."""
@@ -57,7 +58,7 @@ def start(
                 Multiaddr(listen)
             except Exception:
                 raise SwarmError(f"--listen {listen!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)")
-        coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None), stop)
+        coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume), stop)
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)
         done = coordinator.serve()

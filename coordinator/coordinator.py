@@ -16,7 +16,7 @@ from composer_diloco.diloco import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.swarm import Swarm, publish_config, start_dht, visible_multiaddr
-from coordinator.checkpoint import save_checkpoint
+from coordinator.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,14 @@ class CoordinatorOptions:
         run_dir: checkpoints, the warm-start cache and ``coordinator/metrics.jsonl`` go here.
         listen: multiaddr to listen on (default: 127.0.0.1, a free TCP port).
         announce: multiaddrs other machines should dial (for a public address behind NAT).
+        resume: continue from the newest checkpoint in ``run_dir`` (theta, outer momentum, round).
     """
 
     config: RunConfig
     run_dir: Path
     listen: str | None = None
     announce: list[str] | None = None
+    resume: bool = False
 
 
 class Coordinator:
@@ -57,20 +59,48 @@ class Coordinator:
         from composer_diloco.policy import load_policy
 
         config = self.config
+        checkpoint = self._resume_point() if self.options.resume else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoint is None:
+            self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir,
+                                                     seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps)
+        else:
+            self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
         (self.run_dir / "config.json").write_text(config.to_json())
-        self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir, seed=config.warmstart.seed,
-                                                 warmstart_steps=config.warmstart.steps)
         self.dht = start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce)
         self.stop.add_cleanup(self._shutdown_dht)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator")
         self.peer = DiLoCoPeer(self.model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
+        if checkpoint is not None:
+            self._load_outer_state(checkpoint)
         publish_config(self.dht, config)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
-        save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
-                        config.to_json())
+        if checkpoint is None:  # a resumed run's starting point is already a checkpoint
+            save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
+                            config.to_json())
         return visible_multiaddr(self.dht)
+
+    def _resume_point(self) -> Path:
+        """The newest complete checkpoint. Raises CheckpointError if the run dir has none."""
+        folder = latest_checkpoint(self.run_dir)
+        if folder is None:
+            raise CheckpointError(f"--resume: no checkpoint in {str(self.run_dir / 'checkpoints')!r}")
+        return folder
+
+    def _load_outer_state(self, folder: Path) -> None:
+        """Round and outer momentum from ``outer.pt``; theta came with the model. Raises CheckpointError."""
+        state = read_outer_state(folder)
+        gm = self.peer.global_model
+        if list(state["names"]) != gm.names:
+            raise CheckpointError(f"checkpoint {str(folder)!r} does not match the run's model parameters")
+        gm.load_state_tensors([*gm.params, *state["momentum"]])
+        if gm.sha256() != state["global_sha256"]:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: weights do not match their recorded sha256")
+        self.peer.round = int(state["round"])
+        self.peer._update_priority()
+        self.swarm.set_round(self.peer.round)
+        log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round, gm.sha256()[:12])
 
     def serve(self) -> int:
         """Take part in every round until the run's last; returns the rounds completed (stops on a signal)."""
