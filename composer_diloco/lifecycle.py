@@ -104,3 +104,12 @@ class GracefulStop:
         cleaner.join(timeout=1.5)  # a hanging cleanup must not keep the process alive
         sys.stderr.flush()
         os._exit(130)
+
+
+def run_cli(app: Callable[[], object]) -> int:
+    """Run a typer app as a console script and return its exit code (typer exits by raising SystemExit)."""
+    try:
+        app()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0

@@ -108,11 +108,9 @@ def simulate(
 
 def main() -> int:
     """Console-script entry point."""
-    try:
-        app()
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+    from composer_diloco.lifecycle import run_cli
+
+    return run_cli(app)
 
 
 if __name__ == "__main__":
