@@ -68,7 +68,7 @@ class Coordinator:
             self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
         (self.run_dir / "config.json").write_text(config.to_json())
         self.dht = start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce)
-        self.stop.add_cleanup(self._shutdown_dht)
+        self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator")
         self.peer = DiLoCoPeer(self.model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
@@ -133,11 +133,6 @@ class Coordinator:
             if not behind:
                 return
             time.sleep(0.5)
-
-    def _shutdown_dht(self) -> None:
-        if self.dht is not None:
-            self.dht.shutdown()
-            self.dht = None
 
     def close(self) -> None:
         """Stop heartbeats, the averager and the DHT (idempotent)."""

@@ -90,7 +90,7 @@ class Node:
         o = self.options
         parse_multiaddr(o.peer)
         self.dht = start_dht(initial_peers=[o.peer])
-        self.stop.add_cleanup(self._shutdown_dht)
+        self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
@@ -173,11 +173,6 @@ class Node:
         self._round_started = time.monotonic()
 
     # -- leaving ------------------------------------------------------------------------------------------
-    def _shutdown_dht(self) -> None:
-        if self.dht is not None:
-            self.dht.shutdown()
-            self.dht = None
-
     def close(self) -> None:
         """Stop heartbeats, the averager, the DHT, env sessions and env servers (idempotent)."""
         if self.swarm is not None:
