@@ -1,0 +1,315 @@
+"""A peer of tests/test_closed_run.py, run as its own process: an outsider attacking a run, or a helper.
+
+    outsider_peer.py attack --peer MADDR --run-name NAME [--prefix P] [--join-for S]
+        Without the run secret (or with a wrong one in $COMPOSER_DILOCO_SECRET) try, against the peer at MADDR:
+        joining the DHT and reading the run config; reading and writing the run's records with direct DHT RPCs
+        (the run config, a heartbeat, an averager declaration that would make nodes download state from us);
+        averaging with the open-run prefix; and calling the averager's RPCs (join group, aggregate part, download
+        state) directly, under the open prefix and under ``--prefix`` (the closed run's prefix, which libp2p's
+        identify protocol would tell any connected peer). Prints ``{"peer_id", "attempts": {name: {"ok", "detail"}}}``
+        as JSON: ``ok`` is true when the attack succeeded.
+    outsider_peer.py join-loop --peer MADDR --prefix P
+        Without the secret, ask the peer at MADDR to take us into its group until stdin closes; prints the replies.
+    outsider_peer.py host --run-name NAME
+        A stand-in for a coordinator (secret from $COMPOSER_DILOCO_SECRET, if set): a DHT with the run config and an
+        averager that serves a small state. Prints ``peer: MADDR`` and serves until stdin closes.
+    outsider_peer.py inspect --peer MADDR --run-name NAME
+        An insider (it needs $COMPOSER_DILOCO_SECRET): prints the run config, heartbeats and averager declarations
+        that the run's DHT holds, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+
+import hivemind
+import torch
+from hivemind.averaging.averager import compute_schema_hash
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, dht_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+from hivemind.utils.timed_storage import get_dht_time
+
+from composer_diloco.auth import HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret
+from composer_diloco.averaging import ExactAverager
+from composer_diloco.config import RunConfig
+from composer_diloco.diloco import round_group_bits
+from composer_diloco.swarm import RUNS_KEY, publish_config, start_dht
+
+RPC_TIMEOUT_S = 10.0
+HOST_TENSORS = [torch.zeros(4)]  # what `host` averages (a real run's schema differs: its join is refused anyway)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:400]
+
+
+def _peer_id(maddr: str) -> PeerID:
+    return PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+
+
+class Attack:
+    """The attempts of one outsider; each records ``{"ok": attack succeeded, "detail": what happened}``."""
+
+    def __init__(self, maddr: str, run_name: str, leaked_prefix: str | None):
+        self.maddr, self.run_name, self.leaked_prefix = maddr, run_name, leaked_prefix
+        self.target = _peer_id(maddr)
+        secret = load_secret(None)  # a wrong secret, or None: the outsider never has the right one
+        self.authorizer = HMACAuthorizer(secret) if secret else None
+        self.attempts: dict[str, dict] = {}
+        self.peer_id = ""
+
+    def record(self, name: str, ok: bool, detail: str, **extra) -> None:
+        self.attempts[name] = {"ok": bool(ok), "detail": detail[:600], **extra}
+
+    # -- (a) join the DHT and read the run config ---------------------------------------------------------
+    def join_dht(self) -> None:
+        try:
+            dht = hivemind.DHT(initial_peers=[self.maddr], start=True, authorizer=self.authorizer)
+        except Exception as e:
+            self.record("join_dht_and_read_config", False, _error(e))
+            return
+        try:
+            found = dht.get(RUNS_KEY, latest=True)
+            runs = sorted(found.value) if found is not None and isinstance(found.value, dict) else []
+            self.record("join_dht_and_read_config", self.run_name in runs, f"joined the DHT; runs visible: {runs}")
+        finally:
+            dht.shutdown()
+
+    # -- (b) direct DHT RPCs to the target: read and write the run's records --------------------------------
+    def _dht_stub(self, p2p):
+        stub = super(DHTProtocol, DHTProtocol).get_stub(p2p, self.target)  # the raw stub, no authorizer of its own
+        return AuthRPCWrapper(stub, AuthRole.CLIENT, self.authorizer) if self.authorizer else stub
+
+    async def find_config(self, p2p) -> None:
+        request = dht_pb2.FindRequest(keys=[DHTID.generate(source=RUNS_KEY).to_bytes()])
+        try:
+            response = await self._dht_stub(p2p).rpc_find(request, timeout=RPC_TIMEOUT_S)
+        except Exception as e:
+            self.record("read_config_rpc", False, _error(e))
+            return
+        found = response is not None and response.results and response.results[0].type != dht_pb2.NOT_FOUND
+        self.record("read_config_rpc", found, f"reply: {response}")
+
+    async def store(self, p2p, name: str, key: str, subkey, value) -> None:
+        request = dht_pb2.StoreRequest(
+            keys=[DHTID.generate(source=key).to_bytes()], subkeys=[MSGPackSerializer.dumps(subkey)],
+            values=[MSGPackSerializer.dumps(value)], expiration_time=[get_dht_time() + 7200.0], in_cache=[False],
+        )
+        try:
+            response = await self._dht_stub(p2p).rpc_store(request, timeout=RPC_TIMEOUT_S)
+        except Exception as e:
+            self.record(name, False, _error(e))
+            return
+        stored = response is not None and list(response.store_ok) == [True]
+        self.record(name, stored, f"store_ok: {None if response is None else list(response.store_ok)}")
+
+    # -- (c) the averager's RPCs, called directly ----------------------------------------------------------
+    async def download_state(self, p2p, name: str, servicer, prefix: str) -> None:
+        async def first_message():
+            stream = await servicer.get_stub(p2p, self.target, namespace=prefix).rpc_download_state(
+                averaging_pb2.DownloadRequest())
+            async for message in stream:
+                return message
+            return None
+
+        try:
+            message = await asyncio.wait_for(first_message(), RPC_TIMEOUT_S)
+        except Exception as e:
+            self.record(name, False, _error(e))
+            return
+        got = message is not None and bool(message.tensor_part.buffer or message.metadata)
+        self.record(name, got, "received model state" if got else "empty reply: no state sent")
+
+    async def join_group(self, p2p, name: str, servicer, prefix: str, duration_s: float,
+                         until: threading.Event | None = None) -> None:
+        """Ask to join the target's group again and again for ``duration_s`` or until ``until`` is set (a round's
+        group may form meanwhile). Records the replies as ``{code or error: count}``."""
+        codes, accepted, deadline = Counter(), False, time.monotonic() + duration_s
+        while not accepted:
+            for round_ in (0, 1):
+                request = averaging_pb2.JoinRequest(
+                    schema_hash=compute_schema_hash(HOST_TENSORS), expiration=get_dht_time() + 5.0,
+                    group_key=f"{prefix}.0b{round_group_bits(round_)}",
+                    gather=MSGPackSerializer.dumps({"name": "outsider", "round": round_, "weight": 1000.0}))
+
+                async def replies():
+                    stream = await servicer.get_stub(p2p, self.target, namespace=prefix).rpc_join_group(request)
+                    return [averaging_pb2.MessageCode.Name(m.code) async for m in stream]
+
+                try:
+                    got = await asyncio.wait_for(replies(), RPC_TIMEOUT_S)
+                except Exception as e:
+                    codes[_error(e)] += 1
+                    continue
+                codes.update(got)
+                accepted = accepted or bool({"ACCEPTED", "BEGIN_ALLREDUCE"} & set(got))
+            if time.monotonic() > deadline or (until is not None and until.is_set()):
+                break
+            await asyncio.sleep(0.5)
+        self.record(name, accepted, f"replies: {sorted(codes)}", replies=dict(codes))
+
+    async def aggregate_part(self, p2p, name: str, servicer, prefix: str) -> None:
+        async def replies():
+            request = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING,
+                                                  group_id=secrets.token_bytes(16), weight=1000.0)
+
+            async def requests():
+                yield request
+
+            stream = await servicer.get_stub(p2p, self.target, namespace=prefix).rpc_aggregate_part(requests())
+            return [averaging_pb2.MessageCode.Name(m.code) async for m in stream]
+
+        try:
+            got = await asyncio.wait_for(replies(), RPC_TIMEOUT_S)
+        except Exception as e:
+            self.record(name, False, _error(e))
+            return
+        self.record(name, "AVERAGED_PART" in got, f"replies: {got}")
+
+    def averager_open_prefix(self, dht) -> None:
+        """A real averager under the open run's prefix: look for the run's group, then download its state."""
+        averager = ExactAverager([t.clone() for t in HOST_TENSORS], dht, state_provider=lambda: ({}, []),
+                                 prefix=averaging_prefix(self.run_name, None), start=True, min_group_size=2,
+                                 min_matchmaking_time=2.0, request_timeout=1.0)
+        try:
+            averager.set_group_bits(round_group_bits(0))
+            try:
+                gathered = averager.step(weight=1000.0, timeout=8.0, allow_retries=False)
+                step = f"step: {gathered}"
+            except Exception as e:
+                gathered, step = None, f"step: {_error(e)}"
+            state = averager.load_state_from_peers(timeout=5.0)
+            self.record("averager_open_prefix", bool(gathered) or state is not None,
+                        f"{step}; load_state_from_peers: {'a state' if state is not None else None}")
+        finally:
+            averager.shutdown()
+
+    def run(self, join_for_s: float) -> dict:
+        self.join_dht()
+        # a DHT peer that starts although nobody let it in: its p2p daemon is connected to the target
+        dht = hivemind.DHT(initial_peers=[self.maddr], start=True, ensure_bootstrap_success=False,
+                           authorizer=self.authorizer)
+        self.peer_id = dht.peer_id.to_base58()
+        try:
+            found = dht.get(RUNS_KEY, latest=True)
+            self.record("read_config_via_dht", found is not None, f"get: {found}")
+            prefixes = [(averaging_prefix(self.run_name, None), ExactAverager, "open_prefix")]
+            if self.leaked_prefix:
+                prefixes.append((self.leaked_prefix, MembersOnlyAverager, "closed_prefix"))
+
+            async def rpcs(dht_, _node=None):
+                p2p = await dht_.replicate_p2p()
+                await self.find_config(p2p)
+                evil = json.dumps({"run_name": self.run_name, "rounds": 10_000, "outer": {"lr": 1e6}})
+                await self.store(p2p, "overwrite_config_rpc", RUNS_KEY, self.run_name, evil)
+                await self.store(p2p, "store_heartbeat_rpc", f"{self.run_name}.peers", "outsider",
+                                 {"role": "node", "round": 0, "t": get_dht_time()})
+                for prefix, _, label in prefixes:
+                    await self.store(p2p, f"declare_averager_rpc_{label}", f"{prefix}.all_averagers",
+                                     dht_.peer_id.to_bytes(), 1e9)
+                for prefix, servicer, label in prefixes:
+                    await self.download_state(p2p, f"download_state_rpc_{label}", servicer, prefix)
+                    await self.aggregate_part(p2p, f"aggregate_part_rpc_{label}", servicer, prefix)
+                    await self.join_group(p2p, f"join_group_rpc_{label}", servicer, prefix, join_for_s)
+
+            asyncio.run(rpcs(dht))
+            self.averager_open_prefix(dht)
+        finally:
+            dht.shutdown()
+        return {"peer_id": self.peer_id, "attempts": self.attempts}
+
+    def join_loop(self) -> dict:
+        """Keep asking the target to take us into its group (closed prefix) until our stdin closes."""
+        dht = hivemind.DHT(initial_peers=[self.maddr], start=True, ensure_bootstrap_success=False,
+                           authorizer=self.authorizer)
+        self.peer_id = dht.peer_id.to_base58()
+        # only now: a thread blocked reading stdin while hivemind forks its DHT process deadlocks that process
+        until = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), until.set()), daemon=True).start()
+        try:
+            async def ask(dht_, _node=None):
+                p2p = await dht_.replicate_p2p()
+                await self.join_group(p2p, "join_group_rpc_during_training", MembersOnlyAverager, self.leaked_prefix,
+                                      3600.0, until)
+
+            asyncio.run(ask(dht))
+        finally:
+            dht.shutdown()
+        return {"peer_id": self.peer_id, "attempts": self.attempts}
+
+
+def host(run_name: str) -> None:
+    secret = load_secret(None)
+    dht = start_dht(initial_peers=[], secret=secret)
+    publish_config(dht, RunConfig(run_name=run_name))
+    averager_type = MembersOnlyAverager if secret else ExactAverager
+    state = torch.arange(8, dtype=torch.float32)
+    averager = averager_type([t.clone() for t in HOST_TENSORS], dht, state_provider=lambda: ({"round": 0}, [state]),
+                             prefix=averaging_prefix(run_name, secret), start=True, min_group_size=2,
+                             min_matchmaking_time=2.0, request_timeout=1.0)
+    print(f"peer: {dht.get_visible_maddrs()[0]}", flush=True)
+    try:
+        averager.set_group_bits(round_group_bits(0))
+        control = averager.step(weight=1.0, wait=False, timeout=3600.0, allow_retries=True)  # a leader waiting
+        sys.stdin.read()  # until the test closes our stdin
+        control.cancel()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def inspect(maddr: str, run_name: str) -> dict:
+    secret = load_secret(None)
+    assert secret, "inspect needs $COMPOSER_DILOCO_SECRET"
+    dht = start_dht(initial_peers=[maddr], secret=secret)
+    try:
+        def subkeys(key: str) -> dict:
+            found = dht.get(key, latest=True)
+            return dict(found.value) if found is not None and isinstance(found.value, dict) else {}
+
+        configs = {str(k): v.value for k, v in subkeys(RUNS_KEY).items()}
+        peers = {str(k): v.value for k, v in subkeys(f"{run_name}.peers").items()}
+        members = [PeerID(k).to_base58() for k in subkeys(f"{averaging_prefix(run_name, secret)}.all_averagers")]
+        return {"config": configs.get(run_name), "runs": sorted(configs), "peers": peers, "members": members}
+    finally:
+        dht.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["attack", "join-loop", "host", "inspect"])
+    ap.add_argument("--peer", default="")
+    ap.add_argument("--run-name", default="composer")
+    ap.add_argument("--prefix", default=None, help="the closed run's averager prefix, as identify would leak it")
+    ap.add_argument("--join-for", type=float, default=5.0, help="seconds to keep asking to join a group")
+    args = ap.parse_args()
+    if args.mode == "host":
+        host(args.run_name)
+        return
+    try:
+        if args.mode == "attack":
+            out = Attack(args.peer, args.run_name, args.prefix).run(args.join_for)
+        elif args.mode == "join-loop":
+            out = Attack(args.peer, args.run_name, args.prefix).join_loop()
+        else:
+            out = inspect(args.peer, args.run_name)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(2)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Closed runs: a peer without the run secret cannot join the DHT or the averaging, write records, or change the model.
+
+The multi-process tests start real processes: `tests/outsider_peer.py attack` is the outsider (no secret, or a wrong
+one) that tries each attack and reports what happened. `test_the_attacks_work_on_an_open_run` shows the same attacks
+succeed against an open peer, so their failing against a closed run is the secret's doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import get_dht_time
+
+from composer_diloco.auth import (
+    SECRET_ENV, HMACAuthorizer, RunSecretRefused, SecretError, averaging_prefix, load_secret,
+)
+from composer_diloco.metrics import read_metrics
+from tests_support import stop_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+OUTSIDER = ROOT / "tests" / "outsider_peer.py"
+SECRET = "closed-run-test-secret-0123456789"
+WRONG = "a-wrong-secret-of-the-right-length"
+# attempts that must fail in a closed run, and (for the control) succeed in an open one
+DHT_ATTACKS = ["join_dht_and_read_config", "read_config_via_dht", "read_config_rpc", "overwrite_config_rpc",
+               "store_heartbeat_rpc", "declare_averager_rpc_open_prefix"]
+AVERAGING_ATTACKS = ["download_state_rpc_open_prefix", "join_group_rpc_open_prefix", "averager_open_prefix"]
+
+
+def env_with(secret: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if secret is not None:
+        env[SECRET_ENV] = secret
+    return env
+
+
+# -- load_secret ------------------------------------------------------------------------------------------------
+def test_load_secret_from_file_env_or_none(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert load_secret(None) is None  # an open run
+    monkeypatch.setenv(SECRET_ENV, f"  {SECRET}\n")
+    assert load_secret(None) == SECRET.encode()
+    path = tmp_path / "secret"
+    path.write_text(f"{WRONG}\n")
+    assert load_secret(path) == WRONG.encode()  # the file wins over the variable
+
+
+@pytest.mark.parametrize("content, expected", [("", "empty"), (" \n", "empty"), ("short", "shorter than 16"),
+                                               (None, "cannot be read"), (b"\xff\xfe" * 10, "not UTF-8")])
+def test_load_secret_errors_name_the_file(tmp_path, content, expected):
+    path = tmp_path / "run.secret"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SecretError) as e:
+        load_secret(path)
+    assert str(path) in str(e.value) and expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_secret_errors_name_the_variable(monkeypatch):
+    for value in ("", "short"):
+        monkeypatch.setenv(SECRET_ENV, value)
+        with pytest.raises(SecretError, match=SECRET_ENV):
+            load_secret(None)
+
+
+def test_averaging_prefix():
+    assert averaging_prefix("composer", None) == "composer_diloco"
+    closed = averaging_prefix("composer", SECRET.encode())
+    assert closed.startswith("composer_diloco_") and "." not in closed and SECRET not in closed
+    assert closed != averaging_prefix("composer", WRONG.encode()) != averaging_prefix("other", SECRET.encode())
+
+
+# -- HMACAuthorizer ---------------------------------------------------------------------------------------------
+def _request() -> dht_pb2.StoreRequest:
+    return dht_pb2.StoreRequest(keys=[b"k"], subkeys=[b"s"], values=[b"v"], expiration_time=[1.0], in_cache=[False])
+
+
+def test_hmac_authorizer_round_trip_and_refusals():
+    async def scenario():
+        client, server = HMACAuthorizer(SECRET.encode()), HMACAuthorizer(SECRET.encode())
+        request = _request()
+        await client.sign_request(request, None)
+        assert len(request.auth.signature) == 32 and len(request.auth.nonce) == 8
+        wire = request.SerializeToString()
+        assert await server.validate_request(dht_pb2.StoreRequest.FromString(wire))
+        response = dht_pb2.StoreResponse(store_ok=[True])
+        await server.sign_response(response, request)
+        assert await client.validate_response(dht_pb2.StoreResponse.FromString(response.SerializeToString()), request)
+
+        with pytest.raises(RunSecretRefused, match="replays"):  # the same request again
+            await server.validate_request(dht_pb2.StoreRequest.FromString(wire))
+
+        outsider = HMACAuthorizer(WRONG.encode())
+        forged = _request()
+        await outsider.sign_request(forged, None)
+        with pytest.raises(RunSecretRefused, match="not signed with this run's secret"):
+            await server.validate_request(forged)
+        with pytest.raises(RunSecretRefused, match="not signed"):
+            await server.validate_request(_request())  # no auth at all
+        forged_reply = dht_pb2.StoreResponse(store_ok=[True])
+        await outsider.sign_response(forged_reply, request)
+        with pytest.raises(RunSecretRefused, match="not signed"):
+            await client.validate_response(forged_reply, request)
+        with pytest.raises(RunSecretRefused, match="not signed"):
+            await client.validate_response(dht_pb2.StoreResponse(store_ok=[True]), request)  # an open peer's reply
+
+        tampered = dht_pb2.StoreRequest.FromString(wire)
+        tampered.values[0] = b"evil"
+        tampered.auth.nonce = b"12345678"
+        with pytest.raises(RunSecretRefused, match="not signed"):
+            await server.validate_request(tampered)
+
+        stale = _request()
+        await client.sign_request(stale, None)
+        stale.auth.time = get_dht_time() - 3600.0
+        stale.auth.signature = b""
+        stale.auth.signature = client._sign(b"request:", stale)  # correctly signed, but an hour old
+        with pytest.raises(RunSecretRefused, match="off"):
+            await server.validate_request(stale)
+
+        other = _request()
+        await client.sign_request(other, None)
+        with pytest.raises(RunSecretRefused, match="another request"):  # a reply to a different request
+            await client.validate_response(response, other)
+
+    asyncio.run(scenario())
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_bad_secret_is_a_one_line_error(tmp_path):
+    missing, empty = tmp_path / "missing.secret", tmp_path / "empty.secret"
+    empty.write_text("\n")
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    cases = [
+        (["nodes", "join", "--peer", peer, "--device", "cpu", "--run-dir", str(tmp_path / "n"),
+          "--secret-file", str(missing)], env_with(None), str(missing)),
+        (["coordinator", "start", "--config", str(SMOKE), "--run-dir", str(tmp_path / "c"),
+          "--secret-file", str(empty)], env_with(None), str(empty)),
+        (["coordinator", "simulate", "--config", str(SMOKE), "--run-dir", str(tmp_path / "s")], env_with("short"),
+         SECRET_ENV),
+    ]
+    for args, env, named in cases:
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env=env)
+        assert r.returncode == 1 and named in _error_line(r), (args, r.stderr[-2000:])
+    assert not (tmp_path / "c" / "checkpoints").exists() and not (tmp_path / "s").exists()
+
+
+# -- outsiders against real processes ---------------------------------------------------------------------------
+def _read_peer_line(proc: subprocess.Popen, timeout_s: float = 300.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    line = ""
+    while not line.startswith("peer: "):
+        line = proc.stdout.readline()
+        assert line, "the process exited without a peer line"
+        assert time.monotonic() < deadline, "no peer line in time"
+    return line.split()[1]
+
+
+def _attack(peer: str, secret: str | None, log: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(OUTSIDER), "attack", "--peer", peer, *extra], env=env_with(secret),
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, start_new_session=True)
+
+
+def _report(proc: subprocess.Popen, log: Path, timeout_s: float = 240.0) -> dict:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_the_attacks_work_on_an_open_run(tmp_path):
+    """The control: against an open peer, the outsider's attacks succeed (so they are real attempts)."""
+    host = subprocess.Popen([sys.executable, str(OUTSIDER), "host"], env=env_with(None), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "host.log", "w"), text=True, cwd=ROOT,
+                            start_new_session=True)
+    procs = [host]
+    try:
+        peer = _read_peer_line(host, timeout_s=120)
+        attacker = _attack(peer, None, tmp_path / "attack.log", "--join-for", "8")
+        procs.append(attacker)
+        report = _report(attacker, tmp_path / "attack.log")
+    finally:
+        stop_processes(procs)
+    succeeded = {name for name, a in report["attempts"].items() if a["ok"]}
+    assert set(DHT_ATTACKS) | {"download_state_rpc_open_prefix", "join_group_rpc_open_prefix"} <= succeeded, report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_closed_run_refuses_outsiders(run_dir, tmp_path):
+    """A closed run (coordinator + 1 node, 2 rounds) and outsiders without its secret (none, or a wrong one).
+
+    First, while the coordinator waits for nodes (so it surely is there): every attack of `outsider_peer.py`, an
+    insider's look at the DHT, and the real node program without / with a wrong secret. Then the node trains while
+    an outsider keeps asking the coordinator to take it into the round's group.
+    """
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    # the outsiders know the closed run's averager prefix, as libp2p's identify would tell them
+    prefix = averaging_prefix("composer", SECRET.encode())
+    try:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--run-dir", str(run_dir)],
+            env=env_with(SECRET), stdout=subprocess.PIPE, stderr=open(logs / "coordinator.log", "w"), text=True,
+            cwd=ROOT, start_new_session=True)
+        procs.append(coordinator)
+        peer = _read_peer_line(coordinator)
+
+        attackers = {label: _attack(peer, secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "5")
+                     for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
+        procs += attackers.values()
+        reports = {label: _report(p, logs / f"attack-{label}.log") for label, p in attackers.items()}
+        inspector = subprocess.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
+                                   capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert inspector.returncode == 0, inspector.stderr[-3000:]
+        seen = json.loads(inspector.stdout.strip().splitlines()[-1])
+
+        def rogue_node(label: str, secret: str | None) -> subprocess.Popen:  # the real node program
+            return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+                                     str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu"],
+                                    env=env_with(secret), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, cwd=ROOT, start_new_session=True)
+
+        start = time.monotonic()
+        rogues = {"no-secret": rogue_node("no-secret", None), "wrong-secret": rogue_node("wrong-secret", WRONG)}
+        procs += rogues.values()
+        rogue_results = {}
+        for label, p in rogues.items():
+            _, err = p.communicate(timeout=180)
+            rogue_results[label] = (p.returncode, err, time.monotonic() - start)
+        assert coordinator.poll() is None, (logs / "coordinator.log").read_text()[-3000:]
+
+        joiner = subprocess.Popen([sys.executable, str(OUTSIDER), "join-loop", "--peer", peer, "--prefix", prefix],
+                                  env=env_with(None), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=open(logs / "joiner.log", "w"), text=True, cwd=ROOT, start_new_session=True)
+        procs.append(joiner)
+        node = subprocess.Popen(
+            [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--name", "node-a",
+             "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
+            stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
+        procs.append(node)
+        assert node.wait(timeout=600) == 0, (logs / "node-a.log").read_text()[-3000:]
+        assert coordinator.wait(timeout=120) == 0, (logs / "coordinator.log").read_text()[-3000:]
+        reports["during-training"] = _report(joiner, logs / "joiner.log", timeout_s=120)  # closes its stdin
+    finally:
+        stop_processes(procs)
+
+    # trying to join the round's group while the node trained and averaged: refused by the coordinator every time
+    joins = reports.pop("during-training")["attempts"]["join_group_rpc_during_training"]
+    assert not joins["ok"] and joins["replies"].get("PROTOCOL_VIOLATION", 0) >= 4, joins
+    assert not {"ACCEPTED", "BEGIN_ALLREDUCE"} & set(joins["replies"]), joins
+
+    # every attempt failed, for the reason the secret gives
+    for label, report in reports.items():
+        succeeded = {name: a for name, a in report["attempts"].items() if a["ok"]}
+        assert not succeeded, (label, succeeded)
+        attempts = report["attempts"]
+        assert "bootstrap failed" in attempts["join_dht_and_read_config"]["detail"], attempts
+        for name in ("read_config_rpc", "overwrite_config_rpc", "store_heartbeat_rpc",
+                     "declare_averager_rpc_open_prefix", "declare_averager_rpc_closed_prefix"):
+            assert "RunSecretRefused" in attempts[name]["detail"], (label, name, attempts[name])
+        for name in ("download_state_rpc_open_prefix", "join_group_rpc_open_prefix"):
+            assert "protocols not supported" in attempts[name]["detail"], (label, name, attempts[name])
+        assert set(attempts["join_group_rpc_closed_prefix"]["replies"]) == {"PROTOCOL_VIOLATION"}, attempts
+        assert attempts["aggregate_part_rpc_closed_prefix"]["detail"] == "replies: ['PROTOCOL_VIOLATION']", attempts
+        assert attempts["download_state_rpc_closed_prefix"]["detail"] == "empty reply: no state sent", attempts
+
+    # the run's records are the insiders' only
+    assert seen["runs"] == ["composer"] and seen["config"] == (run_dir / "config.json").read_text(), seen
+    assert "outsider" not in seen["peers"], seen
+    outsider_ids = {report["peer_id"] for report in reports.values()}
+    assert not outsider_ids & set(seen["members"]) and len(seen["members"]) >= 1, seen
+
+    # the rogue nodes: exit 1 within a bounded time, one line that points at the secret
+    for label, (code, err, seconds) in rogue_results.items():
+        line = _error_line(subprocess.CompletedProcess([], code, "", err))
+        assert code == 1 and "secret" in line and "no peer answered" in line, (label, err)
+        assert seconds < 120, (label, seconds)
+
+    # the run went on undisturbed: 2 rounds, coordinator + node in every group, the same model bytes
+    metrics = read_metrics(run_dir)
+    assert set(metrics) == {"coordinator", "node-a"}, sorted(metrics)
+    for name in ("coordinator", "node-a"):
+        assert [r["round"] for r in metrics[name]] == [0, 1], metrics[name]
+        assert all(r["peers"] == 2 and r["status"] == "averaged" for r in metrics[name]), metrics[name]
+    assert [r["global_sha256"] for r in metrics["coordinator"]] == [r["global_sha256"] for r in metrics["node-a"]]
+
+    # the secret is written nowhere: not in the run dir, not in the logs
+    for folder in (run_dir, logs):
+        for root, _, files in os.walk(folder):  # does not follow the warm-start symlink
+            for name in files:
+                assert SECRET.encode() not in (Path(root) / name).read_bytes(), Path(root) / name
