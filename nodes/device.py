@@ -1,4 +1,9 @@
-"""Where a node trains: device and dtype picked from ``--device`` and what the machine has."""
+"""What a node trains on and how: device and precision (`Placement`), micro-batch and accumulation (`NodeBatch`).
+
+Both come from the node's own ``composer-node join`` options, so nodes of one run may differ (a CPU box next to an
+H100): the run config fixes what must agree (the model, the loss, G = ``num_generations``), each node picks how it
+fits its hardware, and `Node.end_round` weights its pseudo-gradient by the episodes it actually trained.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from composer_diloco.config import RunConfig
+
+DTYPES = ("auto", "fp32", "bf16")
+
 
 class DeviceError(ValueError):
-    """``--device`` names a device this machine does not have."""
+    """``--device`` / ``--dtype`` name a device or precision this machine does not have."""
+
+
+class BatchError(ValueError):
+    """``--batch-size`` / ``--grad-accum`` cannot form whole GRPO groups, or are not positive."""
 
 
 @dataclass(frozen=True)
@@ -18,29 +31,47 @@ class Placement:
 
     Attributes:
         device: "cpu" or "cuda" (a ``cuda:N`` choice is made the current CUDA device).
-        bf16: train in bf16 autocast (where the GPU supports it); the global model stays fp32 on CPU.
+        bf16: train under bf16 autocast (mixed precision: the master weights and AdamW state stay fp32, so the
+            pseudo-gradient is fp32 too); the global model stays fp32 on CPU.
+        name: what the device is, for the log ("cpu" or the GPU's name with its index).
     """
 
     device: str
     bf16: bool
+    name: str = "cpu"
 
     @property
     def use_cpu(self) -> bool:
+        """True when training runs on the CPU (TRL/transformers' ``use_cpu``)."""
         return self.device == "cpu"
 
-    @classmethod
-    def resolve(cls, choice: str) -> Placement:
-        """``auto`` = the first CUDA GPU if there is one, else CPU; ``cpu``; or ``cuda:N``.
+    @property
+    def dtype(self) -> str:
+        """"bf16" or "fp32": the training precision as ``--dtype`` spells it."""
+        return "bf16" if self.bf16 else "fp32"
 
+    @classmethod
+    def resolve(cls, choice: str, dtype: str = "auto") -> Placement:
+        """Pick the device from ``--device`` and the precision from ``--dtype``.
+
+        Args:
+            choice: ``auto`` (the first CUDA GPU if there is one, else CPU), ``cpu`` or ``cuda:N``.
+            dtype: ``auto`` (bf16 on a CUDA GPU with native bf16, else fp32), ``fp32`` or ``bf16``.
+        Returns:
+            The placement; for ``cuda:N``, GPU N has been made torch's current CUDA device.
         Raises:
-            DeviceError: an unknown value, or CUDA asked for where there is none.
+            DeviceError: an unknown ``--device`` or ``--dtype`` value, CUDA asked for where there is none or with a
+                GPU index out of range, or bf16 asked on CPU or on a GPU without native bf16.
         """
-        if choice == "cpu":
-            return cls("cpu", False)
+        if dtype not in DTYPES:
+            raise DeviceError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if choice == "auto":
             choice = "cuda:0" if torch.cuda.is_available() else "cpu"
-            if choice == "cpu":
-                return cls("cpu", False)
+        if choice == "cpu":
+            if dtype == "bf16":
+                raise DeviceError("--dtype bf16 needs a CUDA GPU with bf16 support, but --device is cpu "
+                                  "(use --dtype fp32 or auto)")
+            return cls("cpu", False)
         if not choice.startswith("cuda"):
             raise DeviceError(f"--device {choice!r} is not one of auto, cpu, cuda:N")
         index = choice.partition(":")[2] or "0"
@@ -51,11 +82,86 @@ class Placement:
         if int(index) >= torch.cuda.device_count():
             raise DeviceError(f"--device {choice!r}: this machine has {torch.cuda.device_count()} GPU(s)")
         torch.cuda.set_device(int(index))  # "cuda" (the Trainer's device) now means cuda:N
-        return cls("cuda", torch.cuda.is_bf16_supported())
+        name = f"cuda:{index} ({torch.cuda.get_device_name(int(index))})"
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        if dtype == "bf16" and not native_bf16:
+            raise DeviceError(f"--dtype bf16: {name} has no native bf16 support (use --dtype fp32 or auto)")
+        return cls("cuda", dtype == "bf16" or (dtype == "auto" and native_bf16), name)
 
     def place(self, model: nn.Module) -> nn.Module:
         """Move the policy to the device (fp32 master weights; bf16 only under autocast)."""
         return model.to("cuda" if self.device == "cuda" else "cpu")
 
     def describe(self) -> str:
-        return f"{self.device}{' (bf16)' if self.bf16 else ''}"
+        """One phrase for the log, e.g. ``cpu, fp32`` or ``cuda:0 (NVIDIA H100 80GB HBM3), bf16``."""
+        return f"{self.name}, {self.dtype}"
+
+
+@dataclass(frozen=True)
+class NodeBatch:
+    """How many episodes a node trains per inner (optimizer) step, and in how many pieces.
+
+    One inner step generates ``episodes_per_step = micro_batch * grad_accum`` episodes at once (one TRL generation
+    batch, GRPO advantages over all of them), then runs ``grad_accum`` forward/backward passes of ``micro_batch``
+    episodes each and one AdamW step. Peak training memory follows ``micro_batch``; the round's samples (the
+    node's all-reduce weight) follow ``episodes_per_step``.
+
+    Attributes:
+        micro_batch: episodes per forward/backward pass (``--batch-size``), >= 1.
+        grad_accum: micro-batches per optimizer step (``--grad-accum``), >= 1.
+        num_generations: the run's GRPO group size G; ``episodes_per_step`` is a multiple of it.
+    """
+
+    micro_batch: int
+    grad_accum: int
+    num_generations: int
+
+    @property
+    def episodes_per_step(self) -> int:
+        """Episodes generated and trained per inner step: ``micro_batch * grad_accum``."""
+        return self.micro_batch * self.grad_accum
+
+    @property
+    def tasks_per_step(self) -> int:
+        """Distinct tasks (GRPO groups) per inner step: ``episodes_per_step / num_generations``."""
+        return self.episodes_per_step // self.num_generations
+
+    @staticmethod
+    def check_options(batch_size: int | None, grad_accum: int) -> None:
+        """Check ``--batch-size`` / ``--grad-accum`` on their own (before the run config is known).
+
+        Raises:
+            BatchError: ``batch_size`` (when given) or ``grad_accum`` is below 1.
+        """
+        if batch_size is not None and batch_size < 1:
+            raise BatchError(f"--batch-size {batch_size}: expected a number of episodes >= 1")
+        if grad_accum < 1:
+            raise BatchError(f"--grad-accum {grad_accum}: expected a number of micro-batches >= 1")
+
+    @classmethod
+    def resolve(cls, config: RunConfig, batch_size: int | None = None, grad_accum: int = 1) -> NodeBatch:
+        """The node's batch for ``config``.
+
+        Args:
+            config: the run config (``grpo.num_generations`` = G; ``batch_size`` = tasks_per_step * G is the default
+                micro-batch).
+            batch_size: episodes per micro-batch; None = ``config.batch_size``.
+            grad_accum: micro-batches per optimizer step.
+        Raises:
+            BatchError: a value below 1, or ``batch_size * grad_accum`` not a multiple of G (a GRPO group would be
+                split across optimizer steps); the message names the three values.
+        """
+        cls.check_options(batch_size, grad_accum)
+        micro = config.batch_size if batch_size is None else batch_size
+        g = config.grpo.num_generations
+        if (micro * grad_accum) % g:
+            raise BatchError(
+                f"--batch-size {micro} x --grad-accum {grad_accum} = {micro * grad_accum} episodes per step is not a "
+                f"multiple of the run's num_generations {g} (GRPO groups must be whole)"
+            )
+        return cls(micro, grad_accum, g)
+
+    def describe(self) -> str:
+        """One phrase for the log, e.g. ``8 episodes per step (2 tasks x G=4) = 2 micro-batches of 4``."""
+        return (f"{self.episodes_per_step} episodes per step ({self.tasks_per_step} tasks x G={self.num_generations})"
+                f" = {self.grad_accum} micro-batch(es) of {self.micro_batch}")

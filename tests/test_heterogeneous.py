@@ -1,0 +1,321 @@
+"""Heterogeneous nodes: each node picks its micro-batch, gradient accumulation and precision.
+
+- One optimizer step with K=2 micro-batches of 4 episodes has the gradients of K=1 with one batch of 8, composite
+  loss on (GRPO + SDPO + DPO), through the trainer's real `train()` (TRL's loop, our rollout, collator, pairs).
+- Bad ``--batch-size`` / ``--grad-accum`` / ``--dtype`` values: one line naming the value, exit 1.
+- Two real nodes with different batches in one run: the coordinator weights their pseudo-gradients by samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from composer_diloco import composite, preference, rollout
+from composer_diloco import trainer as trainer_mod
+from composer_diloco.config import LossConfig, RunConfig
+from composer_diloco.episode_tokens import tool_call_text
+from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+from composer_diloco.rollout import EnvSession
+from composer_diloco.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args, split_channels
+from envs.tool_env.models import ToolAction
+from envs.tool_env.server.tool_environment import ToolEnvironment
+from envs.tool_env.tasks import ITEM_VOCAB, make_task, solve
+from nodes.device import BatchError, DeviceError, NodeBatch, Placement
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+PEER = "hetero"
+
+
+# ------------------------------------------------------------------------------- K micro-batches == one batch
+
+
+class LocalSession(EnvSession):
+    """`envs.tool_env`'s environment in this process: the episodes its server plays, without a socket."""
+
+    def __init__(self, max_tool_calls: int):
+        self.env, self.max_tool_calls = ToolEnvironment(), max_tool_calls
+
+    def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
+        obs = self.env.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls)
+        return obs.question, list(obs.tools)
+
+    def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
+        obs = self.env.step(ToolAction(tool=tool, arguments=arguments))
+        return obs.content, obs.error_kind, dict(obs.error_meta), float(obs.reward or 0.0), bool(obs.done)
+
+
+def group_scripts(seed: int, episode_id: str) -> list[list[tuple[str, dict]]]:
+    """The G=4 episodes of one task: solved; an unknown item looked up first; an unknown tool and a wrong answer;
+    a wrong answer. Rewards 1, 1, 0, 0 (GRPO advantages are non-zero); two error sites (SDPO sites, DPO sites)."""
+    task = make_task(seed, episode_id)
+    good = solve(task, random.Random(0), 0.0)  # lookup x, lookup y, op, submit
+    outside = next(item for item in ITEM_VOCAB if item not in task.catalogue)
+    wrong = [("submit", {"answer": task.answer + 1})]
+    return [
+        good,
+        [("lookup", {"item": outside})] + good,
+        good[:2] + [("sum", dict(good[2][1]))] + good[2:3] + wrong,
+        good[:3] + wrong,
+    ]
+
+
+def scripted_sampler(tok, scripts):
+    """Stands in for `rollout._generate`: at lock-step turn j, every episode still playing emits its scripted call."""
+    turn = itertools.count()
+
+    def generate(model, tokenizer, contexts, max_new_tokens, temperature):
+        j = next(turn)
+        active = [s for s in scripts if len(s) > j]  # every script ends with a submit, which ends the episode
+        assert len(contexts) == len(active)
+        ids = [tok(tool_call_text(*s[j]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in active]
+        return ids, [[-0.5] * len(x) for x in ids]
+
+    return generate
+
+
+def fixed_candidate(tok):
+    """Stands in for the DPO candidates' sampler (`preference._generate`): a lookup of an unknown item, always."""
+
+    def generate(model, tokenizer, contexts, max_new_tokens, temperature):
+        ids = tok(tool_call_text("lookup", {"item": "zzz"}), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return [list(ids) for _ in contexts], [[-0.5] * len(ids) for _ in contexts]
+
+    return generate
+
+
+class GradCapture(TrainerCallback):
+    """Keeps a copy of every parameter's gradient right before the optimizer step."""
+
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def one_step(tmp_path: Path, monkeypatch, *, loss_type: str, micro_batch: int, grad_accum: int):
+    """One optimizer step of `ComposerGRPOTrainer.train()` on the same 8 scripted episodes; returns the gradients,
+    the step's `ChannelLosses` and how many SDPO/DPO loss calls there were.
+
+    Gradients, not updated weights, are compared: AdamW's first step is ``lr * g / (|g| + eps)``, so a gradient
+    entry near 0 turns float rounding into a visible weight difference."""
+    tok = load_default_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    config = RunConfig(loss=LossConfig(alpha_sdpo=0.5, beta_dpo=0.5), grpo={"loss_type": loss_type},
+                       inner={"max_grad_norm": 1e6})  # no clipping: a wrong overall scale must show
+    args = grpo_args(config, output_dir=tmp_path / f"k{grad_accum}", max_steps=1, use_cpu=True, bf16=False,
+                     micro_batch=micro_batch, grad_accum=grad_accum)
+    rows = episode_dataset(config, PEER, 2)  # the two tasks of the first generation batch, G episodes each
+    scripts = [s for row in rows for s in group_scripts(config.seed, row["episode_id"])]
+    capture = GradCapture()
+    calls = {"sdpo": 0, "dpo": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    trainer = ComposerGRPOTrainer(model=model, tokenizer=tok, config=config, peer_name=PEER, args=args,
+                                  sessions=[LocalSession(config.env.max_tool_calls) for _ in range(8)],
+                                  callbacks=[capture])
+    with monkeypatch.context() as m:
+        m.setattr(rollout, "_generate", scripted_sampler(tok, scripts))
+        m.setattr(preference, "_generate", fixed_candidate(tok))
+        m.setattr(trainer_mod, "sdpo_loss", counting("sdpo", composite.sdpo_loss))
+        m.setattr(trainer_mod, "dpo_loss", counting("dpo", composite.dpo_loss))
+        trainer.train()
+    episodes, losses, collated, _ = trainer.take_round_stats()
+    assert [e.reward for e in episodes] == [1.0, 1.0, 0.0, 0.0] * 2
+    assert len(losses) == 1  # one record per optimizer step, whatever K
+    return capture.grads, losses[0], calls
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_micro_batches_give_the_gradients_of_one_batch(tmp_path, monkeypatch, loss_type):
+    g1, rec1, calls1 = one_step(tmp_path, monkeypatch, loss_type=loss_type, micro_batch=8, grad_accum=1)
+    g2, rec2, calls2 = one_step(tmp_path, monkeypatch, loss_type=loss_type, micro_batch=4, grad_accum=2)
+    # the composite loss had all three channels, and K=2 cut the SDPO sites and DPO pairs across both micro-batches
+    assert rec1.sdpo_sites == rec2.sdpo_sites == 4 and rec1.dpo_pairs == rec2.dpo_pairs > 0
+    assert calls1 == {"sdpo": 1, "dpo": 1} and calls2 == {"sdpo": 2, "dpo": 2}
+    for key in ("loss_grpo", "loss_sdpo", "loss_dpo"):
+        assert getattr(rec2, key) == pytest.approx(getattr(rec1, key), rel=1e-5, abs=1e-7), key
+    assert rec1.loss_sdpo > 0 and rec1.loss_dpo > 0
+    assert g1.keys() == g2.keys() and len(g1) > 0
+    flat1 = torch.cat([g.flatten() for g in g1.values()])
+    flat2 = torch.cat([g2[n].flatten() for n in g1])
+    assert flat1.norm() > 0
+    assert torch.allclose(flat2, flat1, rtol=1e-4, atol=1e-6 * float(flat1.abs().max())), \
+        float((flat2 - flat1).abs().max())
+
+
+def test_split_channels_weights_add_up_to_the_whole_batch():
+    """The chunks' weights are the shares of SDPO tokens and DPO pairs; padding beyond a chunk's rows is cut."""
+    valid = torch.zeros(3, 5, dtype=torch.bool)
+    valid[0, :5], valid[1, :1], valid[2, :2] = True, True, True
+    att = torch.tensor([[1] * 9, [1] * 4 + [0] * 5, [1] * 6 + [0] * 3])
+    t = {"sdpo_student_ids": att.clone(), "sdpo_student_attention_mask": att, "sdpo_student_mask": att.bool(),
+         "sdpo_teacher_ids": att.clone(), "sdpo_teacher_attention_mask": att, "sdpo_teacher_mask": att.bool(),
+         "student_response_idx": valid.long(), "teacher_response_idx": valid.long(),
+         "student_response_valid": valid, "teacher_response_valid": valid.clone()}
+    batch = trainer_mod.ComposerBatch(tensors=t)
+    parts = split_channels(batch, 2)
+    assert [p.num_sdpo for p in parts] == [2, 1] and [p.num_dpo for p in parts] == [0, 0]
+    assert [p.sdpo_weight for p in parts] == pytest.approx([6 / 8, 2 / 8])
+    assert parts[1].tensors["sdpo_student_ids"].shape == (1, 6)  # padding beyond the chunk's longest row is cut
+    assert parts[1].tensors["student_response_idx"].shape == (1, 2)
+    assert split_channels(batch, 1)[0].sdpo_weight == 1.0
+    assert [p.num_sdpo for p in split_channels(batch, 5)] == [1, 1, 1, 0, 0]
+    assert all(not p.tensors for p in split_channels(None, 3))
+    with pytest.raises(ValueError, match="parts 0"):
+        split_channels(batch, 0)
+
+
+# ------------------------------------------------------------------------------------------- resolution rules
+
+
+def test_node_batch_resolution():
+    config = RunConfig()  # G = 4, tasks_per_step = 2
+    default = NodeBatch.resolve(config)
+    assert (default.micro_batch, default.grad_accum, default.episodes_per_step) == (8, 1, 8)
+    small = NodeBatch.resolve(config, 2, 6)
+    assert (small.episodes_per_step, small.tasks_per_step) == (12, 3)  # a micro-batch need not hold a whole group
+    with pytest.raises(BatchError, match=r"--batch-size 3 x --grad-accum 1 = 3 .* num_generations 4"):
+        NodeBatch.resolve(config, 3, 1)
+    with pytest.raises(BatchError, match="--grad-accum 0"):
+        NodeBatch.resolve(config, 4, 0)
+    with pytest.raises(ValueError, match="micro_batch 3 x grad_accum 1"):
+        grpo_args(config, output_dir=Path("unused"), max_steps=1, use_cpu=True, bf16=False, micro_batch=3)
+
+
+def test_placement_precision_on_this_machine():
+    cpu = Placement.resolve("cpu", "auto")
+    assert (cpu.use_cpu, cpu.bf16, cpu.describe()) == (True, False, "cpu, fp32")
+    assert Placement.resolve("cpu", "fp32") == cpu
+    with pytest.raises(DeviceError, match="--dtype bf16 needs a CUDA GPU"):
+        Placement.resolve("cpu", "bf16")
+    with pytest.raises(DeviceError, match="--dtype 'fp16' is not one of auto, fp32, bf16"):
+        Placement.resolve("cpu", "fp16")
+    if torch.cuda.is_available():
+        gpu = Placement.resolve("cuda:0", "auto")
+        assert gpu.bf16 == torch.cuda.is_bf16_supported(including_emulation=False)
+        assert not Placement.resolve("cuda:0", "fp32").bf16
+
+
+# ------------------------------------------------------------------------------------- bad input, one line, exit 1
+
+
+DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def join(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--run-dir", str(tmp_path),
+                           *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--batch-size", "0"), "--batch-size 0: expected a number of episodes >= 1"),
+    (("--grad-accum", "-1"), "--grad-accum -1: expected a number of micro-batches >= 1"),
+    (("--dtype", "fp16"), "--dtype 'fp16' is not one of auto, fp32, bf16"),
+    (("--device", "cpu", "--dtype", "bf16"), "--dtype bf16 needs a CUDA GPU with bf16 support, but --device is cpu"),
+])
+def test_bad_node_options_fail_before_the_network(tmp_path, args, expected):
+    """Checked before the DHT is joined: the dead peer is never reached, so no 'no peer answered' and no wait."""
+    r = join(tmp_path, *args)
+    assert r.returncode == 1 and expected in error_line(r)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_batch_that_splits_a_group_names_the_values(tmp_path):
+    """Against a real coordinator (G = 4): 3 x 1 episodes per step cannot hold whole groups."""
+    from tests_support import stop_processes
+
+    fast = tmp_path / "fast.toml"  # the smoke run without the warm start: the coordinator is up in seconds
+    fast.write_text(SMOKE.read_text() + "\n[warmstart]\nsteps = 0\n")
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "start", "--config", str(fast), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir",
+                            str(tmp_path / "run"), "--device", "cpu", "--batch-size", "3"],
+                           capture_output=True, text=True, timeout=200, cwd=ROOT)
+        assert r.returncode == 1
+        assert "--batch-size 3 x --grad-accum 1 = 3 episodes per step is not a multiple of the run's " \
+               "num_generations 4" in error_line(r)
+    finally:
+        stop_processes([coordinator])
+
+
+# ------------------------------------------------------------------------------ two different nodes in one run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_nodes_with_different_batches_are_weighted_by_samples(run_dir):
+    """Node A: the run's batch (8 episodes per step); node B: 4 per step. Same theta everywhere every round; B's
+    samples are half of A's and the coordinator's all-reduce weight is their sum."""
+    from composer_diloco.metrics import read_metrics
+    from tests_support import stop_processes
+
+    procs = []
+    try:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+        procs.append(coordinator)
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        peer = line.split()[1]
+        node = [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--device", "cpu"]
+        a = subprocess.Popen(node + ["--name", "node-a"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, start_new_session=True)
+        procs.append(a)
+        b = subprocess.Popen(node + ["--name", "node-b", "--batch-size", "4", "--grad-accum", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             start_new_session=True)
+        procs.append(b)
+        _, err_a = a.communicate(timeout=540)
+        _, err_b = b.communicate(timeout=60)
+        assert a.returncode == 0, err_a[-3000:]
+        assert b.returncode == 0, err_b[-3000:]
+        assert coordinator.wait(timeout=60) == 0
+    finally:
+        stop_processes(procs)
+
+    metrics = read_metrics(run_dir)
+    coordinator_rounds = {r["round"]: r for r in metrics["coordinator"]}
+    nodes = {name: {r["round"]: r for r in metrics[name]} for name in ("node-a", "node-b")}
+    assert sorted(coordinator_rounds) == [0, 1]
+    # a node that starts over `join_grace_s` after the other waits for the next round: both share round 1 at least
+    assert 1 in nodes["node-a"] and 1 in nodes["node-b"]
+    for r, c in coordinator_rounds.items():
+        present = [n[r] for n in nodes.values() if r in n]
+        assert all(x["global_sha256"] == c["global_sha256"] and x["status"] == "averaged" for x in present)
+        assert c["weight_total"] == sum(x["samples"] for x in present)  # the all-reduce weights are the samples
+    for a, b in ((nodes["node-a"].get(r), nodes["node-b"].get(r)) for r in coordinator_rounds):
+        assert a is None or a["samples"] == 2 * 8  # H=2 inner steps of the run's batch, 8 episodes
+        assert b is None or b["samples"] == 2 * 4  # H=2 inner steps of 4 episodes: half of A's
