@@ -11,7 +11,9 @@ Failure behaviour (what the round protocol relies on):
 - a sender that dies is banned by the reducers; the parts it had not sent are averaged without it;
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
   those coordinates this round) and `ExactAverager.last_failed_fraction` tells how much was lost;
-- ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.diloco`).
+- ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.diloco`);
+- a contribution that `composer_diloco.screening.screen` drops (non-finite, or a norm outlier) is averaged with
+  weight 0 by every reducer, and its owner sends zeros: the group goes on without it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
+from composer_diloco import faults
 from composer_diloco.compression import roundtrip
+from composer_diloco.screening import screen
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -49,15 +53,21 @@ class _ZeroOnFailureContainer(TensorPartContainer):
 class ExactAllReduceRunner(AllReduceRunner):
     """`AllReduceRunner` returning averages (not deltas), identical on all peers, counting payload bytes.
 
-    Args (beyond hivemind's): ``bytes_sent``, an ``mp.Value('Q')`` incremented by the serialized size (bytes)
-    of every tensor part this peer sends, to reducers and back to senders.
+    Args (beyond hivemind's):
+        bytes_sent: an ``mp.Value('Q')`` incremented by the serialized size (bytes) of every tensor part this
+            peer sends, to reducers and back to senders.
+        dropped: indices (in ``ordered_peer_ids``) of peers whose contribution every reducer weighs 0.
+        round_: the DiLoCo round (for fault injection only).
     """
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], peer_fractions: tuple[float, ...],
-                 compression: CompressionBase, bytes_sent: Any, **kwargs: Any):
+                 compression: CompressionBase, bytes_sent: Any, dropped: frozenset[int] = frozenset(),
+                 round_: int | None = None, **kwargs: Any):
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, compression=compression, **kwargs)
         self._compression = compression
         self._bytes_sent = bytes_sent
+        self._dropped_senders = {self.ordered_peer_ids[i] for i in dropped}
+        self._round = round_
         container_kwargs = {k: v for k, v in kwargs.items() if k in ("part_size_bytes", "tensor_infos", "prefetch")}
         self.tensor_part_container = _ZeroOnFailureContainer(
             tensors, peer_fractions, compression=compression, return_deltas=False, **container_kwargs
@@ -88,6 +98,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super()._generate_input_for_peer(peer_index):
             self._count(message.tensor_part.ByteSize())
             yield message
+            if faults.active("kill_in_allreduce", self._round) is not None:
+                faults.kill_this_peer(f"in the all-reduce of round {self._round}", from_child=True)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
@@ -99,6 +111,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if self.sender_peer_ids[sender_index] in self._dropped_senders:
+                    weight = 0.0  # screened out: every reducer agrees (composer_diloco.screening)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -130,11 +144,13 @@ class ExactAverager(DecentralizedAverager):
     Attributes:
         bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
         failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
+        max_norm_ratio: screening threshold handed to `composer_diloco.screening.screen` (None = NaN/Inf only).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,
-                 **kwargs: Any):
+                 max_norm_ratio: float | None = None, **kwargs: Any):
         self._state_provider = state_provider
+        self.max_norm_ratio = max_norm_ratio
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -142,6 +158,15 @@ class ExactAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.setdefault("compression", NoCompression())
+        gathered = [self.serializer.loads(self.serializer.loads(b)[2]) for b in group_info.gathered]
+        verdicts = screen(gathered, self.max_norm_ratio)
+        dropped = frozenset(i for i, v in enumerate(verdicts) if v is not None)
+        me = group_info.peer_ids.index(self.peer_id)
+        if me in dropped:  # send zeros with weight 0: 0 * NaN would still poison the reducers' sums
+            for t in tensors:
+                t.zero_()
+            kwargs["weight"] = 0.0
+        mine = gathered[me] if isinstance(gathered[me], dict) else {}
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -150,6 +175,8 @@ class ExactAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             bytes_sent=self.bytes_sent,
+            dropped=dropped,
+            round_=mine.get("round"),
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"

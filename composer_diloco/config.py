@@ -91,6 +91,10 @@ class OuterOptimizer(_Section):
     lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
     nesterov: bool = True
+    max_norm_ratio: float | None = Field(
+        10.0, gt=1, description="Drop a pseudo-gradient whose norm exceeds this multiple of the round's median "
+                                "(NaN/Inf ones are always dropped); null = no norm screening.",
+    )
 
 
 class NetworkConfig(_Section):
@@ -101,6 +105,14 @@ class NetworkConfig(_Section):
     averaging_timeout_s: float = Field(45.0, gt=0, description="Seconds an all-reduce may take before it is abandoned.")
     round_slack_s: float = Field(
         120.0, gt=0, description="Seconds the first peer ready for a round waits for the others before it goes on."
+    )
+    round_budget_s: float | None = Field(
+        None, gt=0, description="Wall seconds a node may spend in a round's inner phase: at the deadline it stops "
+                                "after the current inner step and syncs with what it has (null = always H steps).",
+    )
+    join_grace_s: float = Field(
+        30.0, ge=0, description="A node joining a round that started more than this many seconds ago waits for the "
+                                "next round boundary instead of holding the others up.",
     )
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats in the DHT.")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="A peer silent this many seconds is taken for dead.")
@@ -168,6 +180,22 @@ class RunConfig(_Section):
             return cls.model_validate_json(text)
         except ValidationError as e:
             raise ConfigError(f"run config from the DHT is invalid: {_first_error(e)}") from None
+
+
+def config_diff(ours: RunConfig, theirs: RunConfig) -> list[str]:
+    """Dotted names of the fields whose values differ (``["inner_steps", "outer.lr"]``), sorted."""
+    a, b = _flatten(ours.model_dump(mode="json")), _flatten(theirs.model_dump(mode="json"))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "hints":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _first_error(error: ValidationError) -> str:

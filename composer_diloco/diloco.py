@@ -8,8 +8,15 @@ Failure behaviour of `sync`:
 - the all-reduce fails (no group within ``averaging_timeout_s``, a peer lost mid-way beyond repair): no outer
   step is applied; the peer downloads the newest state from a live peer (``load_state_from_peers``, the
   coordinator first) if one is ahead, else applies its own pseudo-gradient alone (it is then the whole swarm);
-- a NaN/Inf mean pseudo-gradient: the outer step is refused (ValueError from `GlobalModel.outer_step`), the
-  round is marked failed and the peer resynchronises as above.
+- a contribution with NaN/Inf or an outlier norm: dropped by every peer of the group alike
+  (`composer_diloco.screening`); the round goes on with the rest, the drop is logged with the peer's name, and
+  if nothing is left to average theta stays as it is for that round ("skipped");
+- a peer lost in the middle of the all-reduce can leave the survivors with different averages (a reducer that
+  returned its part to some peers and not to others): after every averaged round a node compares its theta with
+  the coordinator's (its heartbeat carries theta's SHA-256) and downloads the coordinator's state if they differ,
+  so all replicas leave the round identical;
+- a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
+  `GlobalModel.outer_step`), the round is marked failed and the peer resynchronises as above.
 """
 
 from __future__ import annotations
@@ -17,16 +24,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from composer_diloco import faults
 from composer_diloco.averaging import ExactAverager
 from composer_diloco.compression import make_compression
 from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer import GlobalModel
+from composer_diloco.screening import pseudo_gradient_norm, screen
 from composer_diloco.swarm import Swarm
 
 log = logging.getLogger(__name__)
@@ -44,7 +53,9 @@ class SyncResult:
         wait_seconds: the part of ``sync_seconds`` spent waiting at the barrier for other peers.
         bytes_sent: payload bytes this peer sent in the all-reduce.
         global_sha256: SHA-256 of theta after the outer step (`GlobalModel.sha256`).
-        status: "averaged", "alone", or "resynced" (state downloaded from a peer after a failure).
+        status: "averaged", "alone", "resynced" (state downloaded from a peer after a failure) or "skipped"
+            (every contribution was dropped: theta unchanged).
+        rejected: names of the peers whose pseudo-gradient was dropped this round (`screening.screen`).
     """
 
     round: int
@@ -55,6 +66,33 @@ class SyncResult:
     bytes_sent: int
     global_sha256: str
     status: str
+    rejected: list[str] = field(default_factory=list)
+
+
+class ArchitectureMismatch(ValueError):
+    """A peer's global model has other parameters (names or shapes) than this peer's model."""
+
+
+@dataclass
+class _RoundClock:
+    """When this peer's sync of a round started, how long it waited at the barrier, bytes sent before it."""
+
+    start: float
+    bytes_before: int
+    waited: float = 0.0
+
+
+def _check_layout(theirs: list, ours: list) -> None:
+    """Raise ArchitectureMismatch naming the first parameter whose name or shape differs."""
+    theirs = [[str(n), list(shape)] for n, shape in theirs]
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            raise ArchitectureMismatch(
+                f"model architecture differs from the run's: parameter {i} is {a[0]!r} {a[1]} in the run, "
+                f"{b[0]!r} {b[1]} here (does --model / the installed version match the coordinator's?)")
+    if len(theirs) != len(ours):
+        raise ArchitectureMismatch(f"model architecture differs from the run's: {len(theirs)} parameter tensors in "
+                                   f"the run, {len(ours)} here")
 
 
 def round_group_bits(round_: int) -> str:
@@ -85,12 +123,16 @@ class DiLoCoPeer:
         self._update_priority()
 
     def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
+        from composer_diloco.auth import MembersOnlyAverager, averaging_prefix
+
         net = config.network
-        return ExactAverager(
+        # a closed run's averager has its own prefix and serves only peers that hold the run secret (auth.py)
+        averager_type = ExactAverager if swarm.secret is None else MembersOnlyAverager
+        return averager_type(
             self.delta,
             swarm.dht,
             state_provider=self._state,
-            prefix=f"{config.run_name}_diloco",
+            prefix=averaging_prefix(config.run_name, swarm.secret),
             start=True,
             min_group_size=2,
             min_matchmaking_time=net.matchmaking_time_s,
@@ -98,6 +140,7 @@ class DiLoCoPeer:
             allreduce_timeout=net.averaging_timeout_s,
             next_chunk_timeout=min(10.0, net.averaging_timeout_s / 3),
             compression=make_compression(config.compression),
+            max_norm_ratio=config.outer.max_norm_ratio,
             declare_state_period=5.0,
             shutdown_timeout=5.0,
         )
@@ -105,21 +148,41 @@ class DiLoCoPeer:
     # -- state sharing (late joiners, resync) -------------------------------------------------------
     def _state(self) -> tuple[dict, list[torch.Tensor]]:
         with self._lock:
-            meta = {"round": self.round, "sha256": self.global_model.sha256(), "run": self.config.run_name}
+            meta = {"round": self.round, "sha256": self.global_model.sha256(), "run": self.config.run_name,
+                    "layout": self.layout()}
             return meta, [t.clone() for t in self.global_model.state_tensors()]
 
     def _update_priority(self) -> None:
         # load_state_from_peers picks the highest priority: the newest round, the coordinator among equals.
         self.averager.state_sharing_priority = self.round + (0.5 if self.swarm.role == "coordinator" else 0.0)
 
-    def load_state_from_peers(self, timeout_s: float) -> bool:
-        """Adopt theta, outer momentum and round from the best live peer. Returns False if none answered."""
+    def layout(self) -> list[list]:
+        """``[[name, shape], ...]`` of the global params: what two peers of one run must share."""
+        return [[n, list(p.shape)] for n, p in zip(self.global_model.names, self.global_model.params)]
+
+    def load_state_from_peers(self, timeout_s: float, *, min_round: int | None = None) -> bool:
+        """Adopt theta, outer momentum and round from the best live peer.
+
+        Args:
+            timeout_s: seconds to wait for a peer's state.
+            min_round: ignore (do not load) a state older than this round.
+        Returns:
+            False if no peer answered, or its state was older than ``min_round``.
+        Raises:
+            ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference).
+        """
         loaded = self.averager.load_state_from_peers(timeout=timeout_s)
         if loaded is None:
             return False
         meta, tensors = loaded
         if not isinstance(meta, dict) or "round" not in meta:
             log.warning("peer state without a round: %r", meta)
+            return False
+        if "layout" in meta:
+            _check_layout(meta["layout"], self.layout())
+        if min_round is not None and int(meta["round"]) < min_round:
+            log.info("%s: the peers' state is at round %s, older than round %d: not loaded", self.swarm.name,
+                     meta["round"], min_round)
             return False
         with self._lock:
             self.global_model.load_state_tensors(tensors)
@@ -140,13 +203,16 @@ class DiLoCoPeer:
         Returns:
             A `SyncResult`, or None when stopped.
         """
-        start, r, net = time.monotonic(), self.round, self.config.network
+        r, net = self.round, self.config.network
+        clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
         with self.averager.get_tensors() as delta:
             if model is None:
                 for d in delta:
                     d.zero_()
             else:
                 self.global_model.pseudo_gradient(model, delta)
+                faults.corrupt_pseudo_gradient(r, delta)
+            norm = pseudo_gradient_norm(delta)
         if self.swarm.role == "node":
             self.swarm.announce_ready(r, weight)
         barrier = self.swarm.wait_for_round(r, slack_s=net.round_slack_s, matchmaking_s=net.matchmaking_time_s,
@@ -154,36 +220,43 @@ class DiLoCoPeer:
         if barrier is None:
             return None
         scheduled_time, ready_nodes = barrier
-        waited = time.monotonic() - start
+        clock.waited = time.monotonic() - clock.start
         others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
         others = [p for p in others if p.role == "coordinator" or p.name in ready_nodes]
-        bytes_before = self.averager.bytes_sent.value
+        if not others:  # nobody to average with: theta moves by our own pseudo-gradient
+            return self._step_alone(model, r, clock)
 
-        status, peers, weight_total = "averaged", 1, weight
-        if not others:
-            status = "alone"  # nobody to average with: theta moves by our own pseudo-gradient
-        else:
-            self.averager.set_group_bits(round_group_bits(r))
-            try:
-                gathered = self.averager.step(
-                    weight=float(weight),
-                    gather={"name": self.swarm.name, "round": r, "weight": float(weight)},
-                    scheduled_time=scheduled_time,
-                    timeout=net.averaging_timeout_s,
-                    allow_retries=False,
-                )
-            except Exception as e:
-                log.warning("%s round %d: all-reduce failed: %r", self.swarm.name, r, e)
-                gathered = None
-            if gathered is None:
-                return self._after_failure(model, r, start, waited, bytes_before)
-            peers = len(gathered)
-            weight_total = sum(float(g.get("weight", 0.0)) for g in gathered.values() if isinstance(g, dict))
-            rounds = {g.get("round") for g in gathered.values() if isinstance(g, dict)}
-            if rounds != {r}:
-                log.error("%s round %d: group mixed rounds %s", self.swarm.name, r, rounds)
-            if peers == 1 or weight_total <= 0:
-                return self._after_failure(model, r, start, waited, bytes_before)
+        self.averager.set_group_bits(round_group_bits(r))
+        try:
+            gathered = self.averager.step(
+                weight=float(weight),
+                gather={"name": self.swarm.name, "role": self.swarm.role, "round": r, "weight": float(weight),
+                        "norm": norm},
+                scheduled_time=scheduled_time,
+                timeout=net.averaging_timeout_s,
+                allow_retries=False,
+            )
+        except Exception as e:
+            log.warning("%s round %d: all-reduce failed: %r", self.swarm.name, r, e)
+            gathered = None
+        if not gathered or len(gathered) == 1:
+            return self._after_failure(model, r, clock)
+        group = [g if isinstance(g, dict) else {} for g in gathered.values()]
+        if {g.get("round") for g in group} != {r}:
+            log.error("%s round %d: group mixed rounds %s", self.swarm.name, r, {g.get("round") for g in group})
+        verdicts = screen(group, self.config.outer.max_norm_ratio)
+        rejected = [v.name for v in verdicts if v is not None]
+        for v in verdicts:
+            if v is not None:
+                log.warning("%s round %d: dropped the pseudo-gradient of %s: %s", self.swarm.name, r, v.name, v.reason)
+        weight_total = sum(float(g.get("weight", 0.0)) for g, v in zip(group, verdicts) if v is None)
+        if weight_total <= 0 and rejected:
+            log.warning("%s round %d: no contribution left after screening: theta unchanged", self.swarm.name, r)
+            with self._lock:
+                self.round = r + 1
+            return self._finish(model, r, clock, peers=len(group), status="skipped", rejected=rejected)
+        if weight_total <= 0:
+            return self._after_failure(model, r, clock)
 
         with self.averager.get_tensors() as delta:
             mean = [d.clone() for d in delta]
@@ -193,29 +266,67 @@ class DiLoCoPeer:
                 self.round = r + 1
         except ValueError as e:
             log.error("%s round %d: %s", self.swarm.name, r, e)
-            return self._after_failure(model, r, start, waited, bytes_before)
-        return self._finish(model, r, peers, weight_total, start, waited, bytes_before, status)
+            return self._after_failure(model, r, clock)
+        status = "averaged"
+        if self.swarm.role == "node" and any(g.get("role") == "coordinator" for g in group):
+            status = self._agree_with_coordinator(r + 1)
+        return self._finish(model, r, clock, peers=len(group), weight_total=weight_total, status=status,
+                            rejected=rejected)
 
-    def _after_failure(self, model, r, start, waited, bytes_before) -> SyncResult:
+    def _agree_with_coordinator(self, next_round: int, wait_s: float = 10.0) -> str:
+        """Compare theta with the coordinator's once it has finished the round; adopt its state if they differ.
+
+        Returns "averaged" (same theta, or no answer within ``wait_s``) or "resynced" (the coordinator's state
+        was downloaded).
+        """
+        ours = self.global_model.sha256()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            coordinator = [p for p in self.swarm.live_peers() if p.role == "coordinator"]
+            if not coordinator or coordinator[0].round > next_round:
+                return "averaged"
+            if coordinator[0].round == next_round and coordinator[0].sha:
+                if coordinator[0].sha == ours:
+                    return "averaged"
+                log.warning("%s round %d: theta differs from the coordinator's after the all-reduce (a peer was "
+                            "lost mid-way): downloading its state", self.swarm.name, next_round - 1)
+                if self.load_state_from_peers(timeout_s=self.config.network.averaging_timeout_s,
+                                              min_round=next_round):
+                    return "resynced"
+                return "averaged"
+            time.sleep(0.1)
+        return "averaged"
+
+    def _after_failure(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
         if self.load_state_from_peers(timeout_s=self.config.network.averaging_timeout_s) and self.round > r:
-            return self._finish(model, r, 0, 0.0, start, waited, bytes_before, "resynced")
+            return self._finish(model, r, clock, peers=0, status="resynced")
         log.warning("%s round %d: no peer ahead of us; applying our own pseudo-gradient", self.swarm.name, r)
+        return self._step_alone(model, r, clock)
+
+    def _step_alone(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
         with self.averager.get_tensors() as delta:
             own = [d.clone() for d in delta]
+        status = "alone"
         with self._lock:
-            self.global_model.outer_step(own)
+            try:
+                self.global_model.outer_step(own)
+            except ValueError as e:  # our own pseudo-gradient is non-finite: keep theta
+                log.error("%s round %d: %s; theta unchanged", self.swarm.name, r, e)
+                status = "skipped"
             self.round = r + 1
-        return self._finish(model, r, 1, 0.0, start, waited, bytes_before, "alone")
+        return self._finish(model, r, clock, peers=1, status=status)
 
-    def _finish(self, model, r, peers, weight_total, start, waited, bytes_before, status) -> SyncResult:
+    def _finish(self, model: nn.Module | None, r: int, clock: _RoundClock, *, peers: int, status: str,
+                weight_total: float = 0.0, rejected: list[str] | None = None) -> SyncResult:
         if model is not None:
             self.global_model.load_into(model)
         self._update_priority()
-        self.swarm.set_round(self.round)
+        sha = self.global_model.sha256()
+        self.swarm.set_round(self.round, sha=sha)
         return SyncResult(
-            round=r, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - start,
-            wait_seconds=waited, bytes_sent=int(self.averager.bytes_sent.value - bytes_before),
-            global_sha256=self.global_model.sha256(), status=status,
+            round=r, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - clock.start,
+            wait_seconds=clock.waited, bytes_sent=int(self.averager.bytes_sent.value - clock.bytes_before),
+            global_sha256=sha, status=status, rejected=list(rejected or []),
         )
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -149,6 +150,18 @@ class EnvServer:
         return f"EnvServer(url={self.url!r}, pid={self.pid}, running={self.running})"
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux ``PR_SET_PDEATHSIG``), so a
+    node killed with SIGKILL does not leave its env servers behind. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _spawn(module: str, host: str, port: int) -> EnvServer:
     """Start ``module`` on ``host:port`` in a new process group, output to a temp log file."""
     fd, log_name = tempfile.mkstemp(prefix="env-server-", suffix=".log")
@@ -157,7 +170,7 @@ def _spawn(module: str, host: str, port: int) -> EnvServer:
         process = subprocess.Popen(
             [sys.executable, "-m", module, "--host", host, "--port", str(port)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
+            env=env, start_new_session=True, preexec_fn=_die_with_parent(),
         )
     return EnvServer(process, f"http://{host}:{port}", Path(log_name))
 

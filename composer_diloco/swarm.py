@@ -2,7 +2,9 @@
 
 Keys (all but the first under the run name, so two runs can share a DHT):
     ``composer_diloco.runs`` / run   the run config as canonical JSON (published by the coordinator)
-    ``{run}.peers`` / peer      ``{"role", "round", "t"}``: who is alive and which round it trains toward
+    ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "maddr", "t"}``: who is alive, the round it
+                                trains toward and since when (DHT time), theta's SHA-256 at the start of that
+                                round, and where to dial it
     ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
 
 Why a barrier: hivemind's matchmaking only groups peers that look for a group at about the same time, and each
@@ -49,22 +51,31 @@ def parse_multiaddr(text: str) -> Multiaddr:
     return addr
 
 
-def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None) -> hivemind.DHT:
+def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
+              secret: bytes | None = None) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
+    ``secret`` closes the run: every DHT RPC is signed and checked with it (`composer_diloco.auth`).
+
     Raises:
-        SwarmError: the daemon did not start, or no initial peer answered.
+        SwarmError: the daemon did not start, or no initial peer answered (or all refused our run secret).
     """
     kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
     if announce:
         kwargs["announce_maddrs"] = announce
+    if secret is not None:
+        from composer_diloco.auth import HMACAuthorizer
+
+        kwargs["authorizer"] = HMACAuthorizer(secret)
     try:
         with keep_signal_handlers():
             return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):
+            hint = ("It also refuses a wrong run secret: check --secret-file / COMPOSER_DILOCO_SECRET" if secret
+                    else "A closed run also refuses peers without its secret: --secret-file or COMPOSER_DILOCO_SECRET")
             raise SwarmError(f"no peer answered at --peer {' '.join(initial_peers)} (is the coordinator running "
-                             "and reachable from here?)") from None
+                             f"and reachable from here? {hint})") from None
         where = f"peers {initial_peers}" if initial_peers else f"address {kwargs['host_maddrs'][0]}"
         raise SwarmError(f"could not start a DHT peer with {where}: {type(e).__name__}: {e}") from None
 
@@ -117,10 +128,16 @@ def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: floa
 
 @dataclass(frozen=True)
 class PeerRecord:
+    """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
+    ("" before its first round ends); ``maddr`` = its multiaddr."""
+
     name: str
     role: str  # "coordinator" | "node"
     round: int
     t: float
+    since: float = 0.0
+    maddr: str = ""
+    sha: str = ""
 
 
 class Swarm:
@@ -131,11 +148,16 @@ class Swarm:
         run_name: the run's key prefix.
         peer_name: this peer's unique name (``coordinator`` or ``node-<...>``).
         role: ``"coordinator"`` or ``"node"``.
+        secret: the run secret of a closed run (None = open); `DiLoCoPeer` derives its averager from it.
     """
 
-    def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str):
+    def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str, secret: bytes | None = None):
         self.dht, self.run, self.name, self.role = dht, run_name, peer_name, role
+        self.secret = secret
         self.round = 0
+        self.round_since = get_dht_time()
+        self.sha = ""
+        self._maddr = ""
         self._ttl_s: float | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -153,13 +175,19 @@ class Swarm:
                 self._stop.wait(period_s)
 
         self._ttl_s = ttl_s
+        try:
+            self._maddr = visible_multiaddr(self.dht)
+        except SwarmError:
+            self._maddr = ""
         self._store_heartbeat(ttl_s)
         self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         self._heartbeat.start()
 
-    def set_round(self, round_: int) -> None:
-        """Record the round this peer now trains toward, and publish it at once (not at the next beat)."""
-        self.round = round_
+    def set_round(self, round_: int, sha: str = "") -> None:
+        """Record the round this peer now trains toward (and theta's SHA-256 for it), and publish it at once."""
+        if round_ != self.round or self._ttl_s is None:  # a new round, or the first one this peer trains
+            self.round_since = get_dht_time()
+        self.round, self.sha = round_, sha
         if self._ttl_s is not None:
             try:
                 self._store_heartbeat(self._ttl_s)
@@ -167,7 +195,8 @@ class Swarm:
                 log.debug("heartbeat failed: %r", e)
 
     def _store_heartbeat(self, ttl_s: float) -> None:
-        value = {"role": self.role, "round": self.round, "t": get_dht_time()}
+        value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha, "maddr": self._maddr,
+                 "t": get_dht_time()}
         self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
 
     def live_peers(self) -> list[PeerRecord]:
@@ -179,7 +208,9 @@ class Swarm:
         for name, item in found.value.items():
             v = getattr(item, "value", None)
             if isinstance(v, dict) and {"role", "round", "t"} <= v.keys():
-                out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"])))
+                out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"]),
+                                      float(v.get("since", v["t"])), str(v.get("maddr", "")),
+                                      str(v.get("sha", ""))))
         return out
 
     # -- the round barrier --------------------------------------------------------------------------------

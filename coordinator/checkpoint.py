@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from composer_diloco import faults
 from composer_diloco.outer import GlobalModel
 
 
@@ -55,10 +56,16 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         "config": config_json,
     }, tmp / "outer.pt")
     _fsync_tree(tmp)
-    if final.exists():  # a re-save of the same round (resume): replace it whole
-        shutil.rmtree(final)
+    if faults.active("kill_in_checkpoint", round_) is not None:
+        faults.kill_this_peer(f"while writing checkpoint {final.name}")
+    old = None
+    if final.exists():  # a re-save of the same round: move the old copy aside first, delete it after the swap
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
     os.replace(tmp, final)
     _write_atomic(root / "latest", final.name)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

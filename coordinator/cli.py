@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,6 +20,8 @@ RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Checkpoints, metrics
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Hub id or local model directory (replaces the "
                                                                  "embedded tiny default).")]
+SecretFileOpt = Annotated[Optional[Path], typer.Option("--secret-file", help="File holding the run secret that closes "
+                                                       "the run (default: $COMPOSER_DILOCO_SECRET; neither: open).")]
 
 
 def _load(config: Path | None, rounds: int | None, model: str | None):
@@ -37,6 +40,7 @@ def start(
     announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
     run_dir: RunDirOpt = Path("runs/default"),
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --run-dir.")] = False,
+    secret_file: SecretFileOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0."""
@@ -58,7 +62,8 @@ def start(
                 Multiaddr(listen)
             except Exception:
                 raise SwarmError(f"--listen {listen!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)")
-        coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume), stop)
+        coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume,
+                                                     secret_file=secret_file), stop)
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)
         done = coordinator.serve()
@@ -86,17 +91,22 @@ def simulate(
     model: ModelOpt = None,
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
+    secret_file: SecretFileOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table."""
+    from composer_diloco.auth import SECRET_ENV, SecretError, load_secret
     from composer_diloco.config import ConfigError
     from coordinator.simulate import Simulation, run_simulation
 
     try:
         cfg = _load(config, rounds, model)
-    except ConfigError as e:
+        secret = load_secret(secret_file)
+    except (ConfigError, SecretError) as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1)
+    if secret is not None:  # every process it spawns inherits it (never on a command line or in the run dir)
+        os.environ[SECRET_ENV] = secret.decode()
     if any(run_dir.glob("*/metrics.jsonl")):
         typer.echo(f"composer-coordinator: error: --run-dir {str(run_dir)!r} already holds a run's metrics "
                    "(pick a new folder)", err=True)

@@ -2,20 +2,26 @@
 
 Per round it joins the all-reduce with weight 0 (`DiLoCoPeer.sync(None, 0.0)`): it receives the nodes' mean
 pseudo-gradient without moving it and applies the same outer step, so its theta is the run's canonical one.
+
+Restarts: the nodes do not need the coordinator to go on averaging, so a coordinator that died comes back with
+the same command (or ``--resume``) and the same ``--run-dir``. It dials the nodes it last saw (``peers.json``),
+downloads their state when it is newer than its newest checkpoint, and checkpoints from there.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer_diloco.config import RunConfig
+from composer_diloco.config import RunConfig, config_diff
 from composer_diloco.diloco import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.swarm import Swarm, publish_config, start_dht, visible_multiaddr
+from composer_diloco.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
 from coordinator.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -32,7 +38,10 @@ class CoordinatorOptions:
         run_dir: checkpoints, the warm-start cache and ``coordinator/metrics.jsonl`` go here.
         listen: multiaddr to listen on (default: 127.0.0.1, a free TCP port).
         announce: multiaddrs other machines should dial (for a public address behind NAT).
-        resume: continue from the newest checkpoint in ``run_dir`` (theta, outer momentum, round).
+        resume: continue from the newest checkpoint in ``run_dir`` (theta, outer momentum, round), even with a
+            changed config (e.g. more rounds); without it a run dir that holds checkpoints of the same config is
+            continued, and one of another config is refused.
+        secret_file: file holding the run secret that closes the run (None: ``$COMPOSER_DILOCO_SECRET``, else open).
     """
 
     config: RunConfig
@@ -40,6 +49,7 @@ class CoordinatorOptions:
     listen: str | None = None
     announce: list[str] | None = None
     resume: bool = False
+    secret_file: Path | None = None
 
 
 class Coordinator:
@@ -53,13 +63,16 @@ class Coordinator:
         self.dht = None
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
+        self.secret: bytes | None = None  # the run secret (never logged or written); None = an open run
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
+        from composer_diloco.auth import load_secret
         from composer_diloco.policy import load_policy
 
+        self.secret = load_secret(self.options.secret_file)  # a bad secret fails before any work
         config = self.config
-        checkpoint = self._resume_point() if self.options.resume else None
+        checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None:
             self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir,
@@ -67,26 +80,85 @@ class Coordinator:
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
         (self.run_dir / "config.json").write_text(config.to_json())
-        self.dht = start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce)
+        self.dht = self._start_dht(known_peers=self._known_peers() if checkpoint is not None else [])
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
-        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator")
+        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator",
+                           secret=self.secret)
         self.peer = DiLoCoPeer(self.model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
+        newer_live_state = False
         if checkpoint is not None:
             self._load_outer_state(checkpoint)
+            newer_live_state = self._reload_from_live_nodes()
         publish_config(self.dht, config)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
-        if checkpoint is None:  # a resumed run's starting point is already a checkpoint
+        if checkpoint is None or newer_live_state:  # a resumed run's starting point is already a checkpoint
             save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
                             config.to_json())
         return visible_multiaddr(self.dht)
 
-    def _resume_point(self) -> Path:
-        """The newest complete checkpoint. Raises CheckpointError if the run dir has none."""
+    def _continue_point(self) -> Path | None:
+        """The checkpoint to continue from, or None for a new run.
+
+        Raises:
+            CheckpointError: ``--resume`` and no checkpoint; or, without ``--resume``, the run dir holds a run
+                of another config (the message names the differing fields).
+        """
         folder = latest_checkpoint(self.run_dir)
+        if self.options.resume:
+            if folder is None:
+                raise CheckpointError(f"--resume: no checkpoint in {str(self.run_dir / 'checkpoints')!r}")
+            return folder
         if folder is None:
-            raise CheckpointError(f"--resume: no checkpoint in {str(self.run_dir / 'checkpoints')!r}")
+            return None
+        state = read_outer_state(folder)
+        theirs = RunConfig.from_json(state["config"])
+        diff = config_diff(self.config, theirs)
+        if diff:
+            raise CheckpointError(
+                f"--run-dir {str(self.run_dir)!r} holds run {theirs.run_name!r} (round {state['round']}) with another "
+                f"config ({', '.join(diff[:5])} differ): pass --resume to continue it with this config, or pick a "
+                "new --run-dir")
+        log.info("continuing the run in %s from %s", self.run_dir, folder.name)
         return folder
+
+    def _known_peers(self) -> list[str]:
+        """Multiaddrs of the peers seen at the last round (``peers.json``), to rejoin a swarm that went on."""
+        try:
+            peers = json.loads((self.run_dir / "peers.json").read_text())
+        except (OSError, ValueError):
+            return []
+        return [str(p) for p in peers if isinstance(p, str)] if isinstance(peers, list) else []
+
+    def _start_dht(self, known_peers: list[str]):
+        if known_peers:
+            try:
+                return start_dht(initial_peers=known_peers, listen=self.options.listen,
+                                 announce=self.options.announce, secret=self.secret)
+            except SwarmError as e:
+                log.info("none of the %d peers of the last round answered (%s): starting alone", len(known_peers), e)
+        return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
+                         secret=self.secret)
+
+    def _reload_from_live_nodes(self) -> bool:
+        """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on)."""
+        if not self.swarm.live_peers() and not self._known_peers():
+            return False
+        from_round = self.peer.round
+        timeout_s = min(self.config.network.join_timeout_s, 15.0)
+        if not self.peer.load_state_from_peers(timeout_s=timeout_s, min_round=from_round + 1):
+            return False
+        self.peer.global_model.load_into(self.model)
+        self.swarm.set_round(self.peer.round)
+        log.info("reloaded round %d from a live node (the newest checkpoint was round %d)", self.peer.round,
+                 from_round)
+        return True
+
+    def _write_known_peers(self) -> None:
+        maddrs = sorted({p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME})
+        tmp = self.run_dir / f".peers.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(maddrs))
+        os.replace(tmp, self.run_dir / "peers.json")
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer momentum from ``outer.pt``; theta came with the model. Raises CheckpointError."""
@@ -114,10 +186,12 @@ class Coordinator:
                 "round": result.round, "peer": PEER_NAME, "role": "coordinator", "peers": result.peers,
                 "samples": 0, "weight_total": result.weight_total, "sync_seconds": round(result.sync_seconds, 3),
                 "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
-                "global_sha256": result.global_sha256, "status": result.status, "time": time.time(),
+                "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
+                "time": time.time(),
             })
             log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
                      result.weight_total, result.global_sha256[:12])
+            self._write_known_peers()
             if peer.round % config.checkpoint_every == 0 or peer.round == config.rounds:
                 path = save_checkpoint(self.run_dir, peer.round, self.model, self.tokenizer, peer.global_model,
                                        config.to_json())

@@ -22,20 +22,32 @@ def _root() -> None:
 def join(
     peer: Annotated[str, typer.Option(help="Multiaddr of a peer of the run: the coordinator's `peer:` line.")],
     device: Annotated[str, typer.Option(help="auto, cpu or cuda:N.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Training precision: auto (bf16 on a CUDA GPU that supports it, "
+                                            "else fp32), fp32 or bf16 (autocast; fp32 master weights).")] = "auto",
+    batch_size: Annotated[int | None, typer.Option(help="Episodes per micro-batch (one forward/backward); "
+                                                        "default: the run's tasks_per_step * num_generations.")] = None,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per inner step; batch-size * grad-accum episodes "
+                                                 "per step must be a multiple of num_generations.")] = 1,
     env_url: Annotated[list[str], typer.Option(help="Env server URL (repeat for several, used round-robin); "
                                                      "default: start a local env server process.")] = [],
     run_dir: Annotated[Path, typer.Option(help="Where <name>/metrics.jsonl is written.")] = Path("runs/default"),
     name: Annotated[str, typer.Option(help="Unique peer name (default node-<host>-<pid>).")] = "",
     run_name: Annotated[str, typer.Option(help="Run to join when the DHT holds several.")] = "",
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for the DHT and the run config.")] = 30.0,
+    secret_file: Annotated[Path | None, typer.Option(help="File holding a closed run's secret (default: "
+                                                          "$COMPOSER_DILOCO_SECRET; neither: an open run).")] = None,
+    config: Annotated[Path | None, typer.Option(help="The run config (TOML) this node agreed to: it refuses to join "
+                                                     "a run whose published config differs.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from nodes.node import Node, NodeOptions
 
-    options = NodeOptions(peer=peer, device=device, env_urls=list(env_url), run_dir=run_dir, name=name,
-                          run_name=run_name or None, join_timeout_s=join_timeout)
+    options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
+                          env_urls=list(env_url), run_dir=run_dir, name=name,
+                          run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
+                          expected_config=config)
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)

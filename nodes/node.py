@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from composer_diloco.config import RunConfig
+from hivemind.utils.timed_storage import get_dht_time
+
+from composer_diloco import faults
+from composer_diloco.config import RunConfig, config_diff, load_config
 from composer_diloco.diloco import DiLoCoPeer
 from composer_diloco.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
@@ -28,7 +31,7 @@ from composer_diloco.metrics import MetricsWriter
 from composer_diloco.rollout import OpenEnvSession
 from composer_diloco.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
 from composer_diloco.trainer import ComposerGRPOTrainer, grpo_args
-from nodes.device import Placement
+from nodes.device import NodeBatch, Placement
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +47,31 @@ class NodeOptions:
     Attributes:
         peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line).
         device: "auto", "cpu" or "cuda:N".
+        dtype: training precision, "auto" (bf16 on a CUDA GPU with native bf16, else fp32), "fp32" or "bf16".
+        batch_size: episodes per micro-batch (one forward/backward); None = the run's tasks_per_step * G.
+        grad_accum: micro-batches per inner (optimizer) step; batch_size * grad_accum episodes per inner step
+            must be a multiple of the run's G (`nodes.device.NodeBatch`).
         env_urls: env server URLs to use round-robin; empty = start a local env server process.
         run_dir: where ``<name>/metrics.jsonl`` goes.
         name: this peer's unique name (default ``node-<host>-<pid>``).
         run_name: which run of the DHT to join (needed only when several runs share it).
         join_timeout_s: seconds to wait for the DHT and the run config.
+        secret_file: file holding a closed run's secret (None: ``$COMPOSER_DILOCO_SECRET``, else an open run).
+        expected_config: a TOML run config; joining a run whose published config differs is refused.
     """
 
     peer: str
     device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int | None = None
+    grad_accum: int = 1
     env_urls: list[str] = field(default_factory=list)
     run_dir: Path = Path("runs/default")
     name: str = ""
     run_name: str | None = None
     join_timeout_s: float = 30.0
+    secret_file: Path | None = None
+    expected_config: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -88,13 +102,24 @@ class Node:
             SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError, each with a one-line message.
         """
         o = self.options
+        # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
+        self.placement = Placement.resolve(o.device, o.dtype)
+        NodeBatch.check_options(o.batch_size, o.grad_accum)
+        expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
-        self.dht = start_dht(initial_peers=[o.peer])
+        from composer_diloco.auth import load_secret
+
+        secret = load_secret(o.secret_file)  # None: an open run
+        self.dht = start_dht(initial_peers=[o.peer], secret=secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
+        if expected is not None and config_diff(expected, config):
+            diff = config_diff(expected, config)
+            raise NodeError(f"run {config.run_name!r} has another config than --config {str(o.expected_config)!r}: "
+                            f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
-        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node")
+        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret)
 
         urls = list(o.env_urls)
         for url in urls:
@@ -104,21 +129,47 @@ class Node:
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
             urls = [server.url]
+        self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
+        log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
         self.sessions = [OpenEnvSession(urls[i % len(urls)], max_tool_calls=config.env.max_tool_calls)
-                         for i in range(config.batch_size)]
+                         for i in range(self.batch.episodes_per_step)]
 
-        self.placement = Placement.resolve(o.device)
         model, self.tokenizer = _policy_skeleton(config)
         self.peer = DiLoCoPeer(model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
+        self._wait_for_round_boundary()
         self.peer.global_model.load_into(model)
         self.model = self.placement.place(model)
         self.swarm.set_round(self.peer.round)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
         log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
                  self.peer.global_model.sha256()[:12], self.placement.describe())
+
+    def _wait_for_round_boundary(self) -> None:
+        """If the round of the state we loaded has been underway for more than ``join_grace_s``, wait until the
+        swarm finishes it and load the next round's theta: a late joiner never holds the others up."""
+        net, r, me = self.config.network, self.peer.round, self.options.name
+        training = [p for p in self.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
+        if not training:
+            return
+        age = get_dht_time() - min(p.since for p in training)
+        if age <= net.join_grace_s:
+            return
+        log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
+        while not self.stop.event.is_set():
+            live = self.swarm.live_peers()
+            if any(p.round > r for p in live if p.name != me):
+                break
+            if not any(p.role == "node" and p.round == r for p in live if p.name != me):
+                break  # the nodes of that round are gone: nothing to wait for
+            time.sleep(0.5)
+        deadline = time.monotonic() + net.averaging_timeout_s
+        while not self.stop.event.is_set() and time.monotonic() < deadline:
+            if self.peer.load_state_from_peers(timeout_s=self.options.join_timeout_s, min_round=r + 1):
+                return
+            time.sleep(0.5)
 
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:
@@ -130,7 +181,8 @@ class Node:
             return 0
         out_dir = Path(tempfile.mkdtemp(prefix=f"trl-{self.options.name}-"))
         args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
-                         use_cpu=self.placement.use_cpu, bf16=self.placement.bf16)
+                         use_cpu=self.placement.use_cpu, bf16=self.placement.bf16,
+                         micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)],
@@ -139,6 +191,11 @@ class Node:
         self._round_started = time.monotonic()
         self.trainer.train()
         return peer.round - first
+
+    def out_of_time(self) -> bool:
+        """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""
+        budget = self.config.network.round_budget_s
+        return budget is not None and time.monotonic() - self._round_started >= budget
 
     def end_round(self, model: torch.nn.Module) -> None:
         """Close the current round: sync with the swarm and write the round's metrics line."""
@@ -156,14 +213,15 @@ class Node:
             "success_rate": sum(r >= 1.0 for r in rewards) / samples if samples else 0.0,
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
             "loss_grpo": _mean(l.loss_grpo for l in losses), "loss_sdpo": _mean(l.loss_sdpo for l in losses),
-            "loss_dpo": _mean(l.loss_dpo for l in losses), "inner_steps": len(losses),
+            "loss_dpo": _mean(l.loss_dpo for l in losses), "inner_steps": self._steps_in_round,
             "sdpo_sites": collated.sdpo_sites, "dpo_pairs": collated.dpo_pairs,
             "sdpo_skipped": {k.removeprefix("sdpo_skipped_"): v for k, v in vars(collated).items()
                              if k.startswith("sdpo_skipped_")},
             "pair_stats": pair_stats,
             "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
             "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
-            "global_sha256": result.global_sha256, "status": result.status, "time": time.time(),
+            "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
+            "deadline_hit": self._steps_in_round < self.config.inner_steps, "time": time.time(),
         }
         self.metrics.write(record)
         log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, %d peers, %s",
@@ -184,7 +242,8 @@ class Node:
 
 
 class RoundCallback(TrainerCallback):
-    """Ends a DiLoCo round every H inner steps, and stops training at the run's end or on a stop request."""
+    """Ends a DiLoCo round after H inner steps or at the round's time budget (``network.round_budget_s``,
+    checked after each step), and stops training at the run's end or on a stop request."""
 
     def __init__(self, node: Node):
         self.node = node
@@ -192,10 +251,11 @@ class RoundCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         node = self.node
         node._steps_in_round += 1
+        faults.after_inner_step()
         if node.stop.event.is_set():
             control.should_training_stop = True
             return control
-        if node._steps_in_round >= node.config.inner_steps:
+        if node._steps_in_round >= node.config.inner_steps or node.out_of_time():
             node.end_round(model)
         if node.peer.round >= node.config.rounds or node.stop.event.is_set():
             control.should_training_stop = True

@@ -1,0 +1,135 @@
+"""A run on 127.0.0.1 driven step by step by a test: start, kill (SIGKILL of a whole peer), restart, wait.
+
+Unlike `composer-coordinator simulate`, each process is started and stopped by the test, so faults can be
+injected between rounds. Every peer is its own process group (a machine): `kill` takes down the peer with its
+DHT, averager, p2pd and env server processes at once, as a lost machine would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from composer_diloco.metrics import read_metrics
+from tests_support import stop_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(path: Path, text: str) -> Path:
+    """Write a TOML run config for a test and return its path."""
+    path.write_text(text)
+    return path
+
+
+class LocalRun:
+    """The coordinator and nodes of one run dir, as real processes (see module docstring)."""
+
+    def __init__(self, run_dir: Path, config: Path):
+        self.run_dir, self.config = Path(run_dir), Path(config)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.peer = ""
+        self._all: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, stdout=None) -> subprocess.Popen:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, *args], stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL,
+                                    env=full_env, cwd=ROOT, start_new_session=True)
+        self.procs[name] = proc
+        self._all.append(proc)
+        return proc
+
+    def start_coordinator(self, *extra: str, env: dict[str, str] | None = None, timeout_s: float = 300) -> str:
+        """Start (or restart) the coordinator; returns its multiaddr (the ``peer:`` line)."""
+        proc = self._spawn("coordinator", ["-m", "coordinator", "start", "--config", str(self.config),
+                                           "--run-dir", str(self.run_dir), *extra], env, stdout=subprocess.PIPE)
+        found: list[str] = []
+
+        def read() -> None:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("peer: ") and not found:
+                    found.append(line.split()[1])
+
+        threading.Thread(target=read, daemon=True).start()
+        self.wait_until(lambda: bool(found) or proc.poll() is not None, timeout_s, "the coordinator's peer line")
+        assert found, f"the coordinator exited with {proc.returncode}:\n{self.log_tail('coordinator')}"
+        self.peer = found[0]
+        return self.peer
+
+    def start_node(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start (or restart, with the same command) node ``name``."""
+        return self._spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
+                                  "--name", name, "--device", "cpu", *extra], env)
+
+    def kill(self, name: str) -> float:
+        """SIGKILL the peer's whole process group (a lost machine); returns the wall time (time.time())."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        return time.time()
+
+    def records(self) -> dict[str, list[dict]]:
+        return read_metrics(self.run_dir)
+
+    def rounds_of(self, name: str) -> list[int]:
+        return [r["round"] for r in self.records().get(name, [])]
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.3) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.all_tails()}")
+            time.sleep(poll_s)
+
+    def wait_round(self, name: str, round_: int, timeout_s: float = 300) -> dict:
+        """Wait until ``name`` wrote its metrics line of ``round_``; returns it."""
+        self.wait_until(lambda: round_ in self.rounds_of(name), timeout_s, f"{name}'s round {round_}")
+        return next(r for r in self.records()[name] if r["round"] == round_)
+
+    def wait_exit(self, name: str, timeout_s: float = 300) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout_s:.0f} s\n{self.all_tails()}") from None
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        try:
+            text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log(self, name: str) -> str:
+        """The peer's log with whitespace collapsed (rich wraps long lines), for substring checks."""
+        return " ".join((self.run_dir / "logs" / f"{name}.log").read_text(errors="replace").split())
+
+    def all_tails(self) -> str:
+        return "\n".join(f"--- {n} ---\n{self.log_tail(n)}" for n in self.procs)
+
+    def stop(self) -> None:
+        """Stop every process this run started (SIGTERM, then SIGKILL), restarted ones included."""
+        stop_processes(self._all)
+
+
+def assert_agree(records: dict[str, list[dict]], rounds: range | list[int]) -> dict[int, str]:
+    """Every peer that recorded a round has the same ``global_sha256`` for it; returns ``{round: sha}``."""
+    shas = {}
+    for r in rounds:
+        at = {name: rec["global_sha256"] for name, recs in records.items() for rec in recs if rec["round"] == r}
+        assert at, f"nobody recorded round {r}"
+        assert len(set(at.values())) == 1, f"round {r}: peers disagree: {at}"
+        shas[r] = next(iter(at.values()))
+    return shas

@@ -1,0 +1,216 @@
+"""Fault injection with real processes: lost nodes, a lost coordinator, slow and corrupt nodes.
+
+Each test runs a coordinator and two nodes on 127.0.0.1 (`local_run.LocalRun`), injects one fault, and checks
+that the survivors go on within the averaging timeout, agree on ``global_sha256`` every round, and finish the
+run. The seconds until the run went on are printed (``pytest -s``) for the operations notes.
+"""
+
+import time
+
+import pytest
+
+from coordinator.checkpoint import latest_checkpoint, read_outer_state
+from local_run import LocalRun, assert_agree, write_config
+
+FAULT_CONFIG = """
+rounds = {rounds}
+inner_steps = {inner_steps}
+[network]
+round_slack_s = 60.0
+heartbeat_s = 1.0
+heartbeat_ttl_s = 6.0
+averaging_timeout_s = 30.0
+{extra}
+"""
+
+
+def config(tmp_path, rounds: int, inner_steps: int = 2, extra: str = ""):
+    return write_config(tmp_path / "faults.toml", FAULT_CONFIG.format(rounds=rounds, inner_steps=inner_steps,
+                                                                      extra=extra))
+
+
+def start(run: LocalRun, node_env: dict[str, dict[str, str]] | None = None) -> None:
+    run.start_coordinator()
+    for name in ("node-0", "node-1"):
+        run.start_node(name, env=(node_env or {}).get(name))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
+    run = LocalRun(run_dir, config(tmp_path, rounds=7))
+    try:
+        start(run)
+        run.wait_round("node-1", 0)
+        assert 1 not in run.rounds_of("node-1")  # it is in round 1's inner phase now
+        killed_at = run.kill("node-1")
+
+        went_on = run.wait_round("coordinator", 1, timeout_s=120)
+        print(f"\nnode SIGKILLed in its inner phase: the run went on after {went_on['time'] - killed_at:.1f} s")
+        assert went_on["peers"] == 2 and went_on["status"] == "averaged"
+        assert went_on["time"] - killed_at < 30.0  # the averaging timeout of this config
+        assert_agree({n: run.records()[n] for n in ("coordinator", "node-0")}, [1])
+
+        restarted_at = time.time()
+        run.start_node("node-1")  # the same command
+        run.wait_until(lambda: any(r["time"] > restarted_at for r in run.records().get("node-1", [])), 240,
+                               "a round of the restarted node-1")
+        for name in ("node-0", "node-1", "coordinator"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+    records = run.records()
+    rejoined = [r for r in records["node-1"] if r["time"] > restarted_at]
+    assert rejoined and rejoined[0]["round"] >= 2, records["node-1"]
+    print(f"restarted node-1 rejoined at round {rejoined[0]['round']} (status {rejoined[0]['status']})")
+    shas = assert_agree(records, range(7))  # its first round's theta included
+    assert all(r["peers"] == 3 for r in records["coordinator"] if r["round"] > rejoined[0]["round"])
+    assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[6]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_node_killed_during_the_all_reduce(run_dir, tmp_path):
+    run = LocalRun(run_dir, config(tmp_path, rounds=3))
+    try:
+        start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": "kill_in_allreduce:1"}})
+        run.wait_until(lambda: run.procs["node-1"].poll() is not None, 300, "node-1 to die in round 1's all-reduce")
+        killed_at = time.time()
+        assert run.procs["node-1"].returncode == -9
+        assert "SIGKILL (in the all-reduce of round 1)" in run.log("node-1")
+
+        went_on = run.wait_round("coordinator", 1, timeout_s=120)
+        print(f"\nnode SIGKILLed in the all-reduce: the run went on after {went_on['time'] - killed_at:.1f} s "
+              f"(status {went_on['status']})")
+        assert went_on["time"] - killed_at < 30.0
+        for name in ("node-0", "coordinator"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+    records = {n: recs for n, recs in run.records().items() if n != "node-1"}
+    assert_agree(records, range(3))
+    assert [r["round"] for r in run.records()["node-1"]] == [0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir, tmp_path):
+    run = LocalRun(run_dir, config(tmp_path, rounds=7))
+    try:
+        start(run)
+        run.wait_round("coordinator", 1)
+        checkpoint_round = read_outer_state(latest_checkpoint(run_dir))["round"]
+        killed_at = run.kill("coordinator")
+
+        went_on = run.wait_round("node-0", 2, timeout_s=120)
+        print(f"\ncoordinator SIGKILLed: the nodes went on after {max(0.0, went_on['time'] - killed_at):.1f} s")
+        run.wait_round("node-0", 3, timeout_s=120)
+        without = {n: run.records()[n] for n in ("node-0", "node-1")}
+        assert_agree(without, [2, 3])
+        assert all(r["peers"] == 2 for r in without["node-0"] if r["round"] in (2, 3))
+
+        run.start_coordinator()  # the same command and --run-dir
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+    log = run.log("coordinator")
+    assert f"(the newest checkpoint was round {checkpoint_round})" in log, log[-3000:]
+    records = run.records()
+    after = [r for r in records["coordinator"] if r["time"] > killed_at]
+    assert after and after[0]["round"] >= 4, after  # it did not go back to its checkpoint (round 2)
+    shas = assert_agree(records, range(7))
+    final = read_outer_state(latest_checkpoint(run_dir))
+    assert final["round"] == 7 and final["global_sha256"] == shas[6]
+
+
+CHECKPOINT_WRITER = """
+import sys
+from composer_diloco.outer import GlobalModel
+from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+from coordinator.checkpoint import save_checkpoint
+
+run_dir, round_ = sys.argv[1], int(sys.argv[2])
+tokenizer = load_default_tokenizer()
+model = build_tiny_model(tokenizer, seed=round_)
+save_checkpoint(run_dir, round_, model, tokenizer, GlobalModel(model, lr=0.7, momentum=0.9), "{}")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from composer_diloco.policy import load_policy
+    from local_run import ROOT
+
+    def write(round_: int, faults: str = "") -> subprocess.CompletedProcess:
+        env = {**os.environ, "COMPOSER_DILOCO_FAULTS": faults}
+        return subprocess.run([sys.executable, "-c", CHECKPOINT_WRITER, str(tmp_path), str(round_)], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
+
+    assert write(1).returncode == 0
+    good = read_outer_state(latest_checkpoint(tmp_path))
+    killed = write(2, faults="kill_in_checkpoint:2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert list((tmp_path / "checkpoints").glob(".tmp-round-000002-*")), "the kill came before the files were written"
+    assert latest_checkpoint(tmp_path).name == "round-000001"
+    assert read_outer_state(latest_checkpoint(tmp_path))["global_sha256"] == good["global_sha256"]
+    load_policy(str(latest_checkpoint(tmp_path)), run_dir=tmp_path, seed=0, warmstart_steps=0)  # loads whole
+
+    killed_resave = write(1, faults="kill_in_checkpoint:1")  # re-saving the same round, killed mid-way
+    assert killed_resave.returncode == -9
+    assert read_outer_state(latest_checkpoint(tmp_path))["global_sha256"] == good["global_sha256"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_outlier_and_nan_pseudo_gradients_are_dropped_by_every_peer(run_dir, tmp_path):
+    faults = "scale_pseudo_gradient:0:1000,nan_pseudo_gradient:1"
+    run = LocalRun(run_dir, config(tmp_path, rounds=2))
+    try:
+        start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": faults}})
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+    records = run.records()
+    initial = read_outer_state(run_dir / "checkpoints" / "round-000000")["global_sha256"]
+    shas = assert_agree(records, range(2))
+    assert len({initial, *shas.values()}) == 3  # theta moved every round, by node-0's pseudo-gradient
+    for rnd in (0, 1):
+        at = {n: next(r for r in recs if r["round"] == rnd) for n, recs in records.items()}
+        assert all(r["rejected"] == ["node-1"] and r["peers"] == 3 for r in at.values()), at
+        assert at["coordinator"]["weight_total"] == at["node-0"]["samples"]
+    log = run.log("node-0")
+    assert "dropped the pseudo-gradient of node-1: pseudo-gradient norm" in log
+    assert "dropped the pseudo-gradient of node-1: non-finite pseudo-gradient" in log
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_slow_node_stops_at_the_round_budget_and_is_weighted_for_what_it_did(run_dir, tmp_path):
+    budget_s, delay_s = 8.0, 5.0
+    run = LocalRun(run_dir, config(tmp_path, rounds=2, inner_steps=4, extra=f"round_budget_s = {budget_s}"))
+    try:
+        start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": f"step_delay:*:{delay_s}"}})
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+    records = run.records()
+    assert_agree(records, range(2))
+    for rnd in (0, 1):
+        fast, slow, coordinator = (next(r for r in records[n] if r["round"] == rnd)
+                                   for n in ("node-0", "node-1", "coordinator"))
+        print(f"\nround {rnd}: fast node {fast['inner_steps']} steps in {fast['inner_seconds']:.1f} s, waited "
+              f"{fast['wait_seconds']:.1f} s; slow node {slow['inner_steps']} steps in {slow['inner_seconds']:.1f} s")
+        assert slow["deadline_hit"] and 1 <= slow["inner_steps"] < 4, slow
+        assert slow["inner_seconds"] < budget_s + delay_s + 10.0  # at most one step past the deadline
+        assert fast["inner_steps"] == 4 and not fast["deadline_hit"]
+        assert slow["samples"] < fast["samples"]
+        assert coordinator["weight_total"] == fast["samples"] + slow["samples"]  # weighted by samples
+        assert fast["wait_seconds"] < 60.0  # round_slack_s: nobody was given up on
+        assert coordinator["peers"] == 3 and coordinator["status"] == "averaged"

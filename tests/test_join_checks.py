@@ -1,0 +1,49 @@
+"""A node whose config or model architecture does not match the run is refused at join, naming the mismatch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from local_run import ROOT, LocalRun, write_config
+
+
+def build_model(path, hidden_size: int) -> None:
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0, hidden_size=hidden_size, num_hidden_layers=1, intermediate_size=64)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def join(run: LocalRun, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", run.peer, "--device", "cpu",
+                           "--run-dir", str(run.run_dir), "--join-timeout", "20", *extra],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
+    model_dir = tmp_path / "model"
+    build_model(model_dir, hidden_size=32)
+    config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n')
+    run = LocalRun(tmp_path / "run", config)
+    try:
+        run.start_coordinator()
+
+        other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n')
+        refused = join(run, "--config", str(other))
+        assert refused.returncode == 1, refused.stderr[-2000:]
+        error = refused.stderr.strip().splitlines()[-1]
+        assert error.startswith("composer-node: error: run 'composer' has another config") and "inner_steps" in error
+
+        build_model(model_dir, hidden_size=48)  # this machine's copy of the model is not the run's
+        refused = join(run, "--config", str(config))
+        assert refused.returncode == 1, refused.stderr[-2000:]
+        error = refused.stderr.strip().splitlines()[-1]
+        assert "model architecture differs from the run's" in error, refused.stderr[-2000:]
+        assert "32]" in error and "48]" in error, error
+    finally:
+        run.stop()
