@@ -223,8 +223,10 @@ class DiLoCoPeer:
         clock.waited = time.monotonic() - clock.start
         others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
         others = [p for p in others if p.role == "coordinator" or p.name in ready_nodes]
-        if not others:  # nobody to average with: theta moves by our own pseudo-gradient
-            return self._step_alone(model, r, clock)
+        if not others:
+            if any(p.round > r for p in self.swarm.live_peers()):  # the swarm finished this round without us
+                return self._after_failure(model, r, clock)
+            return self._step_alone(model, r, clock)  # we are the whole swarm: theta moves by our own delta
 
         self.averager.set_group_bits(round_group_bits(r))
         try:

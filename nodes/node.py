@@ -148,16 +148,19 @@ class Node:
                  self.peer.global_model.sha256()[:12], self.placement.describe())
 
     def _wait_for_round_boundary(self) -> None:
-        """If the round of the state we loaded has been underway for more than ``join_grace_s``, wait until the
-        swarm finishes it and load the next round's theta: a late joiner never holds the others up."""
+        """If the round of the state we loaded has been underway for more than ``join_grace_s``, or a node has
+        already finished its inner phase, wait until the swarm finishes the round and load the next round's
+        theta: a late joiner never holds the others up, nor trains a round it cannot sync."""
         net, r, me = self.config.network, self.peer.round, self.options.name
         training = [p for p in self.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
         if not training:
             return
         age = get_dht_time() - min(p.since for p in training)
-        if age <= net.join_grace_s:
+        ready = [n for n in self.swarm.ready_peers(r) if n != me]
+        if age <= net.join_grace_s and not ready:
             return
-        log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
+        log.info("round %d has been underway for %.0f s (%d node(s) already done): joining at the next round "
+                 "boundary", r, age, len(ready))
         while not self.stop.event.is_set():
             live = self.swarm.live_peers()
             if any(p.round > r for p in live if p.name != me):
@@ -190,7 +193,21 @@ class Node:
         first = peer.round
         self._round_started = time.monotonic()
         self.trainer.train()
+        if peer.round >= config.rounds and not self.stop.event.is_set():
+            self._keep_final_model()
         return peer.round - first
+
+    def _keep_final_model(self) -> None:
+        """At the run's end with no coordinator alive to checkpoint theta, save it under this node's folder."""
+        if any(p.role == "coordinator" for p in self.swarm.live_peers()):
+            return
+        from coordinator.checkpoint import save_checkpoint
+
+        own_dir = Path(self.options.run_dir) / self.options.name
+        folder = save_checkpoint(own_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
+                                 self.config.to_json())
+        log.warning("no coordinator is alive at the end of the run: saved the final global model to %s "
+                    "(`composer-coordinator start --resume --run-dir %s` continues from it)", folder, own_dir)
 
     def out_of_time(self) -> bool:
         """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""

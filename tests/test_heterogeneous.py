@@ -242,32 +242,6 @@ def test_bad_node_options_fail_before_the_network(tmp_path, args, expected):
     assert r.returncode == 1 and expected in error_line(r)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_batch_that_splits_a_group_names_the_values(tmp_path):
-    """Against a real coordinator (G = 4): 3 x 1 episodes per step cannot hold whole groups."""
-    from tests_support import stop_processes
-
-    fast = tmp_path / "fast.toml"  # the smoke run without the warm start: the coordinator is up in seconds
-    fast.write_text(SMOKE.read_text() + "\n[warmstart]\nsteps = 0\n")
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "start", "--config", str(fast), "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
-        r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir",
-                            str(tmp_path / "run"), "--device", "cpu", "--batch-size", "3"],
-                           capture_output=True, text=True, timeout=200, cwd=ROOT)
-        assert r.returncode == 1
-        assert "--batch-size 3 x --grad-accum 1 = 3 episodes per step is not a multiple of the run's " \
-               "num_generations 4" in error_line(r)
-    finally:
-        stop_processes([coordinator])
-
-
 # ------------------------------------------------------------------------------ two different nodes in one run
 
 

@@ -1,4 +1,4 @@
-"""A node whose config or model architecture does not match the run is refused at join, naming the mismatch."""
+"""A node whose config, model architecture or batch does not fit the run is refused at join, naming the mismatch."""
 
 import subprocess
 import sys
@@ -38,6 +38,11 @@ def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
         assert refused.returncode == 1, refused.stderr[-2000:]
         error = refused.stderr.strip().splitlines()[-1]
         assert error.startswith("composer-node: error: run 'composer' has another config") and "inner_steps" in error
+
+        split = join(run, "--batch-size", "3")  # G = 4: 3 episodes per step cannot hold whole GRPO groups
+        assert split.returncode == 1, split.stderr[-2000:]
+        assert "--batch-size 3 x --grad-accum 1 = 3 episodes per step is not a multiple of the run's " \
+               "num_generations 4" in split.stderr.strip().splitlines()[-1]
 
         build_model(model_dir, hidden_size=48)  # this machine's copy of the model is not the run's
         refused = join(run, "--config", str(config))
