@@ -12,6 +12,10 @@ The tool environment (``envs/tool_env/tasks.py``) reports a failed call as ``err
 - ``execution_error``: ``{"tool", "message"}``;
 - ``timeout`` (coding environments): ``{"tool", "message"}`` and maybe ``timeout_s``.
 
+The coding environment (``envs/coding_env/tools.py``) adds ``reason`` to ``execution_error`` and ``timeout`` metadata
+(e.g. ``tests_failed`` with ``test`` and ``detail``, ``syntax_error`` with ``where``, ``network_disabled``) and ``test``
+to ``timeout``; `DEFAULT_HINTS` has a hint per reason (`CODING_REASON_HINTS`) and falls back to the generic one.
+
 A tiny model reads the hints, so they are one or two short sentences, and a pure function of the metadata.
 """
 
@@ -20,9 +24,10 @@ from __future__ import annotations
 import logging
 import string
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEFAULT_HINTS", "HintFn", "HintRegistry", "render_signature"]
+__all__ = ["CODING_REASON_HINTS", "DEFAULT_HINTS", "HintFn", "HintRegistry", "render_signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +263,53 @@ def _invalid_args(meta: Mapping[str, Any]) -> str | None:
     return None
 
 
+CODING_REASON_HINTS: Mapping[str, str] = MappingProxyType({
+    "tests_failed": "{test} failed: {detail}. Fix solution.py, then run the tests again.",
+    "syntax_error": "The code does not compile at {where}. Fix the syntax first.",
+    "import_error": "Importing {path} raised {error_type}. Check the code outside functions.",
+    "no_tests": "The test file has no test functions. Do not change test_solution.py.",
+    "crashed": "The code stopped the test process. Do not call exit or kill processes.",
+    "no_such_file": "There is no file {path}. Files: {files}.",
+    "bad_path": "Use a relative path inside the workspace, e.g. solution.py.",
+    "patch_not_found": "The old text is not in {path}. Read the file and copy the text exactly.",
+    "patch_ambiguous": "The old text occurs {count} times in {path}. Include more lines so it occurs once.",
+    "too_large": "The file is too long. Keep it under {max_chars} characters.",
+    "too_many_files": "Do not create more files. Edit solution.py.",
+    "memory_limit": "The code ran out of memory. Use less memory.",
+    "process_limit": "Do not start processes. Compute the result directly.",
+    "processes_refused": "Do not start processes. Compute the result directly.",
+    "write_outside_workspace": "Write files only inside the workspace, with relative paths.",
+    "permission_denied": "Only use files inside the workspace.",
+    "network_disabled": "There is no network. Do not open sockets.",
+    "read_refused": "Only read files inside the workspace.",
+    "ctypes_refused": "Do not use ctypes.",
+    "file_size_limit": "The code wrote too much data. Write less.",
+    "open_files_limit": "The code opened too many files. Close the files you open.",
+})
+"""``execution_error`` hint templates by the coding environment's ``meta["reason"]`` (fields: the meta keys; read-only,
+override one with a ``[hints]`` entry for ``execution_error`` instead)."""
+
+
+def _by_reason(meta: Mapping[str, Any]) -> str | None:
+    """The `CODING_REASON_HINTS` hint for ``meta["reason"]``, or None (no reason, or a key it needs is missing)."""
+    template = CODING_REASON_HINTS.get(meta.get("reason")) if isinstance(meta.get("reason"), str) else None
+    if template is None:
+        return None
+    try:
+        return template.format(**_template_fields(meta))
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError):
+        return None
+
+
 def _execution_error(meta: Mapping[str, Any]) -> str | None:
-    """``lookup failed: unknown item 'kiwi'; known items: apple, pear. Check the arguments.``"""
+    """``lookup failed: unknown item 'kiwi'; known items: apple, pear. Check the arguments.``
+
+    With a coding-environment ``reason``, its `CODING_REASON_HINTS` entry, e.g. ``test_2 failed: f(2) returned 3,
+    expected 4. Fix solution.py, then run the tests again.``
+    """
+    by_reason = _by_reason(meta)
+    if by_reason:
+        return by_reason
     tool, message = meta.get("tool"), meta.get("message")
     if not isinstance(message, str) or not message.strip():
         return None
@@ -272,6 +322,8 @@ def _timeout(meta: Mapping[str, Any]) -> str:
     tool, limit = meta.get("tool"), meta.get("timeout_s")
     who = f"{tool} timed out" if tool is not None else "The call timed out"
     after = f" after {limit:g} s" if isinstance(limit, (int, float)) and not isinstance(limit, bool) else ""
+    if isinstance(meta.get("test"), str) and meta["test"]:  # the coding environment names the test that hung
+        return f"{who}{after} in {meta['test']}. Look for an endless loop."
     return f"{who}{after}. Make the call faster or simpler."
 
 

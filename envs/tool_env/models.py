@@ -31,8 +31,10 @@ class ToolObservation(Observation):
     content: str = Field(
         default="", description="Text of the tool message: the result, or 'error: ...' on failure."
     )
-    error_kind: Literal["tool_not_found", "invalid_args", "execution_error"] | None = Field(
-        default=None, description="Why the call failed; None when it succeeded."
+    error_kind: Literal["tool_not_found", "invalid_args", "execution_error", "timeout"] | None = Field(
+        default=None,
+        description="Why the call failed; None when it succeeded. This environment never reports 'timeout'; the "
+        "kind is accepted so that this client (the rollout's) also parses envs.coding_env's observations.",
     )
     error_meta: dict[str, Any] = Field(
         default_factory=dict,

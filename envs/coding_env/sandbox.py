@@ -1,0 +1,389 @@
+"""Run untrusted Python (the model's code and the tests) in a contained child process.
+
+Every run gets a fresh temporary workspace holding a copy of the episode's files, removed afterwards, and a child
+process (``sandbox_runner.py``, standard library only) that isolates itself before it imports any of the model's
+code. What contains what, on Linux (checked on this machine as root, kernel 6.x):
+
+========================  ===========================================================  ==========================
+threat                    contained by                                                 reported as
+========================  ===========================================================  ==========================
+endless loop              per-test ``SIGALRM`` (``per_test_timeout_s``); ``RLIMIT_CPU``  ``timeout`` (reason
+                          (SIGXCPU, then SIGKILL); the server's wall clock kills the     ``test_timeout``,
+                          process group (and with it the PID namespace)                  ``cpu_time``,
+                                                                                         ``wall_clock``)
+fork loop                 the audit hook refuses process creation; ``RLIMIT_NPROC`` on   ``execution_error``
+                          a fresh uid; a PID namespace whose processes all die with     (``processes_refused`` /
+                          its init                                                       ``process_limit``)
+huge allocation           ``RLIMIT_AS`` (``memory_mb``): ``MemoryError``                 ``execution_error``
+                                                                                         (``memory_limit``)
+writing outside           mount namespace: every mount read-only except the workspace;   ``execution_error``
+the workspace             a fresh unprivileged uid (when root); the audit hook refuses   (``write_outside_workspace``)
+                          writes outside it; ``RLIMIT_FSIZE`` caps any file
+opening a socket          a new network namespace (no interfaces up, not even            ``execution_error``
+                          loopback); the audit hook refuses sockets                      (``network_disabled``)
+reading hidden answers    the project root is covered by an empty tmpfs; expected        -
+                          outputs never enter the sandbox (results are compared here)
+========================  ===========================================================  ==========================
+
+Layers and their limits, honestly:
+
+- Namespaces need root, or unprivileged user namespaces when the server is not root (then the code keeps the
+  server's uid inside a new user namespace; tested here by running the launcher as ``nobody``). Where ``unshare``
+  is refused (e.g. a default Docker container: no ``CAP_SYS_ADMIN``, seccomp), the run falls back to the audit hook
+  alone for the network, the filesystem (writes outside the workspace, reads of the project root) and processes,
+  and to ``RLIMIT_NPROC`` and the process group. PEP 578 audit hooks are not a security boundary: they stop
+  ordinary code (and a policy that stumbles on ``socket`` or ``open``), not a determined attacker who corrupts the
+  interpreter's memory. `isolation` (and ``metadata["sandbox"]`` of every reset) says which layers are active; the
+  server logs it at start, as a warning when the network namespace is missing.
+- The uid drop needs root. The fresh uid is random per run, so ``RLIMIT_NPROC`` counts only that run's processes.
+  If the interpreter's standard library is not readable by other uids (e.g. a pyenv under ``/root``) and there is
+  no mount namespace to expose it, the run keeps the server's uid; a root that keeps its uid ignores
+  ``RLIMIT_NPROC``, so then only the audit hook and the wall clock stop a fork loop.
+- Without a PID namespace a process that calls ``setsid`` leaves the process group; the server also kills every
+  process of the run's fresh uid, but with neither a PID namespace nor a uid drop such a process can outlive the run.
+- Limits are per process: ``RLIMIT_AS`` and ``RLIMIT_CPU`` apply to each of up to ``max_processes`` processes (when
+  the hook is off and forking is allowed). Disk use is bounded by ``RLIMIT_FSIZE`` per file times the files written
+  before the wall clock; there is no quota on the workspace as a whole.
+- The runner's records travel on a file descriptor the code could also write to. That can only mislead the
+  agent's own ``run_tests`` feedback: ``submit`` compares returned values with expected ones in the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+__all__ = [
+    "PROJECT_ROOT",
+    "SandboxLimits",
+    "SandboxPolicy",
+    "SandboxResult",
+    "isolation",
+    "run_sandboxed",
+    "safe_relative_path",
+]
+
+logger = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).resolve().with_name("sandbox_runner.py")
+PROJECT_ROOT = RUNNER.parents[2]
+"""The repository holding ``envs/`` (hidden from the sandbox: it holds the tasks' reference solutions)."""
+
+_UID_BASE = 100_000_000
+_STDERR_TAIL_CHARS = 2000
+_CHILD_PATH = "/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandbox run.
+
+    Attributes:
+        wall_time_s: wall-clock seconds for the whole run (interpreter start included); then the process group
+            is killed and the run reports ``timed_out``.
+        cpu_time_s: CPU seconds of the runner process (``RLIMIT_CPU``; SIGXCPU, SIGKILL one second later).
+        per_test_timeout_s: wall-clock seconds for one test function or one case (``SIGALRM`` in the runner).
+        memory_mb: address-space limit of each process in MiB (``RLIMIT_AS``).
+        max_processes: processes the run's uid may have at once (``RLIMIT_NPROC``).
+        max_file_mb: largest file a process may write, in MiB (``RLIMIT_FSIZE``; also caps the captured output).
+        max_open_files: file descriptors per process (``RLIMIT_NOFILE``).
+
+    Raises:
+        ValueError: if a limit is not positive, or ``memory_mb < 64`` (the interpreter alone needs about 30 MiB).
+    """
+
+    wall_time_s: float = 10.0
+    cpu_time_s: int = 8
+    per_test_timeout_s: float = 2.0
+    memory_mb: int = 512
+    max_processes: int = 16
+    max_file_mb: int = 4
+    max_open_files: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {value!r}")
+        if self.memory_mb < 64:
+            raise ValueError(f"SandboxLimits.memory_mb must be >= 64 (the interpreter needs it), got {self.memory_mb}")
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """Which isolation layers a run tries (tests switch layers off to check each one alone).
+
+    Attributes:
+        namespaces: try new network, mount and PID namespaces.
+        drop_uid: when the server runs as root, run the code as a fresh random unprivileged uid.
+        audit_hook: install the PEP 578 hook that refuses sockets, processes, ctypes and writes outside the
+            workspace, and reports each refusal.
+        hide: directories the code must not read (covered by an empty tmpfs, or refused by the hook).
+    """
+
+    namespaces: bool = True
+    drop_uid: bool = True
+    audit_hook: bool = True
+    hide: tuple[str, ...] = (str(PROJECT_ROOT),)
+
+
+@dataclass
+class SandboxResult:
+    """What one run produced.
+
+    Attributes:
+        records: the runner's JSON records in order (``isolation``, ``start``, ``test``, ``case``,
+            ``import_error``, ``violation``, ``done``); see ``sandbox_runner.py``.
+        exit_code: the runner's exit status, 128 + N when killed by signal N; None when the wall clock killed it.
+        timed_out: whether the wall clock (``SandboxLimits.wall_time_s``) ran out.
+        wall_s: seconds the run took, workspace set-up and clean-up excluded.
+        stderr_tail: the last 2000 characters of the code's output (stdout and stderr), workspace path replaced by
+            ``./``.
+        isolation: the layers that were active (the ``isolation`` record), ``{}`` if the runner died first.
+        violations: the ``violation`` records (what the audit hook refused).
+    """
+
+    records: list[dict[str, Any]]
+    exit_code: int | None
+    timed_out: bool
+    wall_s: float
+    stderr_tail: str
+    isolation: dict[str, Any] = field(default_factory=dict)
+    violations: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the runner reached its end (a ``done`` record)."""
+        return any(r.get("type") == "done" for r in self.records)
+
+    @property
+    def killed_by(self) -> int | None:
+        """The signal number that killed the runner, if any (e.g. 9 SIGKILL, 24 SIGXCPU)."""
+        if self.exit_code is not None and self.exit_code > 128:
+            return self.exit_code - 128
+        return None
+
+    @property
+    def last_started(self) -> str | None:
+        """Name of the last test or case that started (the one running when a run was killed)."""
+        starts = [r["name"] for r in self.records if r.get("type") == "start"]
+        return starts[-1] if starts else None
+
+
+def safe_relative_path(path: str) -> str | None:
+    """``path`` normalized if it is a plain relative path inside a workspace, else None.
+
+    Allowed: components of letters, digits, ``_``, ``-`` and ``.``, at most 3 deep, no ``..``, not absolute, at
+    most 100 characters. Example: ``"./pkg/util.py"`` -> ``"pkg/util.py"``; ``"../x"`` -> None.
+    """
+    if not isinstance(path, str) or not path or len(path) > 100 or path.startswith("/") or "\\" in path:
+        return None
+    parts = [p for p in PurePosixPath(path).parts if p != "."]
+    if not parts or len(parts) > 3:
+        return None
+    for part in parts:
+        if part == ".." or not all(c.isalnum() or c in "_-." for c in part) or part.startswith("."):
+            return None
+    return "/".join(parts)
+
+
+def _materialize(files: Mapping[str, str], workspace: Path, uid: int | None) -> None:
+    """Write ``files`` into ``workspace`` (owned by ``uid`` when given)."""
+    for name, text in files.items():
+        rel = safe_relative_path(name)
+        if rel is None:
+            raise ValueError(f"unsafe workspace path {name!r}")
+        target = workspace / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    if uid is not None:
+        for root, dirs, names in os.walk(workspace):
+            for name in dirs + names:
+                os.chown(os.path.join(root, name), uid, uid)
+        os.chown(workspace, uid, uid)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by ``uid`` (a run's fresh uid: nothing else runs as it)."""
+    for _ in range(3):  # a process may fork while we scan
+        found = False
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    if entry.stat().st_uid == uid:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        found = True
+                except (OSError, ValueError):
+                    pass
+        if not found:
+            return
+
+
+def _read_tail(path: Path, max_chars: int) -> str:
+    """Last ``max_chars`` characters of a file ('' when unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 4 * max_chars))
+            return fh.read().decode("utf-8", "replace")[-max_chars:]
+    except OSError:
+        return ""
+
+
+def _parse_records(path: Path) -> list[dict[str, Any]]:
+    """The runner's records: JSON-object lines written by the process that wrote the ``isolation`` record.
+
+    Other lines (the code's own writes to fd 1, or records of processes it forked) are skipped.
+    """
+    records = []
+    try:
+        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return records
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("type"), str):
+            records.append(record)
+    runner = next((r.get("pid") for r in records if r["type"] == "isolation"), None)
+    return [r for r in records if r.get("pid") == runner]
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a run's directory, also when the code left entries without write permission."""
+    def retry(func, target, _exc):
+        try:
+            os.chmod(os.path.dirname(target), 0o700)
+            os.chmod(target, 0o700)
+            func(target)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry)
+
+
+def run_sandboxed(
+    files: Mapping[str, str],
+    request: Mapping[str, Any],
+    limits: SandboxLimits | None = None,
+    policy: SandboxPolicy | None = None,
+) -> SandboxResult:
+    """Run ``request`` on a temporary copy of ``files`` in a contained child process; never raises for bad code.
+
+    Args:
+        files: workspace contents, relative path -> text (see `safe_relative_path`).
+        request: ``{"mode": "tests"}`` (every ``test_*`` function of the workspace's ``test_*.py`` files),
+            ``{"mode": "cases", "module": "solution", "function": "f", "cases": [[arg, ...], ...]}`` (call
+            ``module.function(*args)`` per case; arguments must be JSON values), or ``{"mode": "probe"}``.
+        limits: resource limits (default `SandboxLimits()`).
+        policy: isolation layers to try (default `SandboxPolicy()`).
+
+    Returns:
+        The run's `SandboxResult`. The workspace is removed and every process of the run is killed before this
+        returns.
+
+    Raises:
+        ValueError: for an unsafe path in ``files``.
+        OSError: if the temporary directory or the child process cannot be created.
+    """
+    limits = limits or SandboxLimits()
+    policy = policy or SandboxPolicy()
+    base = Path(tempfile.mkdtemp(prefix="coding-env-"))
+    uid = _UID_BASE + secrets.randbelow(1 << 30) if policy.drop_uid and os.geteuid() == 0 else None
+    try:
+        os.chmod(base, 0o711)  # the run's uid may enter (to reach its workspace) but not list
+        workspace = base / "workspace"
+        workspace.mkdir(mode=0o700)
+        private = base / "io"
+        private.mkdir(mode=0o700)  # request and output files: the child only gets their fds
+        _materialize(files, workspace, uid)
+        config = {
+            "workspace": str(workspace), "uid": uid, "namespaces": policy.namespaces,
+            "audit_hook": policy.audit_hook, "hide": list(policy.hide), "request": dict(request),
+            **{k: v for k, v in asdict(limits).items() if k != "wall_time_s"},
+        }
+        config["request"].setdefault("per_test_timeout_s", limits.per_test_timeout_s)
+        (private / "request.json").write_text(json.dumps(config))
+        env = {"PATH": _CHILD_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "HOME": str(workspace),
+               "TMPDIR": str(workspace)}
+        started = time.monotonic()
+        timed_out = False
+        with open(private / "request.json", "rb") as stdin, open(private / "records", "wb") as stdout, \
+                open(private / "output", "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-S", "-s", "-B", str(RUNNER)], stdin=stdin, stdout=stdout, stderr=stderr,
+                cwd=str(base), env=env, start_new_session=True, close_fds=True,
+            )
+        try:
+            process.wait(timeout=limits.wall_time_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # also whatever the run left in its group
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+            if uid is not None:
+                _kill_uid(uid)
+        wall_s = time.monotonic() - started
+        records = _parse_records(private / "records")
+        tail = _read_tail(private / "output", _STDERR_TAIL_CHARS).replace(str(workspace) + "/", "./")
+        iso = next((r for r in records if r["type"] == "isolation"), {})
+        return SandboxResult(
+            records=records,
+            exit_code=None if timed_out else (process.returncode if process.returncode >= 0
+                                              else 128 - process.returncode),
+            timed_out=timed_out,
+            wall_s=wall_s,
+            stderr_tail=tail,
+            isolation={k: v for k, v in iso.items() if k not in ("type", "pid")},
+            violations=[r for r in records if r["type"] == "violation"],
+        )
+    finally:
+        _rmtree(base)
+
+
+_ISOLATION: dict[SandboxPolicy, dict[str, Any]] = {}
+_ISOLATION_LOCK = threading.Lock()
+
+
+def isolation(policy: SandboxPolicy | None = None) -> dict[str, Any]:
+    """The isolation layers a run gets on this machine under ``policy`` (probed once with an empty run, cached).
+
+    Returns:
+        ``{"network": "namespace" | "audit_hook" | "none", "filesystem": "read_only_except_workspace" |
+        "audit_hook" | "none", "processes": "pid_namespace" | "process_group", "uid": "unprivileged uid N" |
+        "unchanged", "audit_hook": bool, "hidden_paths": [...], "notes": [...]}``; ``{"error": ...}`` when
+        the probe itself failed.
+    """
+    policy = policy or SandboxPolicy()
+    with _ISOLATION_LOCK:
+        if policy not in _ISOLATION:
+            try:
+                result = run_sandboxed({}, {"mode": "probe"}, SandboxLimits(wall_time_s=20.0), policy)
+                found = dict(result.isolation) or {"error": f"probe ended with {result.exit_code}: "
+                                                            f"{result.stderr_tail[-300:]}"}
+            except OSError as exc:
+                found = {"error": f"probe failed: {exc}"}
+            if "uid" in found and found["uid"].startswith("unprivileged uid"):
+                found["uid"] = "fresh unprivileged uid per run"
+            _ISOLATION[policy] = found
+            logger.debug("coding_env sandbox isolation: %s", found)
+        return dict(_ISOLATION[policy])
