@@ -148,19 +148,16 @@ class Node:
                  self.peer.global_model.sha256()[:12], self.placement.describe())
 
     def _wait_for_round_boundary(self) -> None:
-        """If the round of the state we loaded has been underway for more than ``join_grace_s``, or a node has
-        already finished its inner phase, wait until the swarm finishes the round and load the next round's
-        theta: a late joiner never holds the others up, nor trains a round it cannot sync."""
+        """If the round of the state we loaded has been underway for more than ``join_grace_s``, wait until the
+        swarm finishes it and load the next round's theta: a late joiner never holds the others up for long."""
         net, r, me = self.config.network, self.peer.round, self.options.name
         training = [p for p in self.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
         if not training:
             return
         age = get_dht_time() - min(p.since for p in training)
-        ready = [n for n in self.swarm.ready_peers(r) if n != me]
-        if age <= net.join_grace_s and not ready:
-            return
-        log.info("round %d has been underway for %.0f s (%d node(s) already done): joining at the next round "
-                 "boundary", r, age, len(ready))
+        if age <= net.join_grace_s:
+            return  # the others wait for us at the barrier; had they already passed it, `sync` resyncs us
+        log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
         while not self.stop.event.is_set():
             live = self.swarm.live_peers()
             if any(p.round > r for p in live if p.name != me):
