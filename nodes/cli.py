@@ -28,7 +28,8 @@ def join(
                                                         "default: the run's tasks_per_step * num_generations.")] = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per inner step; batch-size * grad-accum episodes "
                                                  "per step must be a multiple of num_generations.")] = 1,
-    env_url: Annotated[list[str], typer.Option(help="Env server URL (repeat for several, used round-robin); "
+    env_url: Annotated[list[str], typer.Option(help="Env server URL (repeat for several, used round-robin): one of "
+                                                     "this project's envs or any OpenEnv MCP tool server (detected); "
                                                      "default: start a local env server process.")] = [],
     run_dir: Annotated[Path, typer.Option(help="Where <name>/metrics.jsonl is written.")] = Path("runs/default"),
     name: Annotated[str, typer.Option(help="Unique peer name (default node-<host>-<pid>).")] = "",
