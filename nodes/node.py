@@ -28,7 +28,8 @@ from composer_diloco.diloco import DiLoCoPeer
 from composer_diloco.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.rollout import OpenEnvSession
+from composer_diloco.mcp_session import open_env_sessions
+from composer_diloco.rollout import EnvSession
 from composer_diloco.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
 from composer_diloco.trainer import ComposerGRPOTrainer, grpo_args
 from nodes.device import NodeBatch, Placement
@@ -84,7 +85,7 @@ class Node:
     def __init__(self, options: NodeOptions, stop: GracefulStop):
         self.options, self.stop = options, stop
         self.env_servers: list[EnvServer] = []
-        self.sessions: list[OpenEnvSession] = []
+        self.sessions: list[EnvSession] = []
         self.dht = None
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
@@ -121,6 +122,16 @@ class Node:
                  config.inner_steps)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret)
 
+        self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
+        log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
+
+        # the model before the env servers: an architecture mismatch fails before any process is started
+        model, self.tokenizer = _policy_skeleton(config)
+        self.peer = DiLoCoPeer(model, config, self.swarm)
+        self.stop.add_cleanup(self.peer.shutdown)
+        if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
+            raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
+
         urls = list(o.env_urls)
         for url in urls:
             wait_for_env(url, timeout_s=config.env.connect_timeout_s)
@@ -129,16 +140,8 @@ class Node:
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
             urls = [server.url]
-        self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
-        log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
-        self.sessions = [OpenEnvSession(urls[i % len(urls)], max_tool_calls=config.env.max_tool_calls)
-                         for i in range(self.batch.episodes_per_step)]
-
-        model, self.tokenizer = _policy_skeleton(config)
-        self.peer = DiLoCoPeer(model, config, self.swarm)
-        self.stop.add_cleanup(self.peer.shutdown)
-        if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
-            raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
+        # round-robin over the URLs; each URL's protocol (OpenEnv MCP tools or our typed envs) is detected once
+        self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls)
         self._wait_for_round_boundary()
         self.peer.global_model.load_into(model)
         self.model = self.placement.place(model)

@@ -1,4 +1,4 @@
-"""A node whose config, model architecture or batch does not fit the run is refused at join, naming the mismatch."""
+"""A node whose config, model architecture, batch or env server does not fit the run is refused at join, naming it."""
 
 import subprocess
 import sys
@@ -28,16 +28,22 @@ def join(run: LocalRun, *extra: str) -> subprocess.CompletedProcess:
 def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
     model_dir = tmp_path / "model"
     build_model(model_dir, hidden_size=32)
-    config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n')
+    env = "[env]\nconnect_timeout_s = 10.0\n"  # a node gives up on an unreachable env server after 10 s
+    config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n{env}')
     run = LocalRun(tmp_path / "run", config)
     try:
         run.start_coordinator()
 
-        other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n')
+        other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n{env}')
         refused = join(run, "--config", str(other))
         assert refused.returncode == 1, refused.stderr[-2000:]
         error = refused.stderr.strip().splitlines()[-1]
         assert error.startswith("composer-node: error: run 'composer' has another config") and "inner_steps" in error
+
+        unreachable = join(run, "--env-url", "http://127.0.0.1:9")  # nothing listens there
+        assert unreachable.returncode == 1, unreachable.stderr[-2000:]
+        error = unreachable.stderr.strip().splitlines()[-1]
+        assert "http://127.0.0.1:9" in error and "not reachable" in error, error
 
         split = join(run, "--batch-size", "3")  # G = 4: 3 episodes per step cannot hold whole GRPO groups
         assert split.returncode == 1, split.stderr[-2000:]
