@@ -17,10 +17,18 @@ def build_model(path, hidden_size: int) -> None:
     tokenizer.save_pretrained(path)
 
 
-def join(run: LocalRun, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", run.peer, "--device", "cpu",
-                           "--run-dir", str(run.run_dir), "--join-timeout", "20", *extra],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+def join(run: LocalRun, *extra: str) -> subprocess.Popen:
+    """Start a node that is expected to be refused; `refusal` waits for it."""
+    return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", run.peer, "--device", "cpu",
+                             "--run-dir", str(run.run_dir), "--join-timeout", "20", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def refusal(proc: subprocess.Popen) -> str:
+    """Wait for a refused node: exit code 1 and its one-line error (the last line of stderr)."""
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1, stderr[-2000:]
+    return stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.multiprocess
@@ -35,26 +43,20 @@ def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
         run.start_coordinator()
 
         other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n{env}')
-        refused = join(run, "--config", str(other))
-        assert refused.returncode == 1, refused.stderr[-2000:]
-        error = refused.stderr.strip().splitlines()[-1]
-        assert error.startswith("composer-node: error: run 'composer' has another config") and "inner_steps" in error
-
-        unreachable = join(run, "--env-url", "http://127.0.0.1:9")  # nothing listens there
-        assert unreachable.returncode == 1, unreachable.stderr[-2000:]
-        error = unreachable.stderr.strip().splitlines()[-1]
-        assert "http://127.0.0.1:9" in error and "not reachable" in error, error
-
-        split = join(run, "--batch-size", "3")  # G = 4: 3 episodes per step cannot hold whole GRPO groups
-        assert split.returncode == 1, split.stderr[-2000:]
+        # three independent refusals at once (each node is its own process and DHT peer)
+        nodes = [join(run, "--config", str(other)),
+                 join(run, "--env-url", "http://127.0.0.1:9"),  # nothing listens there
+                 join(run, "--batch-size", "3")]  # G = 4: 3 episodes per step cannot hold whole GRPO groups
+        other_config, unreachable, split = (refusal(p) for p in nodes)
+        assert other_config.startswith("composer-node: error: run 'composer' has another config")
+        assert "inner_steps" in other_config
+        assert "http://127.0.0.1:9" in unreachable and "not reachable" in unreachable, unreachable
         assert "--batch-size 3 x --grad-accum 1 = 3 episodes per step is not a multiple of the run's " \
-               "num_generations 4" in split.stderr.strip().splitlines()[-1]
+               "num_generations 4" in split
 
         build_model(model_dir, hidden_size=48)  # this machine's copy of the model is not the run's
-        refused = join(run, "--config", str(config))
-        assert refused.returncode == 1, refused.stderr[-2000:]
-        error = refused.stderr.strip().splitlines()[-1]
-        assert "model architecture differs from the run's" in error, refused.stderr[-2000:]
+        error = refusal(join(run, "--config", str(config)))
+        assert "model architecture differs from the run's" in error, error
         assert "32]" in error and "48]" in error, error
     finally:
         run.stop()
