@@ -63,7 +63,7 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
     os.replace(tmp, final)
-    _write_atomic(root / "latest", final.name)
+    write_atomic(root / "latest", final.name)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -89,7 +89,8 @@ def read_outer_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(folder)!r} is unreadable: {e}") from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling, fsync, rename: readers see old or new, never half."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     with open(tmp) as f:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from composer_diloco.diloco import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
-from coordinator.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint
+from coordinator.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +155,7 @@ class Coordinator:
 
     def _write_known_peers(self) -> None:
         maddrs = sorted({p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME})
-        tmp = self.run_dir / f".peers.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(maddrs))
-        os.replace(tmp, self.run_dir / "peers.json")
+        write_atomic(self.run_dir / "peers.json", json.dumps(maddrs))
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer momentum from ``outer.pt``; theta came with the model. Raises CheckpointError."""

@@ -114,8 +114,8 @@ class Node:
         self.dht = start_dht(initial_peers=[o.peer], secret=secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
-        if expected is not None and config_diff(expected, config):
-            diff = config_diff(expected, config)
+        diff = config_diff(expected, config) if expected is not None else []
+        if diff:
             raise NodeError(f"run {config.run_name!r} has another config than --config {str(o.expected_config)!r}: "
                             f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests_support import error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,10 +14,6 @@ def run(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
 
 
-def error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from composer_diloco.auth import (
     SECRET_ENV, HMACAuthorizer, RunSecretRefused, SecretError, averaging_prefix, load_secret,
 )
 from composer_diloco.metrics import read_metrics
-from tests_support import stop_processes
+from tests_support import error_line, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -139,10 +139,6 @@ def test_hmac_authorizer_round_trip_and_refusals():
 
 
 # -- bad input --------------------------------------------------------------------------------------------------
-def _error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.timeout(300)
@@ -161,7 +157,7 @@ def test_bad_secret_is_a_one_line_error(tmp_path):
     for args, env, named in cases:
         r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
                            env=env)
-        assert r.returncode == 1 and named in _error_line(r), (args, r.stderr[-2000:])
+        assert r.returncode == 1 and named in error_line(r), (args, r.stderr[-2000:])
     assert not (tmp_path / "c" / "checkpoints").exists() and not (tmp_path / "s").exists()
 
 
@@ -295,7 +291,7 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
 
     # the rogue nodes: exit 1 within a bounded time, one line that points at the secret
     for label, (code, err, seconds) in rogue_results.items():
-        line = _error_line(subprocess.CompletedProcess([], code, "", err))
+        line = error_line(subprocess.CompletedProcess([], code, "", err))
         assert code == 1 and "secret" in line and "no peer answered" in line, (label, err)
         assert seconds < 120, (label, seconds)
 

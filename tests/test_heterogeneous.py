@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests_support import error_line
 import torch
 from transformers import TrainerCallback
 
@@ -223,10 +224,6 @@ def join(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.Compl
                            *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
 
 
-def error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.timeout(120)

@@ -30,6 +30,13 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line a CLI printed on stderr (fails the test if there is not exactly one)."""
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
 def run_processes_snapshot() -> set[int]:
     """PIDs of processes a run leaves behind if it leaks: p2pd daemons and env servers."""
     import psutil
