@@ -5,9 +5,11 @@ A node calls `DiLoCoPeer.sync(model, weight)` after its H inner steps; the coord
 same outer step: it always holds the canonical theta (DiLoCo, arXiv 2311.08105; OpenDiLoCo's layout on hivemind).
 
 Failure behaviour of `sync`:
-- the all-reduce fails (no group within ``averaging_timeout_s``, a peer lost mid-way beyond repair): no outer
-  step is applied; the peer downloads the newest state from a live peer (``load_state_from_peers``, the
-  coordinator first) if one is ahead, else applies its own pseudo-gradient alone (it is then the whole swarm);
+- the all-reduce fails (no group within ``averaging_timeout_s``, a peer lost mid-way beyond repair), or the
+  swarm finished the round without this peer (a late joiner): no outer step of its own; it takes the newest state
+  of a live peer past its round (``load_state_from_peers``, the coordinator first). Of the peers stuck in the
+  same round only the first (the coordinator, else the lowest name) steps alone; the rest take its state
+  (`DiLoCoPeer._after_failure`). A peer with nobody in or past its round is the whole swarm and steps alone;
 - a contribution with NaN/Inf or an outlier norm: dropped by every peer of the group alike
   (`composer_diloco.screening`); the round goes on with the rest, the drop is logged with the peer's name, and
   if nothing is left to average theta stays as it is for that round ("skipped");
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from composer_diloco import faults
@@ -46,7 +49,8 @@ class SyncResult:
     """What one round's communication did.
 
     Attributes:
-        round: the round that ended (theta now holds theta_{round+1}).
+        round: the round whose outcome theta now holds (theta is theta_{round+1}): the round that ended, or,
+            when the peer found the swarm further ahead and downloaded its state, the round before its new one.
         peers: group size of the all-reduce, coordinator included (1 = averaged alone).
         weight_total: sum of the weights (samples) in the group.
         sync_seconds: wall seconds from ready to the new theta loaded (barrier wait included).
@@ -93,6 +97,11 @@ def _check_layout(theirs: list, ours: list) -> None:
     if len(theirs) != len(ours):
         raise ArchitectureMismatch(f"model architecture differs from the run's: {len(theirs)} parameter tensors in "
                                    f"the run, {len(ours)} here")
+
+
+def _step_order(role: str, name: str) -> tuple[int, str]:
+    """Which peer of a failed round steps alone first (the smallest): the coordinator, then by name."""
+    return (0 if role == "coordinator" else 1, name)
 
 
 def round_group_bits(round_: int) -> str:
@@ -192,6 +201,50 @@ class DiLoCoPeer:
                  self.global_model.sha256()[:12])
         return True
 
+    def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event) -> int:
+        """Bring a joining peer to the round the swarm is in, right before its first inner phase.
+
+        First the newest state of any live peer past ours (a joiner whose set-up outlasted a round). Then, if that
+        round has been underway for more than ``join_grace_s`` seconds, wait for the swarm to finish it and take
+        the next round's state, so that a late joiner never holds the others up for long. Had the others already
+        passed the barrier when it arrives anyway, `sync` takes their state (`_after_failure`).
+
+        Args:
+            join_grace_s: seconds a round may have been underway for this peer to still join it.
+            timeout_s: seconds to wait for a peer's state per download.
+            stop: set to give up waiting (shutdown).
+        Returns:
+            The newest round a live peer was in: ``>= config.rounds`` means the run ended while this peer joined.
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me = self.swarm.name
+        newest = max((p.round for p in self.swarm.live_peers() if p.name != me), default=self.round)
+        if newest >= self.config.rounds:
+            return newest  # the others are leaving: nothing to join
+        if newest > self.round:
+            log.info("%s: the swarm is at round %d, past our round %d: downloading its state", me, newest, self.round)
+            self.load_state_from_peers(timeout_s, min_round=newest)
+        r = self.round
+        training = [p for p in self.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
+        if not training:
+            return newest
+        age = get_dht_time() - min(p.since for p in training)
+        if age <= join_grace_s:
+            return newest  # the others wait for us at the barrier
+        log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
+        while not stop.is_set():
+            live = [p for p in self.swarm.live_peers() if p.name != me]
+            if any(p.round > r for p in live) or not any(p.role == "node" and p.round == r for p in live):
+                break  # the round is over, or the nodes of that round are gone: nothing to wait for
+            time.sleep(0.5)
+        deadline = time.monotonic() + self.config.network.averaging_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self.load_state_from_peers(timeout_s, min_round=r + 1):
+                break
+            time.sleep(0.5)
+        return max(newest, self.round)
+
     # -- one round ------------------------------------------------------------------------------------
     def sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None = None) -> SyncResult | None:
         """End the current round: average pseudo-gradients, take the outer step, load theta into ``model``.
@@ -256,7 +309,7 @@ class DiLoCoPeer:
             log.warning("%s round %d: no contribution left after screening: theta unchanged", self.swarm.name, r)
             with self._lock:
                 self.round = r + 1
-            return self._finish(model, r, clock, peers=len(group), status="skipped", rejected=rejected)
+            return self._finish(model, clock, peers=len(group), status="skipped", rejected=rejected)
         if weight_total <= 0:
             return self._after_failure(model, r, clock)
 
@@ -272,7 +325,7 @@ class DiLoCoPeer:
         status = "averaged"
         if self.swarm.role == "node" and any(g.get("role") == "coordinator" for g in group):
             status = self._agree_with_coordinator(r + 1)
-        return self._finish(model, r, clock, peers=len(group), weight_total=weight_total, status=status,
+        return self._finish(model, clock, peers=len(group), weight_total=weight_total, status=status,
                             rejected=rejected)
 
     def _agree_with_coordinator(self, next_round: int, wait_s: float = 10.0) -> str:
@@ -300,8 +353,27 @@ class DiLoCoPeer:
         return "averaged"
 
     def _after_failure(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
-        if self.load_state_from_peers(timeout_s=self.config.network.averaging_timeout_s) and self.round > r:
-            return self._finish(model, r, clock, peers=0, status="resynced")
+        """Round ``r`` ended without an average for this peer: take the state of a peer past round ``r``.
+
+        One rule on every peer, so that replicas never fork: while a live peer is past round ``r``, download the
+        newest state (`load_state_from_peers`, the coordinator first among equals). While others are still in round
+        ``r``, wait for them, at most ``averaging_timeout_s``; only the first of the peers left in round ``r`` (the
+        coordinator, else the lowest name) applies its own pseudo-gradient at once, so the others have a state to
+        take. A peer with nobody in or past its round is the whole swarm and steps alone.
+        """
+        timeout_s = self.config.network.averaging_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name]
+            if any(p.round > r for p in others):
+                if self.load_state_from_peers(timeout_s=timeout_s, min_round=r + 1):
+                    return self._finish(model, clock, peers=0, status="resynced")
+            else:
+                in_round = [p for p in others if p.round == r]
+                if not in_round or _step_order(self.swarm.role, self.swarm.name) < min(
+                        _step_order(p.role, p.name) for p in in_round):
+                    break
+            time.sleep(0.25)
         log.warning("%s round %d: no peer ahead of us; applying our own pseudo-gradient", self.swarm.name, r)
         return self._step_alone(model, r, clock)
 
@@ -316,9 +388,9 @@ class DiLoCoPeer:
                 log.error("%s round %d: %s; theta unchanged", self.swarm.name, r, e)
                 status = "skipped"
             self.round = r + 1
-        return self._finish(model, r, clock, peers=1, status=status)
+        return self._finish(model, clock, peers=1, status=status)
 
-    def _finish(self, model: nn.Module | None, r: int, clock: _RoundClock, *, peers: int, status: str,
+    def _finish(self, model: nn.Module | None, clock: _RoundClock, *, peers: int, status: str,
                 weight_total: float = 0.0, rejected: list[str] | None = None) -> SyncResult:
         if model is not None:
             self.global_model.load_into(model)
@@ -326,7 +398,7 @@ class DiLoCoPeer:
         sha = self.global_model.sha256()
         self.swarm.set_round(self.round, sha=sha)
         return SyncResult(
-            round=r, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - clock.start,
+            round=self.round - 1, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - clock.start,
             wait_seconds=clock.waited, bytes_sent=int(self.averager.bytes_sent.value - clock.bytes_before),
             global_sha256=sha, status=status, rejected=list(rejected or []),
         )

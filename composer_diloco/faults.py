@@ -9,8 +9,11 @@ a comma-separated list of faults, each ``kind`` or ``kind:round`` or ``kind:roun
     step_delay:*:S             sleep S seconds after every inner step (a slow node)
     scale_pseudo_gradient:R:F  multiply this node's pseudo-gradient of round R by F (a norm outlier)
     nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R
+    hold:*:PATH                after every inner step, wait while the file PATH exists (a test pauses a node
+                               until something else has happened, whatever the machine's load)
 
-``R`` may be ``*`` (every round). Everything here is a no-op when the variable is unset.
+``R`` may be ``*`` (every round). Everything here is a no-op when the variable is unset; the variable is parsed
+once per distinct value.
 """
 
 from __future__ import annotations
@@ -21,25 +24,29 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient", "nan_pseudo_gradient")
+KINDS = ("kill_in_allreduce", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient", "nan_pseudo_gradient",
+         "hold")
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault: ``kind`` at ``round`` (None = every round) with an optional ``value``."""
+    """One injected fault: ``kind`` at ``round`` (None = every round) with an optional ``value`` (a number, or
+    the file path of ``hold``)."""
 
     kind: str
     round: int | None
-    value: float | None
+    value: float | str | None
 
 
-def parse_faults(text: str) -> list[Fault]:
+@lru_cache(maxsize=8)
+def parse_faults(text: str) -> tuple[Fault, ...]:
     """Parse ``COMPOSER_DILOCO_FAULTS``. Raises ValueError naming the bad entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(","))):
@@ -49,11 +56,11 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"{ENV_VAR}: unknown fault {kind!r} in {entry!r} (expected one of {', '.join(KINDS)})")
         try:
             round_ = None if round_text in ("", "*") else int(round_text)
-            value = float(value_text) if value_text else None
+            value = value_text if kind == "hold" else float(value_text) if value_text else None
         except ValueError:
             raise ValueError(f"{ENV_VAR}: bad entry {entry!r} (expected kind:round[:value])") from None
         faults.append(Fault(kind, round_, value))
-    return faults
+    return tuple(faults)
 
 
 def active(kind: str, round_: int | None = None) -> Fault | None:
@@ -85,10 +92,14 @@ def kill_this_peer(reason: str, *, from_child: bool = False) -> None:
 
 
 def after_inner_step() -> None:
-    """Sleep ``step_delay`` seconds (a slow node)."""
+    """Sleep ``step_delay`` seconds (a slow node); wait while the ``hold`` file exists."""
     fault = active("step_delay")
     if fault is not None and fault.value:
-        time.sleep(fault.value)
+        time.sleep(float(fault.value))
+    hold = active("hold")
+    if hold is not None and hold.value:
+        while os.path.exists(str(hold.value)):
+            time.sleep(0.2)
 
 
 def corrupt_pseudo_gradient(round_: int, delta: Sequence[torch.Tensor]) -> None:
@@ -97,7 +108,7 @@ def corrupt_pseudo_gradient(round_: int, delta: Sequence[torch.Tensor]) -> None:
     if scale is not None:
         log.warning("fault injection: pseudo-gradient of round %d scaled by %g", round_, scale.value)
         for d in delta:
-            d.mul_(scale.value if scale.value is not None else 1000.0)
+            d.mul_(float(scale.value) if scale.value is not None else 1000.0)
     if active("nan_pseudo_gradient", round_) is not None:
         log.warning("fault injection: NaN in the pseudo-gradient of round %d", round_)
         delta[0].view(-1)[0] = float("nan")

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from hivemind.utils.timed_storage import get_dht_time
 
 from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff, load_config
@@ -91,6 +90,7 @@ class Node:
         self.peer: DiLoCoPeer | None = None
         self.trainer: ComposerGRPOTrainer | None = None
         self.config: RunConfig | None = None
+        self.swarm_round = 0  # the newest round a live peer was in when this node joined
         self.metrics = MetricsWriter(Path(options.run_dir) / options.name / "metrics.jsonl")
         self._round_started = time.monotonic()
         self._steps_in_round = 0
@@ -142,7 +142,9 @@ class Node:
             urls = [server.url]
         # round-robin over the URLs; each URL's protocol (OpenEnv MCP tools or our typed envs) is detected once
         self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls)
-        self._wait_for_round_boundary()
+        # starting env servers takes seconds: the swarm may have moved on since the state was loaded
+        self.swarm_round = self.peer.join_at_round_boundary(
+            join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)
         self.peer.global_model.load_into(model)
         self.model = self.placement.place(model)
         self.swarm.set_round(self.peer.round)
@@ -150,37 +152,13 @@ class Node:
         log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
                  self.peer.global_model.sha256()[:12], self.placement.describe())
 
-    def _wait_for_round_boundary(self) -> None:
-        """If the round of the state we loaded has been underway for more than ``join_grace_s``, wait until the
-        swarm finishes it and load the next round's theta: a late joiner never holds the others up for long."""
-        net, r, me = self.config.network, self.peer.round, self.options.name
-        training = [p for p in self.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
-        if not training:
-            return
-        age = get_dht_time() - min(p.since for p in training)
-        if age <= net.join_grace_s:
-            return  # the others wait for us at the barrier; had they already passed it, `sync` resyncs us
-        log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
-        while not self.stop.event.is_set():
-            live = self.swarm.live_peers()
-            if any(p.round > r for p in live if p.name != me):
-                break
-            if not any(p.role == "node" and p.round == r for p in live if p.name != me):
-                break  # the nodes of that round are gone: nothing to wait for
-            time.sleep(0.5)
-        deadline = time.monotonic() + net.averaging_timeout_s
-        while not self.stop.event.is_set() and time.monotonic() < deadline:
-            if self.peer.load_state_from_peers(timeout_s=self.options.join_timeout_s, min_round=r + 1):
-                return
-            time.sleep(0.5)
-
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:
         """Train until the run's last round; returns the number of rounds this node took part in."""
         config, peer = self.config, self.peer
         remaining = config.rounds - peer.round
-        if remaining <= 0:
-            log.info("the run is already over (round %d of %d)", peer.round, config.rounds)
+        if remaining <= 0 or self.swarm_round >= config.rounds:
+            log.info("the run is already over (round %d of %d)", max(peer.round, self.swarm_round), config.rounds)
             return 0
         out_dir = Path(tempfile.mkdtemp(prefix=f"trl-{self.options.name}-"))
         args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
@@ -224,10 +202,14 @@ class Node:
             return
         self.trainer.refresh_reference()
         rewards = [e.reward for e in episodes]
+        per_step = self.trainer.episodes_per_step  # episodes are kept in the order of the inner steps
+        steps = [rewards[i:i + per_step] for i in range(0, len(rewards), per_step)]
         record = {
             "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
             "samples": samples, "mean_reward": statistics.fmean(rewards) if rewards else 0.0,
             "success_rate": sum(r >= 1.0 for r in rewards) / samples if samples else 0.0,
+            "step_rewards": [round(statistics.fmean(step), 4) for step in steps],
+            "step_success": [round(sum(x >= 1.0 for x in step) / len(step), 4) for step in steps],
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
             "loss_grpo": _mean(l.loss_grpo for l in losses), "loss_sdpo": _mean(l.loss_sdpo for l in losses),
             "loss_dpo": _mean(l.loss_dpo for l in losses), "inner_steps": self._steps_in_round,

@@ -37,11 +37,16 @@ def reap_children():
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory) -> Path:
-    """The embedded default's warm start, computed once per session (~45 s) and shared by the run tests."""
+    """The embedded default's warm start, computed once per session (~45 s) and shared by the run tests.
+
+    ``COMPOSER_DILOCO_TEST_WARM_DIR=DIR`` keeps it in DIR across sessions (for rerunning a few tests by hand;
+    the cache key covers seed, steps, model config and tokenizer, so a stale entry is never reused).
+    """
     from composer_diloco.config import load_config
     from composer_diloco.policy import load_policy
 
-    root = tmp_path_factory.mktemp("warm")
+    kept = os.environ.get("COMPOSER_DILOCO_TEST_WARM_DIR")
+    root = Path(kept) if kept else tmp_path_factory.mktemp("warm")
     cfg = load_config(SMOKE)
     load_policy(None, run_dir=root, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
     return root / "warmstart"

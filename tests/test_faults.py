@@ -38,9 +38,10 @@ def start(run: LocalRun, node_env: dict[str, dict[str, str]] | None = None) -> N
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
+    hold = tmp_path / "hold-node-0"  # while it exists node-0 pauses after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=8))
     try:
-        start(run)
+        start(run, {"node-0": {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}})
         run.wait_round("node-1", 0)
         assert 1 not in run.rounds_of("node-1")  # it is in round 1's inner phase now
         killed_at = run.kill("node-1")
@@ -51,13 +52,20 @@ def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
         assert went_on["time"] - killed_at < 30.0 + 10.0  # the averaging timeout of this config, + a resync
         assert_agree({n: run.records()[n] for n in ("coordinator", "node-0")}, [1])
 
+        # node-0 pauses until the restarted node-1 has downloaded the global model: however slow the machine,
+        # the run cannot end before node-1 is back. node-1 then starts its env server while the swarm moves on.
+        hold.touch()
         restarted_at = time.time()
         run.start_node("node-1")  # the same command
+        run.wait_until(lambda: run.log("node-1").count("state from a peer") >= 2, 240,  # its log is appended to
+                       "the restarted node-1 to download the global model")
+        hold.unlink()
         run.wait_until(lambda: any(r["time"] > restarted_at for r in run.records().get("node-1", [])), 240,
-                               "a round of the restarted node-1")
+                       "a round of the restarted node-1")
         for name in ("node-0", "node-1", "coordinator"):
             assert run.wait_exit(name) == 0, run.log_tail(name)
     finally:
+        hold.unlink(missing_ok=True)
         run.stop()
     records = run.records()
     rejoined = [r for r in records["node-1"] if r["time"] > restarted_at]
@@ -96,11 +104,12 @@ def test_node_killed_during_the_all_reduce(run_dir, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir, tmp_path):
-    rounds = 10
+    rounds = 7
+    hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
-    paced = {"COMPOSER_DILOCO_FAULTS": "step_delay:*:1.5"}  # so the run outlasts the coordinator's restart
+    held = {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}
     try:
-        start(run, {"node-0": paced, "node-1": paced})
+        start(run, {"node-0": held, "node-1": held})
         run.wait_round("coordinator", 1)
         checkpoint_round = read_outer_state(latest_checkpoint(run_dir))["round"]
         killed_at = run.kill("coordinator")
@@ -112,10 +121,17 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         assert_agree(without, [2])
         assert next(r for r in without["node-0"] if r["round"] == 2)["peers"] == 2
 
+        # the nodes pause (alive, heartbeating) until the restarted coordinator has taken their state: however
+        # slow the machine, the run cannot end before it is back
+        hold.touch()
         run.start_coordinator()  # the same command and --run-dir
+        run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
+                       "the restarted coordinator to reload from a live node")
+        hold.unlink()
         for name in ("coordinator", "node-0", "node-1"):
             assert run.wait_exit(name) == 0, run.log_tail(name)
     finally:
+        hold.unlink(missing_ok=True)
         run.stop()
     log = run.log("coordinator")
     assert f"(the newest checkpoint was round {checkpoint_round})" in log, log[-3000:]

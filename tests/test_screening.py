@@ -44,8 +44,8 @@ def test_entries_without_a_norm_or_weight_are_never_dropped():
 
 
 def test_fault_spec_parses_and_names_bad_entries():
-    assert parse_faults("kill_in_allreduce:1, step_delay:*:2.5") == [
-        Fault("kill_in_allreduce", 1, None), Fault("step_delay", None, 2.5)]
+    assert parse_faults("kill_in_allreduce:1, step_delay:*:2.5, hold:*:/tmp/x") == (
+        Fault("kill_in_allreduce", 1, None), Fault("step_delay", None, 2.5), Fault("hold", None, "/tmp/x"))
     with pytest.raises(ValueError, match="unknown fault 'explode'"):
         parse_faults("explode:1")
     with pytest.raises(ValueError, match="bad entry 'step_delay:x'"):
