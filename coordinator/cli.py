@@ -116,6 +116,23 @@ def simulate(
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 
 
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="A run's folder, holding <peer>/metrics.jsonl files.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: RUN_DIR/plots).")] = None,
+) -> None:
+    """Draw a run's per-round figures (reward.png, losses.png, bytes.png, sync.png); print the written paths."""
+    from coordinator.plot import PlotError, plot_run
+
+    try:
+        paths = plot_run(run_dir, out)
+    except (PlotError, OSError) as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1)
+    for path in paths:
+        typer.echo(str(path))
+
+
 def main() -> int:
     """Console-script entry point."""
     from composer_diloco.lifecycle import run_cli
