@@ -122,13 +122,17 @@ class DiLoCoPeer:
     def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0):
         self.config, self.swarm = config, swarm
         self.round = start_round
+        self._lock = threading.Lock()  # guards theta while a peer downloads our state
+        self._built = threading.Event()  # set once theta exists: a state request waits for it
+        self.delta = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters() if p.requires_grad]
+        # hivemind forks its averager process here: before theta and the outer momentum exist, so that the child
+        # does not keep copy-on-write pages of them (twice their memory, and a slow first outer step, on big models)
+        with keep_signal_handlers():
+            self.averager = self._make_averager(swarm, config)
         self.global_model = GlobalModel(
             model, lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov
         )
-        self.delta = [torch.zeros_like(p, requires_grad=False) for p in self.global_model.params]
-        self._lock = threading.Lock()  # guards theta while a peer downloads our state
-        with keep_signal_handlers():
-            self.averager = self._make_averager(swarm, config)
+        self._built.set()
         self._update_priority()
 
     def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
@@ -156,6 +160,7 @@ class DiLoCoPeer:
 
     # -- state sharing (late joiners, resync) -------------------------------------------------------
     def _state(self) -> tuple[dict, list[torch.Tensor]]:
+        self._built.wait()
         with self._lock:
             meta = {"round": self.round, "sha256": self.global_model.sha256(), "run": self.config.run_name,
                     "layout": self.layout()}
