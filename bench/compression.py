@@ -1,9 +1,15 @@
-"""Bytes on the wire per round for each pseudo-gradient codec (none / fp16 / int8), measured side by side.
+"""Bytes on the wire per round for each pseudo-gradient codec (none / fp16 / int8), against data-parallel training.
 
 Each codec runs the same short localhost simulation (`composer-coordinator simulate`: a coordinator and N nodes
 as real processes over real hivemind all-reduces); the bytes are the payload each peer counted while sending
 (`ExactAllReduceRunner`), so they reflect what the codec put on the wire. Ratios are against ``none`` in the
-same invocation. Run:
+same invocation.
+
+Data-parallel training of the same samples would all-reduce one fp32 gradient per inner step: a ring (or
+butterfly) all-reduce among N peers sends ``2 (N - 1) / N * 4 P`` bytes per peer per step (P parameters; the
+standard bandwidth-optimal figure, e.g. NCCL's "bus bandwidth"), so ``H`` times that per round. That figure is
+computed, not measured; ours is measured. Note that our all-reduce has N + 1 peers (the coordinator joins it
+with weight 0 to receive the mean), so a node sends ``2 N / (N + 1) * b P`` per round. Run:
 
     python bench/compression.py --nodes 2 --rounds 2 --out runs/bench-compression
 """
@@ -11,6 +17,7 @@ same invocation. Run:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -43,25 +50,57 @@ def run_codec(codec: str, out: Path, nodes: int, rounds: int) -> dict:
         per_round_total.append(sum(rec["bytes_sent"] for rec in records))
         per_peer.extend(rec["bytes_sent"] for rec in records)
         agree &= len({rec["global_sha256"] for rec in records}) == 1
+    per_node = [rec["bytes_sent"] for recs in metrics.values() for rec in recs if rec.get("role") == "node"]
     return {"codec": codec, "total_per_round": statistics.fmean(per_round_total),
-            "per_peer_per_round": statistics.fmean(per_peer), "agree": agree}
+            "per_peer_per_round": statistics.fmean(per_peer), "per_node_per_round": statistics.fmean(per_node),
+            "agree": agree}
+
+
+def parameter_count() -> int:
+    """Trainable parameters P of the embedded default policy."""
+    from composer_diloco.config import RunConfig
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+
+    model = build_tiny_model(load_default_tokenizer(), RunConfig().warmstart.seed)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def data_parallel_bytes(params: int, nodes: int, inner_steps: int) -> float:
+    """Bytes one of ``nodes`` peers sends per round in data-parallel training: one fp32 gradient all-reduce
+    (``2 (N - 1) / N * 4 P`` bytes) per inner step, ``inner_steps`` steps."""
+    return inner_steps * 2 * (nodes - 1) / nodes * 4 * params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
     parser.add_argument("--out", type=Path, default=Path("runs/bench-compression"))
     args = parser.parse_args()
     if args.out.exists() and any(args.out.glob("*/*/metrics.jsonl")):
         raise SystemExit(f"--out {str(args.out)!r} already holds results: pick a new folder")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [run_codec(c, args.out, args.nodes, args.rounds) for c in CODECS]
+    rows = [run_codec(c, args.out, args.nodes, args.rounds) for c in args.codecs]
+    params = parameter_count()
     base = rows[0]["total_per_round"]
-    print(f"{'codec':>6}  {'bytes/round (all peers)':>24}  {'bytes/round/peer':>17}  {'vs none':>8}  sha256 agree")
+    print(f"P = {params:,} parameters, N = {args.nodes} nodes (+ the coordinator in the all-reduce)\n")
+    print(f"| codec | bytes/round, all peers | bytes/round/node | vs {rows[0]['codec']} | sha256 agree |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        print(f"{row['codec']:>6}  {row['total_per_round']:>24,.0f}  {row['per_peer_per_round']:>17,.0f}  "
-              f"{row['total_per_round'] / base:>8.3f}  {'yes' if row['agree'] else 'NO'}")
+        print(f"| {row['codec']} | {row['total_per_round']:,.0f} | {row['per_node_per_round']:,.0f} | "
+              f"{row['total_per_round'] / base:.3f} | {'yes' if row['agree'] else 'NO'} |")
+    n = max(args.nodes, 2)
+    print(f"\nPer node per round against data-parallel training of the same samples (N = {n}, one fp32 "
+          "gradient all-reduce per inner step; ratio = ours / data-parallel):\n")
+    hs = (4, 16, 64, 500)
+    print("| codec | " + " | ".join(f"H = {h}" for h in hs) + " |")
+    print("|---|" + "---|" * len(hs))
+    print("| data-parallel | " + " | ".join(f"{data_parallel_bytes(params, n, h):,.0f} B" for h in hs) + " |")
+    for row in rows:
+        print(f"| {row['codec']} | " + " | ".join(
+            f"{row['per_node_per_round'] / data_parallel_bytes(params, n, h):.4f}" for h in hs) + " |")
+    (args.out / "traffic.json").write_text(json.dumps({"params": params, "nodes": args.nodes, "rows": rows}))
 
 
 if __name__ == "__main__":

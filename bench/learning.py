@@ -1,0 +1,280 @@
+"""Does it learn as well as synchronous training? Reward and success against samples trained, arm by arm.
+
+Every arm is a real localhost run (`composer-coordinator simulate`: a coordinator and N node processes, real
+hivemind all-reduces, real env servers) on the embedded default, with one shared warm start (the "pretrained"
+policy) and the run seed varied across seeds (episodes, sampling). Arms, all at the same total sample budget
+``--budget`` (episodes summed over nodes):
+
+    sync-N{2,4}          the synchronous baseline: ONE process whose batch is the N nodes' batches together
+                         (tasks_per_step = N), outer SGD with lr 1 and no momentum, so theta is exactly the
+                         inner model after every round: plain single-process GRPO(+SDPO+DPO) training
+    diloco-N{2,4}-H{4,16,64}   N nodes, one GRPO group (4 episodes) per inner step each, H inner steps per
+                         round, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
+    grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside diloco-N2-H16 (= GRPO + SDPO + DPO)
+
+The curve of a run is the on-policy training reward of every inner step (``step_rewards`` of the nodes'
+``metrics.jsonl``), placed at the samples trained so far by the whole swarm, binned every ``--bin`` samples;
+across seeds: the mean and the min-max band. Run (resumable: finished runs are kept):
+
+    python bench/learning.py run --seeds 0 1 --budget 1024 --out runs/bench-learning
+    python bench/learning.py report --out runs/bench-learning --figures bench/figures
+
+``run --smoke`` plays one tiny arm (one round of N = 2, H = 2) for the CI smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from composer_diloco.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = 4  # the default config's GRPO group size G: episodes per task
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the sweep.
+
+    Attributes:
+        name: label in tables and plots.
+        nodes: node processes N.
+        inner_steps: H.
+        tasks_per_step: GRPO groups per inner step per node (batch = tasks_per_step * 4 episodes).
+        sync: the synchronous baseline (outer lr 1, no momentum).
+        alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
+    """
+
+    name: str
+    nodes: int
+    inner_steps: int
+    tasks_per_step: int = 1
+    sync: bool = False
+    alpha_sdpo: float = 0.2
+    beta_dpo: float = 0.2
+
+    def samples_per_round(self) -> int:
+        """Episodes trained per round by the whole swarm."""
+        return self.nodes * self.inner_steps * self.tasks_per_step * GROUP
+
+    def rounds(self, budget: int) -> int:
+        """Rounds that spend ``budget`` samples. Raises ValueError when the budget is not a whole number of rounds."""
+        per = self.samples_per_round()
+        if budget % per:
+            raise ValueError(f"--budget {budget} is not a multiple of {per} samples per round of {self.name}")
+        return budget // per
+
+    def config_toml(self, seed: int, rounds: int) -> str:
+        """The run config of this arm and seed (TOML)."""
+        outer = "lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync else ""
+        return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
+                f"checkpoint_every = {max(rounds, 1)}\n"
+                f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
+                f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
+                f"[outer]\n{outer}"
+                f"[network]\nmatchmaking_time_s = 1.0\n")
+
+
+ARMS = [
+    Arm("sync-N2", nodes=1, inner_steps=16, tasks_per_step=2, sync=True),
+    Arm("sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True),
+    *(Arm(f"diloco-N{n}-H{h}", nodes=n, inner_steps=h) for n in (2, 4) for h in (4, 16, 64)),
+    Arm("grpo-N2-H16", nodes=2, inner_steps=16, alpha_sdpo=0.0, beta_dpo=0.0),
+    Arm("grpo+sdpo-N2-H16", nodes=2, inner_steps=16, beta_dpo=0.0),
+]
+SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
+
+
+def run_arm(arm: Arm, seed: int, budget: int, out: Path) -> Path:
+    """Play one arm with one seed (skipped when its run already finished); returns its run directory.
+
+    Raises:
+        SystemExit: the simulation exited non-zero (its stderr tail is shown).
+    """
+    run_dir = out / arm.name / f"seed{seed}"
+    done = run_dir / "done.json"
+    if done.is_file():
+        return run_dir
+    if run_dir.exists():  # an interrupted attempt: start it over
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    warm = out / "warmstart"  # one warm start (the "pretrained" policy) shared by every arm and seed
+    warm.mkdir(parents=True, exist_ok=True)
+    (run_dir / "warmstart").symlink_to(warm.resolve(), target_is_directory=True)
+    rounds = arm.rounds(budget)
+    config = run_dir / "config.toml"
+    config.write_text(arm.config_toml(seed, rounds))
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--nodes", str(arm.nodes),
+                             "--config", str(config), "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{arm.name} seed {seed}: simulate exited {result.returncode}\n{result.stderr[-3000:]}")
+    done.write_text(json.dumps({"arm": arm.name, "seed": seed, "rounds": rounds,
+                                "wall_s": round(time.monotonic() - started, 1)}))
+    print(f"{arm.name} seed {seed}: {rounds} rounds in {time.monotonic() - started:.0f} s", flush=True)
+    return run_dir
+
+
+def step_curve(run_dir: Path) -> list[tuple[int, float, float]]:
+    """``[(samples trained so far, mean reward, success rate), ...]`` per inner step of the whole swarm.
+
+    Step ``j`` of round ``r`` is placed after the samples of rounds < r plus ``j + 1`` steps of every node.
+    """
+    nodes = {name: recs for name, recs in read_metrics(run_dir).items()
+             if recs and recs[0].get("role") == "node"}
+    rounds = sorted({rec["round"] for recs in nodes.values() for rec in recs})
+    curve, before = [], 0
+    for r in rounds:
+        at = [rec for recs in nodes.values() for rec in recs if rec["round"] == r]
+        steps = max(len(rec["step_rewards"]) for rec in at)
+        per_step = sum(rec["samples"] for rec in at) / steps
+        for j in range(steps):
+            rewards = [rec["step_rewards"][j] for rec in at if j < len(rec["step_rewards"])]
+            success = [rec["step_success"][j] for rec in at if j < len(rec["step_success"])]
+            curve.append((round(before + (j + 1) * per_step), statistics.fmean(rewards), statistics.fmean(success)))
+        before += sum(rec["samples"] for rec in at)
+    return curve
+
+
+def binned(curve: list[tuple[int, float, float]], width: int) -> dict[int, tuple[float, float]]:
+    """Mean (reward, success) of the steps whose sample count falls in each bin ``(k - 1) * width < x <= k * width``,
+    keyed by the bin's right edge."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for x, reward, success in curve:
+        edge = -(-x // width) * width
+        bins.setdefault(edge, []).append((reward, success))
+    return {edge: (statistics.fmean(v[0] for v in vs), statistics.fmean(v[1] for v in vs))
+            for edge, vs in sorted(bins.items())}
+
+
+def summarize(out: Path, width: int) -> dict[str, dict]:
+    """Per arm: the binned curves of each finished seed, the across-seed mean/min/max, and the final score (mean
+    reward and success over the last quarter of the budget), the rounds (syncs) and the wall seconds."""
+    summary = {}
+    for arm in ARMS + SMOKE_ARMS:
+        seeds = sorted((out / arm.name).glob("seed*/done.json"))
+        if not seeds:
+            continue
+        per_seed, finals, walls, rounds = [], [], [], 0
+        for done in seeds:
+            info = json.loads(done.read_text())
+            curve = step_curve(done.parent)
+            per_seed.append(binned(curve, width))
+            last = curve[-1][0]
+            tail = [c for c in curve if c[0] > 0.75 * last]
+            finals.append((statistics.fmean(c[1] for c in tail), statistics.fmean(c[2] for c in tail)))
+            walls.append(info["wall_s"])
+            rounds = info["rounds"]
+        edges = sorted(set.intersection(*(set(b) for b in per_seed)))
+        band = {e: [b[e][0] for b in per_seed] for e in edges}
+        summary[arm.name] = {
+            "seeds": len(seeds), "rounds": rounds, "wall_s": statistics.fmean(walls),
+            "final_reward": [f[0] for f in finals], "final_success": [f[1] for f in finals],
+            "curve": {e: (statistics.fmean(v), min(v), max(v)) for e, v in band.items()},
+        }
+    return summary
+
+
+def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
+    """Reward-vs-samples PNGs (mean line, min-max band over seeds): DiLoCo N=2 and N=4 against their synchronous
+    baselines, and the channel ablation. Returns the written paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = {
+        "learning_n2.png": ("N = 2 nodes vs one synchronous process", ["sync-N2", "diloco-N2-H4", "diloco-N2-H16",
+                                                                      "diloco-N2-H64"]),
+        "learning_n4.png": ("N = 4 nodes vs one synchronous process", ["sync-N4", "diloco-N4-H4", "diloco-N4-H16",
+                                                                      "diloco-N4-H64"]),
+        "learning_channels.png": ("Loss channels, DiLoCo N = 2, H = 16", ["grpo-N2-H16", "grpo+sdpo-N2-H16",
+                                                                          "diloco-N2-H16"]),
+    }
+    figures.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, (title, names) in panels.items():
+        names = [n for n in names if n in summary]
+        if not names:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for name in names:
+            curve = summary[name]["curve"]
+            xs = sorted(curve)
+            label = name if name != "diloco-N2-H16" or "channels" not in filename else "grpo+sdpo+dpo-N2-H16"
+            ax.plot(xs, [curve[x][0] for x in xs], label=f"{label} ({summary[name]['seeds']} seeds)")
+            ax.fill_between(xs, [curve[x][1] for x in xs], [curve[x][2] for x in xs], alpha=0.15)
+        ax.set_xlabel("samples trained (episodes, all nodes)")
+        ax.set_ylabel("mean reward of the step's episodes")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(figures / filename, dpi=110)
+        plt.close(fig)
+        written.append(figures / filename)
+    return written
+
+
+def table(summary: dict[str, dict]) -> str:
+    """Markdown table: final reward and success (mean ± std over seeds, min-max), rounds, wall seconds."""
+    def stat(values: list[float]) -> str:
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.fmean(values):.3f} ± {spread:.3f} ({min(values):.3f}-{max(values):.3f})"
+
+    lines = ["| arm | seeds | rounds (syncs) | reward, last quarter | success, last quarter | wall s/run |",
+             "|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['seeds']} | {s['rounds']} | {stat(s['final_reward'])} | "
+                     f"{stat(s['final_success'])} | {s['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="play the arms (finished runs are kept)")
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    run.add_argument("--budget", type=int, default=1024, help="samples (episodes, all nodes) per run")
+    run.add_argument("--arms", nargs="*", default=None, help="arm names (default: all)")
+    run.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
+    run.add_argument("--smoke", action="store_true", help="one tiny arm, one seed, one round (CI smoke test)")
+    report = sub.add_parser("report", help="table and PNGs from the finished runs")
+    report.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
+    report.add_argument("--figures", type=Path, default=Path("bench/figures"))
+    report.add_argument("--bin", type=int, default=64, help="samples per curve point")
+    args = parser.parse_args()
+
+    if args.command == "run":
+        arms = SMOKE_ARMS if args.smoke else ARMS
+        if args.arms:
+            unknown = sorted(set(args.arms) - {a.name for a in arms})
+            if unknown:
+                raise SystemExit(f"unknown arm(s) {unknown} (expected some of {[a.name for a in arms]})")
+            arms = [a for a in arms if a.name in args.arms]
+        seeds, budget = ([0], 16) if args.smoke else (args.seeds, args.budget)
+        for arm in arms:
+            arm.rounds(budget)  # every bad budget fails before the first run
+        for seed in seeds:  # seed-major: a cut-short sweep still has every arm at the first seeds
+            for arm in arms:
+                run_arm(arm, seed, budget, args.out)
+        return
+    summary = summarize(args.out, args.bin)
+    if not summary:
+        raise SystemExit(f"--out {str(args.out)!r} holds no finished run (expected ARM/seedK/done.json)")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(table(summary))
+    for path in plot(summary, args.figures):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
