@@ -9,8 +9,11 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
                          (tasks_per_step = N), outer SGD with lr 1 and no momentum, so theta is exactly the
                          inner model after every round: plain single-process GRPO(+SDPO+DPO) training
     diloco-N{2,4}-H{4,16,64}   N nodes, one GRPO group (4 episodes) per inner step each, H inner steps per
-                         round, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
-    grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside diloco-N2-H16 (= GRPO + SDPO + DPO)
+                         round, DiLoCo's outer Nesterov SGD with the paper's lr 0.7, momentum 0.9 (the config's
+                         default)
+    avg-N{2,4}-H{4,16,64}      the same with outer lr 1, no momentum: theta becomes the weighted mean of the
+                         nodes' models every round (parameter averaging, FedAvg / DiLoCo with the outer step off)
+    grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside avg-N2-H16 (= GRPO + SDPO + DPO)
 
 The curve of a run is the on-policy training reward of every inner step (``step_rewards`` of the nodes'
 ``metrics.jsonl``), placed at the samples trained so far by the whole swarm, binned every ``--bin`` samples;
@@ -48,7 +51,8 @@ class Arm:
         nodes: node processes N.
         inner_steps: H.
         tasks_per_step: GRPO groups per inner step per node (batch = tasks_per_step * 4 episodes).
-        sync: the synchronous baseline (outer lr 1, no momentum).
+        sync: the synchronous baseline (one process; outer lr 1, no momentum).
+        averaging: outer lr 1 and no momentum (parameter averaging) instead of DiLoCo's Nesterov 0.7 / 0.9.
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
     """
 
@@ -57,6 +61,7 @@ class Arm:
     inner_steps: int
     tasks_per_step: int = 1
     sync: bool = False
+    averaging: bool = False
     alpha_sdpo: float = 0.2
     beta_dpo: float = 0.2
 
@@ -73,7 +78,7 @@ class Arm:
 
     def config_toml(self, seed: int, rounds: int) -> str:
         """The run config of this arm and seed (TOML)."""
-        outer = "lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync else ""
+        outer = "lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync or self.averaging else ""
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
@@ -85,9 +90,10 @@ class Arm:
 ARMS = [
     Arm("sync-N2", nodes=1, inner_steps=16, tasks_per_step=2, sync=True),
     Arm("sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True),
+    *(Arm(f"avg-N{n}-H{h}", nodes=n, inner_steps=h, averaging=True) for n in (2, 4) for h in (4, 16, 64)),
+    Arm("grpo-N2-H16", nodes=2, inner_steps=16, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0),
+    Arm("grpo+sdpo-N2-H16", nodes=2, inner_steps=16, averaging=True, beta_dpo=0.0),
     *(Arm(f"diloco-N{n}-H{h}", nodes=n, inner_steps=h) for n in (2, 4) for h in (4, 16, 64)),
-    Arm("grpo-N2-H16", nodes=2, inner_steps=16, alpha_sdpo=0.0, beta_dpo=0.0),
-    Arm("grpo+sdpo-N2-H16", nodes=2, inner_steps=16, beta_dpo=0.0),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
@@ -192,13 +198,19 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     panels = {
-        "learning_n2.png": ("N = 2 nodes vs one synchronous process", ["sync-N2", "diloco-N2-H4", "diloco-N2-H16",
-                                                                      "diloco-N2-H64"]),
-        "learning_n4.png": ("N = 4 nodes vs one synchronous process", ["sync-N4", "diloco-N4-H4", "diloco-N4-H16",
-                                                                      "diloco-N4-H64"]),
-        "learning_channels.png": ("Loss channels, DiLoCo N = 2, H = 16", ["grpo-N2-H16", "grpo+sdpo-N2-H16",
-                                                                          "diloco-N2-H16"]),
+        "learning_n2.png": ("N = 2 nodes (parameter averaging) vs one synchronous process",
+                            ["sync-N2", "avg-N2-H4", "avg-N2-H16", "avg-N2-H64"]),
+        "learning_n4.png": ("N = 4 nodes (parameter averaging) vs one synchronous process",
+                            ["sync-N4", "avg-N4-H4", "avg-N4-H16", "avg-N4-H64"]),
+        "learning_nesterov.png": ("Outer Nesterov (lr 0.7, momentum 0.9) vs averaging, N = 2",
+                                  ["sync-N2", "diloco-N2-H4", "diloco-N2-H16", "diloco-N2-H64", "avg-N2-H16"]),
+        "learning_channels.png": ("Loss channels, N = 2, H = 16, averaging",
+                                  ["grpo-N2-H16", "grpo+sdpo-N2-H16", "avg-N2-H16"]),
     }
+    placed = {n for _, names in panels.values() for n in names}
+    others = [n for n in summary if n not in placed]  # e.g. the smoke arm
+    if others:
+        panels["learning_other.png"] = ("Other arms", others)
     figures.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (title, names) in panels.items():
@@ -209,7 +221,7 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         for name in names:
             curve = summary[name]["curve"]
             xs = sorted(curve)
-            label = name if name != "diloco-N2-H16" or "channels" not in filename else "grpo+sdpo+dpo-N2-H16"
+            label = name if name != "avg-N2-H16" or "channels" not in filename else "grpo+sdpo+dpo-N2-H16"
             ax.plot(xs, [curve[x][0] for x in xs], label=f"{label} ({summary[name]['seeds']} seeds)")
             ax.fill_between(xs, [curve[x][1] for x in xs], [curve[x][2] for x in xs], alpha=0.15)
         ax.set_xlabel("samples trained (episodes, all nodes)")

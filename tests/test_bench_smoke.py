@@ -42,7 +42,7 @@ def test_learning_bench_smoke(tmp_path, warm_cache):
     for arm in summary.values():
         assert arm["rounds"] == 1 and arm["curve"] and 0.0 <= arm["final_reward"][0] <= 1.0
     assert "| diloco-N2-H2 | 1 | 1 |" in r.stdout
-    assert (tmp_path / "fig" / "learning_n2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "fig" / "learning_other.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.multiprocess
