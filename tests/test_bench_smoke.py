@@ -1,4 +1,9 @@
-"""Benchmarks are not run whole in CI: a short run of each script checks that it still works."""
+"""Benchmarks are not run whole in CI: a short run of each script checks that it still works.
+
+The learning, traffic and overhead smokes run side by side (three subprocesses at once), as the join-check
+refusals do: each is mostly process start-up, and the suite has a time budget. `bench/sync_cost.py` has its own
+test (`test_bench_sync_cost.py`).
+"""
 
 import json
 import subprocess
@@ -8,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+OVERHEAD_ARMS = ("a_trl", "b_ours", "c_sdpo", "d_dpo", "e_both")
 
 
 @pytest.mark.timeout(180)
@@ -26,31 +32,62 @@ def _with_warm_start(out: Path, warm_cache: Path) -> Path:
     return out
 
 
+def _bench(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "bench" / script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait for a bench subprocess; assert exit 0; return its stdout."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, f"{proc.args}: exit {proc.returncode}\n{err[-3000:]}"
+    return out
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_learning_bench_smoke(tmp_path, warm_cache):
-    out = _with_warm_start(tmp_path / "learning", warm_cache)
-    bench = str(ROOT / "bench" / "learning.py")
-    r = subprocess.run([sys.executable, bench, "run", "--smoke", "--out", str(out)], capture_output=True, text=True,
-                       timeout=280, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, bench, "report", "--out", str(out), "--figures", str(tmp_path / "fig"),
-                        "--bin", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+@pytest.mark.timeout(420)
+def test_learning_traffic_and_overhead_bench_smokes(tmp_path, warm_cache):
+    learning_out = _with_warm_start(tmp_path / "learning", warm_cache)
+    traffic_out = _with_warm_start(tmp_path / "traffic", warm_cache)
+    overhead_out = _with_warm_start(tmp_path / "overhead", warm_cache)
+    procs = [
+        _bench("learning.py", "run", "--smoke", "--out", str(learning_out)),
+        _bench("compression.py", "--nodes", "1", "--rounds", "1", "--codecs", "int8", "--out", str(traffic_out)),
+        # the session's warm start, so the SDPO and DPO channels have sites and pairs to train on
+        _bench("overhead.py", "--smoke", "--warmstart-steps", "200", "--out", str(overhead_out)),
+    ]
+    try:
+        for proc in procs:
+            _finish(proc, 380)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    # learning: one arm, one round, a curve, a table row and a figure
+    report = _finish(_bench("learning.py", "report", "--out", str(learning_out), "--figures",
+                            str(tmp_path / "fig"), "--bin", "8"), 120)
+    summary = json.loads((learning_out / "summary.json").read_text())
     assert set(summary) == {"diloco-N2-H2"}
-    for arm in summary.values():
-        assert arm["rounds"] == 1 and arm["curve"] and 0.0 <= arm["final_reward"][0] <= 1.0
-    assert "| diloco-N2-H2 | 1 | 1 |" in r.stdout
+    arm = summary["diloco-N2-H2"]
+    assert arm["rounds"] == 1 and arm["curve"] and 0.0 <= arm["final_reward"][0] <= 1.0
+    assert "| diloco-N2-H2 | 1 | 1 |" in report
     assert (tmp_path / "fig" / "learning_other.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_compression_bench_smoke(tmp_path, warm_cache):
-    out = _with_warm_start(tmp_path / "traffic", warm_cache)
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "compression.py"), "--nodes", "1", "--rounds", "1",
-                        "--codecs", "int8", "--out", str(out)], capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    traffic = json.loads((out / "traffic.json").read_text())
+    # traffic: measured bytes per node, replicas identical
+    traffic = json.loads((traffic_out / "traffic.json").read_text())
     assert traffic["params"] > 0 and traffic["rows"][0]["per_node_per_round"] > 0 and traffic["rows"][0]["agree"]
+
+    # overhead: every arm timed on the same episodes; the extra channels had work to do
+    result = json.loads((overhead_out / "overhead.json").read_text())
+    assert set(result["arms"]) == set(OVERHEAD_ARMS) and result["same_episodes"]
+    for name in OVERHEAD_ARMS:
+        timed = result["arms"][name]
+        assert timed["step_s"]["median"] > 0 and timed["rollout_s"]["median"] > 0 and timed["train_s"]["median"] > 0
+        assert len(timed["step_s"]["values"]) == result["steps"] == 2
+    both = result["arms"]["e_both"]
+    assert both["sdpo_sites_per_step"] + both["dpo_pairs_per_step"] > 0
