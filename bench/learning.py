@@ -162,20 +162,22 @@ def binned(curve: list[tuple[int, float, float]], width: int) -> dict[int, tuple
 
 
 def summarize(out: Path, width: int) -> dict[str, dict]:
-    """Per arm: the binned curves of each finished seed, the across-seed mean/min/max, and the final score (mean
-    reward and success over the last quarter of the budget), the rounds (syncs) and the wall seconds."""
+    """Per arm: the binned curves of each finished seed, the across-seed mean/min/max, the mean reward over the
+    first quarter of the budget, the final score (mean reward and success over the last quarter), the rounds
+    (syncs) and the wall seconds."""
     summary = {}
     for arm in ARMS + SMOKE_ARMS:
         seeds = sorted((out / arm.name).glob("seed*/done.json"))
         if not seeds:
             continue
-        per_seed, finals, walls, rounds = [], [], [], 0
+        per_seed, firsts, finals, walls, rounds = [], [], [], [], 0
         for done in seeds:
             info = json.loads(done.read_text())
             curve = step_curve(done.parent)
             per_seed.append(binned(curve, width))
             last = curve[-1][0]
             tail = [c for c in curve if c[0] > 0.75 * last]
+            firsts.append(statistics.fmean(c[1] for c in curve if c[0] <= 0.25 * last or c is curve[0]))
             finals.append((statistics.fmean(c[1] for c in tail), statistics.fmean(c[2] for c in tail)))
             walls.append(info["wall_s"])
             rounds = info["rounds"]
@@ -183,7 +185,7 @@ def summarize(out: Path, width: int) -> dict[str, dict]:
         band = {e: [b[e][0] for b in per_seed] for e in edges}
         summary[arm.name] = {
             "seeds": len(seeds), "rounds": rounds, "wall_s": statistics.fmean(walls),
-            "final_reward": [f[0] for f in finals], "final_success": [f[1] for f in finals],
+            "first_reward": firsts, "final_reward": [f[0] for f in finals], "final_success": [f[1] for f in finals],
             "curve": {e: (statistics.fmean(v), min(v), max(v)) for e, v in band.items()},
         }
     return summary
@@ -237,16 +239,17 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
 
 
 def table(summary: dict[str, dict]) -> str:
-    """Markdown table: final reward and success (mean ± std over seeds, min-max), rounds, wall seconds."""
+    """Markdown table: first- and last-quarter reward, last-quarter success (mean ± std over seeds, min-max), rounds,
+    wall seconds."""
     def stat(values: list[float]) -> str:
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.3f} ± {spread:.3f} ({min(values):.3f}-{max(values):.3f})"
 
-    lines = ["| arm | seeds | rounds (syncs) | reward, last quarter | success, last quarter | wall s/run |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | rounds (syncs) | reward, first quarter | reward, last quarter | success, last quarter "
+             "| wall s/run |", "|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
-        lines.append(f"| {name} | {s['seeds']} | {s['rounds']} | {stat(s['final_reward'])} | "
-                     f"{stat(s['final_success'])} | {s['wall_s']:.0f} |")
+        lines.append(f"| {name} | {s['seeds']} | {s['rounds']} | {stat(s['first_reward'])} | "
+                     f"{stat(s['final_reward'])} | {stat(s['final_success'])} | {s['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
