@@ -57,8 +57,7 @@ from composer_diloco.config import RunConfig
 from composer_diloco.env_process import start_env_server
 from composer_diloco.mcp_session import open_env_sessions
 from composer_diloco.policy import load_policy
-from composer_diloco.rollout import play_episodes
-from composer_diloco.trainer import ComposerGRPOTrainer, env_reward, episode_dataset, grpo_args
+from composer_diloco.trainer import ComposerGRPOTrainer, env_reward, episode_dataset, grpo_args, play_rollout
 
 log = logging.getLogger("bench.overhead")
 
@@ -199,18 +198,7 @@ def plain_rollout(config: RunConfig, sessions: list) -> Callable:
 
     def rollout(prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
         keys = [(config.seed, p[-1]["content"].removeprefix("episode ")) for p in prompts]
-        episodes = play_episodes(
-            trainer.model, trainer.processing_class, sessions, keys, tool_suffix_ids=trainer._get_tool_suffix_ids,
-            max_tool_calls=config.env.max_tool_calls, max_turn_tokens=config.env.max_turn_tokens,
-            max_seq_len=config.max_seq_len, temperature=config.grpo.temperature,
-        )
-        return {
-            "prompt_ids": [e.prompt_ids for e in episodes],
-            "completion_ids": [e.completion_ids for e in episodes],
-            "logprobs": [e.logprobs for e in episodes],
-            "env_mask": [e.env_mask for e in episodes],
-            "env_reward": [e.reward for e in episodes],
-        }
+        return play_rollout(trainer, sessions, config, keys)[1]
 
     return rollout
 

@@ -356,21 +356,26 @@ def _rollout(prompts: list, trainer: ComposerGRPOTrainer) -> dict[str, list]:
     rows = trainer._rows
     if len(rows) != len(prompts):
         raise RuntimeError(f"rollout got {len(prompts)} prompts for {len(rows)} dataset rows")
-    cfg = trainer.run_config
-    episodes = play_episodes(
-        trainer.model,
-        trainer.processing_class,
-        trainer.sessions,
-        [(int(r["seed"]), str(r["episode_id"])) for r in rows],
-        tool_suffix_ids=trainer._get_tool_suffix_ids,
-        max_tool_calls=cfg.env.max_tool_calls,
-        max_turn_tokens=cfg.env.max_turn_tokens,
-        max_seq_len=cfg.max_seq_len,
-        temperature=cfg.grpo.temperature,
-    )
+    episodes, out = play_rollout(trainer, trainer.sessions, trainer.run_config,
+                                 [(int(r["seed"]), str(r["episode_id"])) for r in rows])
     trainer.round_episodes.extend(episodes)
     trainer._step_episodes = episodes
-    return {
+    return out
+
+
+def play_rollout(trainer, sessions: list, config: RunConfig, keys: list[tuple[int, str]]) -> tuple[list, dict]:
+    """Play one episode per ``(seed, episode_id)`` with ``trainer``'s model and tokenizer (any TRL `GRPOTrainer`).
+
+    Returns:
+        ``(episodes, outputs)``: the `Episode` list and TRL's ``rollout_func`` keys (``prompt_ids``,
+        ``completion_ids``, ``logprobs``) plus ``env_mask`` and ``env_reward``, one entry per episode.
+    """
+    episodes = play_episodes(
+        trainer.model, trainer.processing_class, sessions, keys, tool_suffix_ids=trainer._get_tool_suffix_ids,
+        max_tool_calls=config.env.max_tool_calls, max_turn_tokens=config.env.max_turn_tokens,
+        max_seq_len=config.max_seq_len, temperature=config.grpo.temperature,
+    )
+    return episodes, {
         "prompt_ids": [e.prompt_ids for e in episodes],
         "completion_ids": [e.completion_ids for e in episodes],
         "logprobs": [e.logprobs for e in episodes],
