@@ -10,7 +10,10 @@ bytes, whatever the compression.
 Failure behaviour (what the round protocol relies on):
 - a sender that dies is banned by the reducers; the parts it had not sent are averaged without it;
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
-  those coordinates this round) and `ExactAverager.last_failed_fraction` tells how much was lost;
+  those coordinates this round) and `ExactAverager.failed_size` tells how many elements were lost. A reducer
+  that dies after returning a part to some peers and not to others leaves the survivors with *different*
+  averages: only peers with ``failed_size == 0`` are sure to agree, and `composer_diloco.diloco` brings the
+  others to one of them (`ExactAverager.load_state_from_peers` with ``peer=``);
 - ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.diloco`);
 - a contribution that `composer_diloco.screening.screen` drops (non-finite, or a norm outlier) is averaged with
   weight 0 by every reducer, and its owner sends zeros: the group goes on without it.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -28,14 +32,18 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartContainer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.p2p import PeerID
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
 
 from composer_diloco import faults
 from composer_diloco.compression import roundtrip
 from composer_diloco.screening import screen
+
+log = logging.getLogger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
@@ -68,6 +76,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._bytes_sent = bytes_sent
         self._dropped_senders = {self.ordered_peer_ids[i] for i in dropped}
         self._round = round_
+        self._answered_one = False
         container_kwargs = {k: v for k, v in kwargs.items() if k in ("part_size_bytes", "tensor_infos", "prefetch")}
         self.tensor_part_container = _ZeroOnFailureContainer(
             tensors, peer_fractions, compression=compression, return_deltas=False, **container_kwargs
@@ -104,6 +113,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
         part_index = 0
+        # fault injection: answer the first sender only, then die (the others never receive our parts)
+        answer = True
+        if faults.active("kill_in_reply", self._round) is not None:
+            answer = not self._answered_one
+            self._answered_one = True
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -123,8 +137,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                 serialized = await loop.run_in_executor(
                     None, lambda: serialize_torch_tensor(averaged, part_compression)
                 )
-                self._count(serialized.ByteSize())
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                if answer:
+                    self._count(serialized.ByteSize())
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            if faults.active("kill_in_reply", self._round) is not None:
+                if answer:
+                    await asyncio.sleep(1.0)  # let the answered sender receive its last part
+                    faults.kill_this_peer(f"after answering one peer in the all-reduce of round {self._round}",
+                                          from_child=True)
+                await asyncio.sleep(3600.0)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -186,6 +207,45 @@ class ExactAverager(DecentralizedAverager):
         async for tensor, average in azip(as_aiter(*tensors), runner):
             tensor.copy_(average)
         self.failed_size.value = runner.tensor_part_container.failed_size
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, *,
+                              peer: str | None = None) -> tuple[Any, list[torch.Tensor]] | None:
+        """Download ``(metadata, tensors)`` from the best peer (hivemind's order), or from ``peer`` only.
+
+        Args:
+            wait: block for the result (else return an ``MPFuture``).
+            timeout: seconds for the whole download.
+            peer: the base58 PeerID to download from (its DHT multiaddr's ``/p2p/`` part); None = hivemind's
+                choice: the highest ``state_sharing_priority``, ties broken at random.
+        Returns:
+            ``(metadata, tensors)``, or None when no peer (or not ``peer``) sent its state in time.
+        """
+        if peer is None:
+            return super().load_state_from_peers(wait=wait, timeout=timeout)
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peer(self, future: MPFuture, peer: str, timeout: float | None) -> None:
+        # hivemind's download (rpc_download_state), from one named peer instead of the best of all_averagers
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata = None
+
+            async def parts():
+                nonlocal metadata
+                async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or timeout):
+                    if message.metadata:
+                        metadata = self.serializer.loads(message.metadata)
+                    yield [message.tensor_part]
+
+            tensors = await asyncio.wait_for(deserialize_tensor_stream(parts()), timeout)
+            future.set_result((metadata, tensors) if metadata is not None else None)
+        except Exception as e:
+            log.warning("could not download the state of peer %s: %r", peer, e)
+            if not future.done():
+                future.set_result(None)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         """The state a joining peer downloads: ``(metadata, tensors, None)`` from ``state_provider``."""

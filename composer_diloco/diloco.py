@@ -14,9 +14,10 @@ Failure behaviour of `sync`:
   (`composer_diloco.screening`); the round goes on with the rest, the drop is logged with the peer's name, and
   if nothing is left to average theta stays as it is for that round ("skipped");
 - a peer lost in the middle of the all-reduce can leave the survivors with different averages (a reducer that
-  returned its part to some peers and not to others): after every averaged round a node compares its theta with
-  the coordinator's (its heartbeat carries theta's SHA-256) and downloads the coordinator's state if they differ,
-  so all replicas leave the round identical;
+  returned its part to some peers and not to others). Peers that received every part hold identical bytes
+  (`composer_diloco.averaging`); a peer that missed a part publishes its theta as unsettled, and takes the
+  state of the first settled member of its group (`DiLoCoPeer._settle`), so all replicas leave the round
+  identical, whoever was lost, the coordinator included;
 - a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
   `GlobalModel.outer_step`), the round is marked failed and the peer resynchronises as above.
 """
@@ -39,7 +40,7 @@ from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer import GlobalModel
 from composer_diloco.screening import pseudo_gradient_norm, screen
-from composer_diloco.swarm import Swarm
+from composer_diloco.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,12 @@ def _check_layout(theirs: list, ours: list) -> None:
 def _step_order(role: str, name: str) -> tuple[int, str]:
     """Which peer of a failed round steps alone first (the smallest): the coordinator, then by name."""
     return (0 if role == "coordinator" else 1, name)
+
+
+def _by_precedence(peers: list[PeerRecord]) -> list[PeerRecord]:
+    """Whose theta the others of a round take, best first: settled peers first, then by `_step_order`. The
+    first that answers is taken (a peer that just died may still have a heartbeat)."""
+    return sorted(peers, key=lambda p: (not p.settled, *_step_order(p.role, p.name)))
 
 
 def round_group_bits(round_: int) -> str:
@@ -174,18 +181,24 @@ class DiLoCoPeer:
         """``[[name, shape], ...]`` of the global params: what two peers of one run must share."""
         return [[n, list(p.shape)] for n, p in zip(self.global_model.names, self.global_model.params)]
 
-    def load_state_from_peers(self, timeout_s: float, *, min_round: int | None = None) -> bool:
-        """Adopt theta, outer momentum and round from the best live peer.
+    def load_state_from_peers(self, timeout_s: float, *, min_round: int | None = None,
+                              peer: PeerRecord | None = None) -> bool:
+        """Adopt theta, outer momentum and round from the best live peer, or from ``peer``.
 
         Args:
             timeout_s: seconds to wait for a peer's state.
             min_round: ignore (do not load) a state older than this round.
+            peer: download from this peer only (None: hivemind's choice, the newest round and the coordinator
+                first among equals).
         Returns:
             False if no peer answered, or its state was older than ``min_round``.
         Raises:
             ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference).
         """
-        loaded = self.averager.load_state_from_peers(timeout=timeout_s)
+        if peer is not None and peer.peer_id:
+            loaded = self.averager.load_state_from_peers(timeout=timeout_s, peer=peer.peer_id)
+        else:
+            loaded = self.averager.load_state_from_peers(timeout=timeout_s)
         if loaded is None:
             return False
         meta, tensors = loaded
@@ -320,6 +333,7 @@ class DiLoCoPeer:
 
         with self.averager.get_tensors() as delta:
             mean = [d.clone() for d in delta]
+        missed = int(self.averager.failed_size.value)  # elements no reducer returned to us (zeros in `mean`)
         try:
             with self._lock:
                 self.global_model.outer_step(mean)
@@ -328,40 +342,53 @@ class DiLoCoPeer:
             log.error("%s round %d: %s", self.swarm.name, r, e)
             return self._after_failure(model, r, clock)
         status = "averaged"
-        if self.swarm.role == "node" and any(g.get("role") == "coordinator" for g in group):
-            status = self._agree_with_coordinator(r + 1)
+        if missed:
+            status = self._settle({str(g.get("name")) for g in group}, r, missed)
         return self._finish(model, clock, peers=len(group), weight_total=weight_total, status=status,
                             rejected=rejected)
 
-    def _agree_with_coordinator(self, next_round: int, wait_s: float = 10.0) -> str:
-        """Compare theta with the coordinator's once it has finished the round; adopt its state if they differ.
+    def _settle(self, members: set[str], r: int, missed: int) -> str:
+        """After an all-reduce of round ``r`` that missed ``missed`` elements: take one group member's theta.
 
-        Returns "averaged" (same theta, or no answer within ``wait_s``) or "resynced" (the coordinator's state
-        was downloaded).
+        A reducer lost mid-way may have returned its part to some members and not to others, so theta can differ
+        between them. This peer publishes its theta as unsettled and waits (at most ``averaging_timeout_s``) for
+        a settled member, one that received every part, or for every live member to be done with round ``r``.
+        Then all adopt the theta of the same member, the first by `_by_precedence` that answers (settled ones
+        first, then the coordinator, then by name); a peer that comes first keeps its own.
+
+        Returns:
+            "averaged" (this peer's theta was kept or already equal) or "resynced" (the pick's state was
+            downloaded).
         """
+        me, next_round = self.swarm.name, r + 1
         ours = self.global_model.sha256()
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            coordinator = [p for p in self.swarm.live_peers() if p.role == "coordinator"]
-            if not coordinator or coordinator[0].round > next_round:
-                return "averaged"
-            if coordinator[0].round == next_round and coordinator[0].sha:
-                if coordinator[0].sha == ours:
-                    return "averaged"
-                log.warning("%s round %d: theta differs from the coordinator's after the all-reduce (a peer was "
-                            "lost mid-way): downloading its state", self.swarm.name, next_round - 1)
-                if self.load_state_from_peers(timeout_s=self.config.network.averaging_timeout_s,
-                                              min_round=next_round):
-                    return "resynced"
-                return "averaged"
+        log.warning("%s round %d: the all-reduce returned no average for %d elements (a peer was lost mid-way): "
+                    "settling theta with the group", me, r, missed)
+        self._update_priority()
+        self.swarm.set_round(next_round, sha=ours, settled=False)
+        deadline = time.monotonic() + self.config.network.averaging_timeout_s
+        while True:
+            group = [p for p in self.swarm.live_peers() if p.name in members and p.name != me]
+            done = [p for p in group if p.round == next_round and p.sha]
+            pending = [p for p in group if p.round < next_round]
+            if any(p.settled for p in done) or not pending or time.monotonic() > deadline:
+                break
             time.sleep(0.1)
+        for pick in _by_precedence([*done, PeerRecord(me, self.swarm.role, next_round, 0.0, sha=ours, settled=False)]):
+            if pick.name == me or pick.sha == ours:
+                return "averaged"
+            log.warning("%s round %d: taking the theta of %s (sha256 %s)", me, r, pick.name, pick.sha[:12])
+            if self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=next_round, peer=pick):
+                return "resynced"
+            log.warning("%s round %d: %s did not send its state", me, r, pick.name)
         return "averaged"
 
     def _after_failure(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
         """Round ``r`` ended without an average for this peer: take the state of a peer past round ``r``.
 
         One rule on every peer, so that replicas never fork: while a live peer is past round ``r``, download the
-        newest state (`load_state_from_peers`, the coordinator first among equals). While others are still in round
+        newest state from the peers of the newest round, in `_by_precedence` order (a settled one, the
+        coordinator first among equals). While others are still in round
         ``r``, wait for them, at most ``averaging_timeout_s``; only the first of the peers left in round ``r`` (the
         coordinator, else the lowest name) applies its own pseudo-gradient at once, so the others have a state to
         take. A peer with nobody in or past its round is the whole swarm and steps alone.
@@ -370,9 +397,14 @@ class DiLoCoPeer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name]
-            if any(p.round > r for p in others):
-                if self.load_state_from_peers(timeout_s=timeout_s, min_round=r + 1):
-                    return self._finish(model, clock, peers=0, status="resynced")
+            ahead = [p for p in others if p.round > r]
+            if ahead:
+                newest = _by_precedence([p for p in ahead if p.round == max(q.round for q in ahead)])
+                # a peer still settling its theta may replace it: wait for a settled one, unless time runs out
+                if newest[0].settled or time.monotonic() > deadline - timeout_s / 3:
+                    for pick in newest:
+                        if self.load_state_from_peers(timeout_s=timeout_s, min_round=r + 1, peer=pick):
+                            return self._finish(model, clock, peers=0, status="resynced")
             else:
                 in_round = [p for p in others if p.round == r]
                 if not in_round or _step_order(self.swarm.role, self.swarm.name) < min(

@@ -5,6 +5,8 @@ a comma-separated list of faults, each ``kind`` or ``kind:round`` or ``kind:roun
 
     kill_in_allreduce:R        SIGKILL this peer (its whole process group) after it sent the first part of its
                                pseudo-gradient in round R's all-reduce
+    kill_in_reply:R            as a reducer in round R's all-reduce, return the averaged parts to one peer only,
+                               then SIGKILL this peer: the survivors hold different averages
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
     step_delay:*:S             sleep S seconds after every inner step (a slow node)
     scale_pseudo_gradient:R:F  multiply this node's pseudo-gradient of round R by F (a norm outlier)
@@ -29,7 +31,7 @@ from functools import lru_cache
 import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient", "nan_pseudo_gradient",
+KINDS = ("kill_in_allreduce", "kill_in_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient", "nan_pseudo_gradient",
          "hold")
 
 log = logging.getLogger(__name__)

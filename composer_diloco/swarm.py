@@ -2,9 +2,9 @@
 
 Keys (all but the first under the run name, so two runs can share a DHT):
     ``composer_diloco.runs`` / run   the run config as canonical JSON (published by the coordinator)
-    ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "maddr", "t"}``: who is alive, the round it
-                                trains toward and since when (DHT time), theta's SHA-256 at the start of that
-                                round, and where to dial it
+    ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "settled", "maddr", "t"}``: who is alive,
+                                the round it trains toward and since when (DHT time), theta's SHA-256 at the
+                                start of that round and whether it is final, and where to dial it
     ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
 
 Why a barrier: hivemind's matchmaking only groups peers that look for a group at about the same time, and each
@@ -129,7 +129,9 @@ def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: floa
 @dataclass(frozen=True)
 class PeerRecord:
     """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
-    ("" before its first round ends); ``maddr`` = its multiaddr."""
+    ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
+    ``round`` came from an incomplete all-reduce and may still be replaced by a group member's
+    (`composer_diloco.diloco`)."""
 
     name: str
     role: str  # "coordinator" | "node"
@@ -138,6 +140,12 @@ class PeerRecord:
     since: float = 0.0
     maddr: str = ""
     sha: str = ""
+    settled: bool = True
+
+    @property
+    def peer_id(self) -> str:
+        """The base58 PeerID of its multiaddr (``/p2p/<id>``; its DHT and averager share it), "" if unknown."""
+        return self.maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in self.maddr else ""
 
 
 class Swarm:
@@ -157,6 +165,7 @@ class Swarm:
         self.round = 0
         self.round_since = get_dht_time()
         self.sha = ""
+        self.settled = True
         self._maddr = ""
         self._ttl_s: float | None = None
         self._stop = threading.Event()
@@ -183,11 +192,13 @@ class Swarm:
         self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         self._heartbeat.start()
 
-    def set_round(self, round_: int, sha: str = "") -> None:
-        """Record the round this peer now trains toward (and theta's SHA-256 for it), and publish it at once."""
+    def set_round(self, round_: int, sha: str = "", *, settled: bool = True) -> None:
+        """Record the round this peer now trains toward (and theta's SHA-256 for it), and publish it at once.
+
+        ``settled=False``: theta may still be replaced by a group member's (after an incomplete all-reduce)."""
         if round_ != self.round or self._ttl_s is None:  # a new round, or the first one this peer trains
             self.round_since = get_dht_time()
-        self.round, self.sha = round_, sha
+        self.round, self.sha, self.settled = round_, sha, settled
         if self._ttl_s is not None:
             try:
                 self._store_heartbeat(self._ttl_s)
@@ -196,7 +207,7 @@ class Swarm:
 
     def _store_heartbeat(self, ttl_s: float) -> None:
         value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha, "maddr": self._maddr,
-                 "t": get_dht_time()}
+                 "settled": self.settled, "t": get_dht_time()}
         self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
 
     def live_peers(self) -> list[PeerRecord]:
@@ -210,7 +221,7 @@ class Swarm:
             if isinstance(v, dict) and {"role", "round", "t"} <= v.keys():
                 out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"]),
                                       float(v.get("since", v["t"])), str(v.get("maddr", "")),
-                                      str(v.get("sha", ""))))
+                                      str(v.get("sha", "")), bool(v.get("settled", True))))
         return out
 
     # -- the round barrier --------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ def config(tmp_path, rounds: int, inner_steps: int = 2, extra: str = ""):
                                                                       extra=extra))
 
 
-def start(run: LocalRun, node_env: dict[str, dict[str, str]] | None = None) -> None:
-    run.start_coordinator()
+def start(run: LocalRun, env: dict[str, dict[str, str]] | None = None) -> None:
+    run.start_coordinator(env=(env or {}).get("coordinator"))
     for name in ("node-0", "node-1"):
-        run.start_node(name, env=(node_env or {}).get(name))
+        run.start_node(name, env=(env or {}).get(name))
 
 
 @pytest.mark.multiprocess
@@ -109,17 +109,30 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
     held = {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}
     try:
-        start(run, {"node-0": held, "node-1": held})
-        run.wait_round("coordinator", 1)
+        # the worst moment to lose it: in round 2's all-reduce, after it returned its averaged part to one
+        # node and not to the other, so the two nodes leave the all-reduce with different averages
+        start(run, {"coordinator": {"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"}, "node-0": held, "node-1": held})
+        run.procs["coordinator"].wait(timeout=300)
+        killed_at = time.time()
+        assert "fault injection: SIGKILL (after answering one peer" in run.log("coordinator"), run.log_tail("coordinator")
         checkpoint_round = read_outer_state(latest_checkpoint(run_dir))["round"]
-        killed_at = run.kill("coordinator")
 
-        went_on = run.wait_round("node-0", 2, timeout_s=120)
-        print(f"\ncoordinator SIGKILLed: the nodes went on after {max(0.0, went_on['time'] - killed_at):.1f} s")
-        run.wait_round("node-1", 2, timeout_s=60)
+        settled = max(run.wait_round(n, 2, timeout_s=120)["time"] for n in ("node-0", "node-1"))
+        print(f"\ncoordinator SIGKILLed mid-reply: both nodes left round 2 {max(0.0, settled - killed_at):.1f} s after")
         without = {n: run.records()[n] for n in ("node-0", "node-1")}
         assert_agree(without, [2])
-        assert next(r for r in without["node-0"] if r["round"] == 2)["peers"] == 2
+        at_2 = [next(r for r in recs if r["round"] == 2) for recs in without.values()]
+        # the node that missed the coordinator's part took the theta of the one that received it
+        assert sorted(r["status"] for r in at_2) == ["averaged", "resynced"], at_2
+        assert all(r["peers"] == 3 for r in at_2), at_2
+        # without it they average among themselves, past the checkpoint it wrote before dying
+        went_on = run.wait_round("node-0", checkpoint_round, timeout_s=120)
+        run.wait_round("node-1", checkpoint_round, timeout_s=60)
+        print(f"their first round without it (round {checkpoint_round}) ended {went_on['time'] - killed_at:.1f} s "
+              "after the kill")
+        without = {n: run.records()[n] for n in ("node-0", "node-1")}
+        assert_agree(without, [checkpoint_round])
+        assert next(r for r in without["node-0"] if r["round"] == checkpoint_round)["peers"] == 2
 
         # the nodes pause (alive, heartbeating) until the restarted coordinator has taken their state: however
         # slow the machine, the run cannot end before it is back
