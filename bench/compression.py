@@ -90,8 +90,9 @@ def main() -> None:
     for row in rows:
         print(f"| {row['codec']} | {row['total_per_round']:,.0f} | {row['per_node_per_round']:,.0f} | "
               f"{row['total_per_round'] / base:.3f} | {'yes' if row['agree'] else 'NO'} |")
-    n = max(args.nodes, 2)
-    print(f"\nPer node per round against data-parallel training of the same samples (N = {n}, one fp32 "
+    n = max(args.nodes, 2)  # data-parallel training of one node sends nothing: compare with its smallest swarm
+    print(f"\nPer node per round against data-parallel training of the same samples (N = {n}"
+          f"{' (one node: the smallest data-parallel swarm)' if args.nodes < 2 else ''}, one fp32 "
           "gradient all-reduce per inner step; ratio = ours / data-parallel):\n")
     hs = (4, 16, 64, 500)
     print("| codec | " + " | ".join(f"H = {h}" for h in hs) + " |")

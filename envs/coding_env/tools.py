@@ -39,6 +39,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from envs.schema import function_schema
+
 from .sandbox import SandboxLimits, SandboxPolicy, SandboxResult, run_sandboxed, safe_relative_path
 from .tasks import SOLUTION_FILE, CodingTask, normalize, same_value
 
@@ -67,33 +69,17 @@ _TAIL_CHARS = 500
 _SIGXCPU, _SIGKILL = 24, 9
 
 
-def _function_schema(name: str, description: str, params: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """One tool schema in OpenAI function format; ``params``: name -> (json type, description)."""
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": {p: {"type": t, "description": d} for p, (t, d) in params.items()},
-                "required": list(params),
-            },
-        },
-    }
-
-
 _PATH = ("string", "File path inside the workspace, e.g. solution.py.")
 TOOL_SCHEMAS: list[dict[str, Any]] = [
-    _function_schema("list_files", "List the workspace's files.", {}),
-    _function_schema("read_file", "Read a file.", {"path": _PATH}),
-    _function_schema("write_file", "Create or replace a file.",
-                     {"path": _PATH, "content": ("string", "The whole new text of the file.")}),
-    _function_schema("patch_file", "Replace the one occurrence of old by new in a file.",
-                     {"path": _PATH, "old": ("string", "Exact text to replace (must occur once)."),
-                      "new": ("string", "Replacement text.")}),
-    _function_schema("run_tests", "Run the visible tests.", {}),
-    _function_schema("submit", "Run the hidden tests and end the episode.", {}),
+    function_schema("list_files", "List the workspace's files.", {}),
+    function_schema("read_file", "Read a file.", {"path": _PATH}),
+    function_schema("write_file", "Create or replace a file.",
+                    {"path": _PATH, "content": ("string", "The whole new text of the file.")}),
+    function_schema("patch_file", "Replace the one occurrence of old by new in a file.",
+                    {"path": _PATH, "old": ("string", "Exact text to replace (must occur once)."),
+                     "new": ("string", "Replacement text.")}),
+    function_schema("run_tests", "Run the visible tests.", {}),
+    function_schema("submit", "Run the hidden tests and end the episode.", {}),
 ]
 """Tool schemas in OpenAI function format (``apply_chat_template(..., tools=TOOL_SCHEMAS)``)."""
 

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from envs.schema import function_schema
+
 __all__ = [
     "ERROR_KINDS",
     "ITEM_VOCAB",
@@ -43,31 +45,15 @@ ErrorKind = Literal["tool_not_found", "invalid_args", "execution_error"]
 ERROR_KINDS: tuple[str, ...] = ("tool_not_found", "invalid_args", "execution_error")
 
 
-def _function_schema(name: str, description: str, params: dict[str, tuple[str, str]]) -> dict:
-    """One tool schema in OpenAI function format; ``params``: name -> (json type, description)."""
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": {p: {"type": t, "description": d} for p, (t, d) in params.items()},
-                "required": list(params),
-            },
-        },
-    }
-
-
 _AB = {"a": ("integer", "First number."), "b": ("integer", "Second number.")}
 TOOL_SCHEMAS: list[dict[str, Any]] = [
-    _function_schema("lookup", "Look up the price of an item.",
-                     {"item": ("string", "Item name, e.g. apple.")}),
-    _function_schema("add", "Return a + b.", _AB),
-    _function_schema("subtract", "Return a - b.", _AB),
-    _function_schema("multiply", "Return a * b.", _AB),
-    _function_schema("submit", "Submit the final answer. Ends the episode.",
-                     {"answer": ("integer", "The final answer.")}),
+    function_schema("lookup", "Look up the price of an item.",
+                    {"item": ("string", "Item name, e.g. apple.")}),
+    function_schema("add", "Return a + b.", _AB),
+    function_schema("subtract", "Return a - b.", _AB),
+    function_schema("multiply", "Return a * b.", _AB),
+    function_schema("submit", "Submit the final answer. Ends the episode.",
+                    {"answer": ("integer", "The final answer.")}),
 ]
 """Tool schemas in OpenAI function format (``apply_chat_template(..., tools=TOOL_SCHEMAS)``)."""
 
