@@ -40,6 +40,7 @@ from composer_diloco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 4  # the default config's GRPO group size G: episodes per task
+COLLAPSED = 0.05  # a run whose last-quarter reward is below this collapsed: the policy no longer makes valid calls
 
 
 @dataclass(frozen=True)
@@ -240,16 +241,18 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
 
 def table(summary: dict[str, dict]) -> str:
     """Markdown table: first- and last-quarter reward, last-quarter success (mean ± std over seeds, min-max), rounds,
-    wall seconds."""
+    the runs that collapsed (last-quarter reward below `COLLAPSED`), wall seconds."""
     def stat(values: list[float]) -> str:
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.3f} ± {spread:.3f} ({min(values):.3f}-{max(values):.3f})"
 
     lines = ["| arm | seeds | rounds (syncs) | reward, first quarter | reward, last quarter | success, last quarter "
-             "| wall s/run |", "|---|---|---|---|---|---|---|"]
+             "| collapsed | wall s/run |", "|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
+        collapsed = sum(r < COLLAPSED for r in s["final_reward"])
         lines.append(f"| {name} | {s['seeds']} | {s['rounds']} | {stat(s['first_reward'])} | "
-                     f"{stat(s['final_reward'])} | {stat(s['final_success'])} | {s['wall_s']:.0f} |")
+                     f"{stat(s['final_reward'])} | {stat(s['final_success'])} | {collapsed}/{s['seeds']} | "
+                     f"{s['wall_s']:.0f} |")
     return "\n".join(lines)
 
 

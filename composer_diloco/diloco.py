@@ -191,22 +191,37 @@ class DiLoCoPeer:
             peer: download from this peer only (None: hivemind's choice, the newest round and the coordinator
                 first among equals).
         Returns:
-            False if no peer answered, or its state was older than ``min_round``.
+            False if no peer answered, its state was older than ``min_round``, or every download within
+            ``timeout_s`` came back incomplete (a stream cut early: hivemind returns what it got).
         Raises:
             ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference).
         """
-        if peer is not None and peer.peer_id:
-            loaded = self.averager.load_state_from_peers(timeout=timeout_s, peer=peer.peer_id)
-        else:
-            loaded = self.averager.load_state_from_peers(timeout=timeout_s)
-        if loaded is None:
-            return False
+        expected = len(self.global_model.state_tensors())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = max(1.0, deadline - time.monotonic())
+            if peer is not None and peer.peer_id:
+                loaded = self.averager.load_state_from_peers(timeout=remaining, peer=peer.peer_id)
+            else:
+                loaded = self.averager.load_state_from_peers(timeout=remaining)
+            if loaded is None:
+                return False
+            if isinstance(loaded[0], dict) and "layout" in loaded[0]:
+                _check_layout(loaded[0]["layout"], self.layout())  # another model: no retry can help
+            # hivemind ends a download whose stream was cut early as if it were complete: count the tensors
+            if len(loaded[1]) == expected or time.monotonic() >= deadline:
+                break
+            log.warning("%s: incomplete state download (%d of %d tensors): retrying", self.swarm.name,
+                        len(loaded[1]), expected)
+            time.sleep(0.5)
         meta, tensors = loaded
+        if len(tensors) != expected:
+            log.warning("%s: incomplete state download (%d of %d tensors): not loaded", self.swarm.name,
+                        len(tensors), expected)
+            return False
         if not isinstance(meta, dict) or "round" not in meta:
             log.warning("peer state without a round: %r", meta)
             return False
-        if "layout" in meta:
-            _check_layout(meta["layout"], self.layout())
         if min_round is not None and int(meta["round"]) < min_round:
             log.info("%s: the peers' state is at round %s, older than round %d: not loaded", self.swarm.name,
                      meta["round"], min_round)
@@ -388,10 +403,10 @@ class DiLoCoPeer:
 
         One rule on every peer, so that replicas never fork: while a live peer is past round ``r``, download the
         newest state from the peers of the newest round, in `_by_precedence` order (a settled one, the
-        coordinator first among equals). While others are still in round
-        ``r``, wait for them, at most ``averaging_timeout_s``; only the first of the peers left in round ``r`` (the
-        coordinator, else the lowest name) applies its own pseudo-gradient at once, so the others have a state to
-        take. A peer with nobody in or past its round is the whole swarm and steps alone.
+        coordinator first among equals). While others are still in round ``r``, wait for them, at most
+        ``averaging_timeout_s``; only the first of the peers left in round ``r`` (the coordinator, else the lowest
+        name) applies its own pseudo-gradient at once, so the others have a state to take. A peer with nobody in or
+        past its round is the whole swarm and steps alone.
         """
         timeout_s = self.config.network.averaging_timeout_s
         deadline = time.monotonic() + timeout_s
