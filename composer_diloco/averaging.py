@@ -114,10 +114,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
         part_index = 0
         # fault injection: answer the first sender only, then die (the others never receive our parts)
-        answer = True
-        if faults.active("kill_in_reply", self._round) is not None:
-            answer = not self._answered_one
-            self._answered_one = True
+        kill_in_reply = faults.active("kill_in_reply", self._round) is not None
+        answer = not (kill_in_reply and self._answered_one)
+        self._answered_one = True
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -140,7 +139,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if answer:
                     self._count(serialized.ByteSize())
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-            if faults.active("kill_in_reply", self._round) is not None:
+            if kill_in_reply:
                 if answer:
                     await asyncio.sleep(1.0)  # let the answered sender receive its last part
                     faults.kill_this_peer(f"after answering one peer in the all-reduce of round {self._round}",

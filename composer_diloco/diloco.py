@@ -24,6 +24,7 @@ Failure behaviour of `sync`:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -200,10 +201,7 @@ class DiLoCoPeer:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = max(1.0, deadline - time.monotonic())
-            if peer is not None and peer.peer_id:
-                loaded = self.averager.load_state_from_peers(timeout=remaining, peer=peer.peer_id)
-            else:
-                loaded = self.averager.load_state_from_peers(timeout=remaining)
+            loaded = self.averager.load_state_from_peers(timeout=remaining, peer=peer.peer_id if peer else None)
             if loaded is None:
                 return False
             if isinstance(loaded[0], dict) and "layout" in loaded[0]:
@@ -385,18 +383,26 @@ class DiLoCoPeer:
         while True:
             group = [p for p in self.swarm.live_peers() if p.name in members and p.name != me]
             done = [p for p in group if p.round == next_round and p.sha]
-            pending = [p for p in group if p.round < next_round]
+            # still in the all-reduce (a member that lost it waits in `_after_failure`, unsettled, for us)
+            pending = [p for p in group if p.round < next_round and p.settled]
             if any(p.settled for p in done) or not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        for pick in _by_precedence([*done, PeerRecord(me, self.swarm.role, next_round, 0.0, sha=ours, settled=False)]):
-            if pick.name == me or pick.sha == ours:
-                return "averaged"
-            log.warning("%s round %d: taking the theta of %s (sha256 %s)", me, r, pick.name, pick.sha[:12])
-            if self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=next_round, peer=pick):
-                return "resynced"
-            log.warning("%s round %d: %s did not send its state", me, r, pick.name)
-        return "averaged"
+        candidates = _by_precedence([*done, PeerRecord(me, self.swarm.role, next_round, 0.0, sha=ours,
+                                                       settled=False)])
+        ahead_of_us = list(itertools.takewhile(lambda p: p.name != me and p.sha != ours, candidates))
+        return "resynced" if self._load_from_first(ahead_of_us, min_round=next_round) else "averaged"
+
+    def _load_from_first(self, candidates: list[PeerRecord], *, min_round: int) -> bool:
+        """Load the state of the first of ``candidates`` that sends one (a peer that just died may still have a
+        heartbeat); False if none did."""
+        for pick in candidates:
+            log.warning("%s: taking the theta of %s (round %d, sha256 %s)", self.swarm.name, pick.name, pick.round,
+                        pick.sha[:12])
+            if self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=min_round, peer=pick):
+                return True
+            log.warning("%s: %s did not send its state", self.swarm.name, pick.name)
+        return False
 
     def _after_failure(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
         """Round ``r`` ended without an average for this peer: take the state of a peer past round ``r``.
@@ -410,16 +416,17 @@ class DiLoCoPeer:
         """
         timeout_s = self.config.network.averaging_timeout_s
         deadline = time.monotonic() + timeout_s
+        # unsettled while waiting for a state, so that a member settling its own theta (`_settle`) does not wait for us
+        self.swarm.set_round(r, sha=self.swarm.sha, settled=False)
         while time.monotonic() < deadline:
             others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name]
             ahead = [p for p in others if p.round > r]
             if ahead:
                 newest = _by_precedence([p for p in ahead if p.round == max(q.round for q in ahead)])
                 # a peer still settling its theta may replace it: wait for a settled one, unless time runs out
-                if newest[0].settled or time.monotonic() > deadline - timeout_s / 3:
-                    for pick in newest:
-                        if self.load_state_from_peers(timeout_s=timeout_s, min_round=r + 1, peer=pick):
-                            return self._finish(model, clock, peers=0, status="resynced")
+                if (newest[0].settled or time.monotonic() > deadline - timeout_s / 3) and self._load_from_first(
+                        newest, min_round=r + 1):
+                    return self._finish(model, clock, peers=0, status="resynced")
             else:
                 in_round = [p for p in others if p.round == r]
                 if not in_round or _step_order(self.swarm.role, self.swarm.name) < min(

@@ -31,8 +31,8 @@ from functools import lru_cache
 import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient", "nan_pseudo_gradient",
-         "hold")
+KINDS = ("kill_in_allreduce", "kill_in_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
+         "nan_pseudo_gradient", "hold")
 
 log = logging.getLogger(__name__)
 

@@ -130,8 +130,8 @@ def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: floa
 class PeerRecord:
     """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
     ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
-    ``round`` came from an incomplete all-reduce and may still be replaced by a group member's
-    (`composer_diloco.diloco`)."""
+    ``round`` came from an incomplete all-reduce and may still be replaced by a group member's, or while it lost
+    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.diloco`)."""
 
     name: str
     role: str  # "coordinator" | "node"
@@ -206,8 +206,8 @@ class Swarm:
                 log.debug("heartbeat failed: %r", e)
 
     def _store_heartbeat(self, ttl_s: float) -> None:
-        value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha, "maddr": self._maddr,
-                 "settled": self.settled, "t": get_dht_time()}
+        value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha,
+                 "settled": self.settled, "maddr": self._maddr, "t": get_dht_time()}
         self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
 
     def live_peers(self) -> list[PeerRecord]:

@@ -114,7 +114,8 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         start(run, {"coordinator": {"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"}, "node-0": held, "node-1": held})
         run.procs["coordinator"].wait(timeout=300)
         killed_at = time.time()
-        assert "fault injection: SIGKILL (after answering one peer" in run.log("coordinator"), run.log_tail("coordinator")
+        coordinator_log = run.log("coordinator")
+        assert "fault injection: SIGKILL (after answering one peer" in coordinator_log, run.log_tail("coordinator")
         checkpoint_round = read_outer_state(latest_checkpoint(run_dir))["round"]
 
         settled = max(run.wait_round(n, 2, timeout_s=120)["time"] for n in ("node-0", "node-1"))
