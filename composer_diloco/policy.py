@@ -9,12 +9,13 @@ Pieces, in the order a run uses them:
   ``add_response_schema``, ``get_training_chat_template``).
 * :func:`tiny_model_config` / :func:`build_tiny_model`: a ~0.9M-parameter ``Qwen3ForCausalLM``.
 * :func:`warm_start`: a short supervised pass with TRL's ``SFTTrainer`` on episodes played by the
-  scripted solver (``envs.tool_env.tasks.solve``), so that RL starts from a policy that emits
-  well-formed tool calls and sometimes solves the task (reward variance inside GRPO groups).
+  run env's scripted solver (``envs/<env>/demos.py``: tool_env's by default, the coding env's for
+  ``configs/coding.toml``), so that RL starts from a policy that emits well-formed tool calls and
+  sometimes solves the task (reward variance inside GRPO groups).
 * :func:`load_policy`: the one entry point for the rest of the project.
 * :func:`evaluate_policy`: play fresh episodes in-process against ``execute`` (greedy or sampled).
 
-Measured warm-start curve (``warm_start`` defaults: batch 16, lr 1e-3 constant after warmup; success
+Measured warm-start curve on tool_env (``warm_start`` defaults: batch 16, lr 1e-3 constant after warmup; success
 on 100 fresh episodes, greedy / sampled at temperature 1.0; a shared 2-core CPU, about 0.2 s a step
 plus ~5 s of data and trainer setup)::
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import inspect
+import importlib
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -61,11 +63,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 from composer_diloco.chat import episode_messages, parse_tool_call
-from envs.tool_env import tasks as _tasks
+from envs.tool_env.demos import ERROR_RATE as _ERROR_RATE
 from envs.tool_env.tasks import ITEM_VOCAB, TOOL_NAMES, TOOL_SCHEMAS, execute, make_task, solve
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
+    "DEFAULT_WARMSTART_ENV",
     "DEFAULT_WARMSTART_STEPS",
     "PolicyLoadError",
     "build_tiny_model",
@@ -98,6 +101,9 @@ MARKUP_TOKENS: tuple[str, ...] = (
 
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 
+DEFAULT_WARMSTART_ENV = "envs.tool_env.server"
+"""The env whose scripted demonstrations warm-start the embedded default unless the run plays another one."""
+
 DOMAIN_WORDS: tuple[str, ...] = tuple(ITEM_VOCAB) + tuple(TOOL_NAMES)
 """The environment's nouns (items, tool names): atomic tokens (``single_word``), so that an item is the
 same single token in the question and in a call, and the policy can copy it token for token."""
@@ -105,7 +111,6 @@ same single token in the question and in a call, and the policy can copy it toke
 _TOKENIZER_VOCAB_SIZE = 1000
 _TOKENIZER_CORPUS_EPISODES = 2000
 _TOKENIZER_CORPUS_SEED = 0
-_ERROR_RATE = 0.3
 _WARMSTART_BATCH_SIZE = 16
 _WARMSTART_LR = 1e-3
 
@@ -235,11 +240,15 @@ def load_default_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tokenize_episode(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]], trained_turns: list[bool] | None = None
+    tokenizer: PreTrainedTokenizerFast,
+    messages: list[dict[str, Any]],
+    trained_turns: list[bool] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[int]]:
     """Token ids of a rendered episode and a mask of the assistant tokens to train on.
 
-    The episode is rendered once with the tokenizer's chat template and ``tools=TOOL_SCHEMAS``; an
+    The episode is rendered once with the tokenizer's chat template and ``tools`` (default: tool_env's
+    ``TOOL_SCHEMAS``); an
     assistant turn is the text after each ``<|im_start|>assistant\\n`` up to and including its
     ``<|im_end|>`` (what generation after the prompt ``add_generation_prompt=True`` produces and stops
     at). Token boundaries fall on the special tokens around it, so the masked tokens are exactly the
@@ -249,6 +258,7 @@ def tokenize_episode(
         tokenizer: a tokenizer with a Qwen-style chat template (the default one).
         messages: chat messages from :func:`composer_diloco.chat.episode_messages`.
         trained_turns: per assistant turn, whether its tokens enter the mask (default: all).
+        tools: the tool schemas rendered into the system prompt (OpenAI function format).
 
     Returns:
         ``{"input_ids": list[int] (T,), "assistant_masks": list[int] (T,)}`` with 1 on trained
@@ -257,7 +267,7 @@ def tokenize_episode(
     Raises:
         ValueError: if the rendering holds no assistant turn, or ``trained_turns`` has the wrong length.
     """
-    text = tokenizer.apply_chat_template(messages, tools=TOOL_SCHEMAS, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=TOOL_SCHEMAS if tools is None else tools, tokenize=False)
     header = "<|im_start|>assistant\n"
     spans = []
     start = text.find(header)
@@ -277,26 +287,56 @@ def tokenize_episode(
     return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
 
 
-def solver_examples(
-    tokenizer: PreTrainedTokenizerFast, *, seed: int, n_episodes: int, error_rate: float = _ERROR_RATE
-) -> list[dict[str, list[int]]]:
-    """Supervised examples from episodes played by the scripted solver (the warm start's data).
+def demos_module(env: str) -> ModuleType:
+    """The ``demos`` module of an env package (scripted demonstrations, see ``envs.demonstration``).
 
-    Episode ``i`` is ``make_task(seed, f"warmstart-{i}")`` solved by ``solve(task,
-    random.Random(f"{seed}:warmstart-{i}"), error_rate)``. Labels are the token ids on the assistant
-    turns of successful calls and -100 elsewhere: a failed call stays in the context (so the policy
+    Args:
+        env: the env's server module as in ``[env] server_module`` (``"envs.coding_env.server"``) or its package
+            (``"envs.coding_env"``).
+
+    Raises:
+        PolicyLoadError: if the package has no ``demos`` module with a ``demonstration`` function.
+    """
+    package = env[: -len(".server")] if env.endswith(".server") else env
+    try:
+        module = importlib.import_module(f"{package}.demos")
+    except ImportError as exc:
+        if exc.name not in (f"{package}.demos", package, package.split(".")[0]):
+            raise
+        module = None
+    if module is None or not callable(getattr(module, "demonstration", None)):
+        raise PolicyLoadError(
+            f"env {env!r} ships no scripted demonstrations ({package}.demos.demonstration) to warm-start the "
+            "embedded default policy on; set [warmstart] steps = 0, or use a real model (--model)")
+    return module
+
+
+def solver_examples(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int,
+    n_episodes: int,
+    error_rate: float = _ERROR_RATE,
+    env: str = DEFAULT_WARMSTART_ENV,
+) -> list[dict[str, list[int]]]:
+    """Supervised examples from episodes played by an env's scripted solver (the warm start's data).
+
+    Episode ``i`` is ``demos_module(env).demonstration(seed, i, error_rate)``. Labels are the token ids on the
+    assistant turns of successful calls and -100 elsewhere: a failed call stays in the context (so the policy
     learns to recover from it) but is not imitated.
 
     Returns:
         ``n_episodes`` dicts ``{"input_ids": list[int] (T,), "labels": list[int] (T,)}``.
+
+    Raises:
+        PolicyLoadError: if ``env`` ships no demonstrations (`demos_module`).
     """
+    demos = demos_module(env)
     rows = []
     for i in range(n_episodes):
-        task = make_task(seed, f"warmstart-{i}")
-        calls = solve(task, random.Random(f"{seed}:warmstart-{i}"), error_rate)
-        outcomes = [execute(task, name, args) for name, args in calls]
-        enc = tokenize_episode(tokenizer, episode_messages(task.question, calls, [o[0] for o in outcomes]),
-                               trained_turns=[o[1] is None for o in outcomes])
+        demo = demos.demonstration(seed, i, error_rate)
+        enc = tokenize_episode(tokenizer, episode_messages(demo.question, demo.calls, demo.replies),
+                               trained_turns=demo.imitate, tools=demo.tools)
         labels = [t if m else -100 for t, m in zip(enc["input_ids"], enc["assistant_masks"])]
         rows.append({"input_ids": enc["input_ids"], "labels": labels})
     return rows
@@ -395,12 +435,13 @@ def warm_start(
     batch_size: int = _WARMSTART_BATCH_SIZE,
     lr: float = _WARMSTART_LR,
     error_rate: float = _ERROR_RATE,
+    env: str = DEFAULT_WARMSTART_ENV,
 ) -> Path:
     """Supervised warm start on scripted-solver episodes with TRL's ``SFTTrainer``; saves model + tokenizer.
 
-    Data: ``steps * batch_size`` fresh episodes ``make_task(seed, "warmstart-i")`` played by
-    ``solve(..., error_rate)`` (a fraction ``error_rate`` hold one failed call followed by its
-    recovery), rendered with the chat template and ``tools=TOOL_SCHEMAS``. Loss: next-token cross
+    Data: ``steps * batch_size`` fresh episodes of ``env``'s scripted solver (``demos.demonstration(seed, i,
+    error_rate)``: a fraction ``error_rate`` hold one failed call followed by its recovery), rendered with the
+    chat template and the env's tool schemas (:func:`solver_examples`). Loss: next-token cross
     entropy on assistant tokens only (labels -100 elsewhere, built by :func:`tokenize_episode`; TRL's
     own ``assistant_only_loss`` would swap in ``qwen3_training.jinja``, whose think blocks the inference
     template does not render). Failed calls of the solver stay in the context but are not trained
@@ -408,9 +449,9 @@ def warm_start(
     a 5% linear warmup (a cosine decay delayed the jump from "format right" to "copies the right
     item/number" past the budget in our runs), gradient clipping 1.0, fp32 on CPU.
 
-    Measured on a shared 2-core CPU (batch 16, lr 1e-3, seeds 0-3): 200 steps take about 45 s and give
-    94-100% greedy success and 26-67% success sampled at temperature 1.0; see
-    :data:`DEFAULT_WARMSTART_STEPS`.
+    Measured on a shared 2-core CPU (batch 16, lr 1e-3, seeds 0-3): on tool_env, 200 steps take about 45 s and
+    give 94-100% greedy success and 26-67% success sampled at temperature 1.0 (see
+    :data:`DEFAULT_WARMSTART_STEPS`); on the coding env (~850-token episodes) a step takes about 2 s.
 
     Deterministic: the same model weights, ``seed`` and arguments give the same bytes (single process,
     same torch thread count); the caller's ``random``/``numpy``/``torch`` RNG states are restored
@@ -427,6 +468,7 @@ def warm_start(
         batch_size: episodes per step.
         lr: peak learning rate.
         error_rate: fraction of episodes with one failed call and its recovery, in [0, 1].
+        env: the env whose demonstrations to train on (a server module or env package, see `demos_module`).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -434,6 +476,7 @@ def warm_start(
     Raises:
         ValueError: on a negative ``steps`` or non-positive ``batch_size`` / ``lr``.
         FileExistsError: if ``out_dir`` already exists (nothing is overwritten).
+        PolicyLoadError: if ``env`` ships no demonstrations.
     """
     from datasets import Dataset  # heavy imports only for training
     from transformers.trainer_callback import PrinterCallback
@@ -444,13 +487,15 @@ def warm_start(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"warm_start: {out_dir} already exists")
+    demos_module(env)  # an env without demonstrations fails before any work
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     t0 = time.monotonic()
     try:
         final_loss: float | None = None
         if steps > 0:
-            rows = solver_examples(tokenizer, seed=seed, n_episodes=steps * batch_size, error_rate=error_rate)
+            rows = solver_examples(tokenizer, seed=seed, n_episodes=steps * batch_size, error_rate=error_rate,
+                                   env=env)
             config = SFTConfig(
                 output_dir=str(staging / "trainer"),
                 max_steps=steps,
@@ -486,7 +531,7 @@ def warm_start(
             shutil.rmtree(staging / "trainer", ignore_errors=True)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        meta = dict(seed=seed, steps=steps, batch_size=batch_size, lr=lr, error_rate=error_rate,
+        meta = dict(env=env, seed=seed, steps=steps, batch_size=batch_size, lr=lr, error_rate=error_rate,
                     final_loss=final_loss, train_seconds=round(time.monotonic() - t0, 2),
                     torch=torch.__version__, transformers=transformers.__version__)
         (staging / "warmstart.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -505,15 +550,19 @@ def warm_start(
 # --------------------------------------------------------------------------------------------------
 
 
-def _default_cache_key(seed: int, steps: int, config: Qwen3Config) -> str:
+def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV) -> str:
     """Short hash of what determines the default warm-started weights: seed, steps, the warm-start
-    recipe, the model config, the tokenizer files and the task generator's source."""
+    recipe, the model config, the tokenizer files and the source of the env package's top-level modules
+    (tasks, tools, demonstrations)."""
     h = hashlib.sha256()
     cfg = config.to_dict()
     cfg.pop("transformers_version", None)
     recipe = dict(batch_size=_WARMSTART_BATCH_SIZE, lr=_WARMSTART_LR, error_rate=_ERROR_RATE, version=2)
     h.update(json.dumps({"seed": seed, "steps": steps, "recipe": recipe, "config": cfg}, sort_keys=True).encode())
-    h.update(inspect.getsource(_tasks).encode())
+    package = Path(demos_module(env).__file__).parent
+    for path in sorted(package.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     for name in sorted(os.listdir(DEFAULT_TOKENIZER_DIR)):
         h.update(name.encode())
         h.update((DEFAULT_TOKENIZER_DIR / name).read_bytes())
@@ -530,14 +579,19 @@ def _load_pretrained(source: str, *, local: bool) -> tuple[PreTrainedModel, PreT
 
 
 def load_policy(
-    model: str | os.PathLike[str] | None, *, run_dir: str | Path, seed: int, warmstart_steps: int
+    model: str | os.PathLike[str] | None,
+    *,
+    run_dir: str | Path,
+    seed: int,
+    warmstart_steps: int,
+    env: str = DEFAULT_WARMSTART_ENV,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
 
     ``None``: the tiny Qwen3 of :func:`build_tiny_model` with the shipped tokenizer, warm-started for
-    ``warmstart_steps`` steps (:func:`warm_start`), cached in ``run_dir / "warmstart" / <hash>`` where
-    the hash covers ``seed``, ``warmstart_steps``, the model config and the tokenizer files; a cached
-    copy is reused. Otherwise ``model`` is a local directory (``save_pretrained`` layout) or a Hugging
+    ``warmstart_steps`` steps on ``env``'s scripted demonstrations (:func:`warm_start`), cached in
+    ``run_dir / "warmstart" / <hash>`` where the hash covers ``seed``, ``warmstart_steps``, the model config,
+    the tokenizer files and the env's task code; a cached copy is reused. Otherwise ``model`` is a local directory (``save_pretrained`` layout) or a Hugging
     Face Hub id, loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``: first from local files only,
     then (unless ``HF_HUB_OFFLINE`` is set) from the Hub. A tokenizer without a pad token gets eos.
 
@@ -546,23 +600,29 @@ def load_policy(
         run_dir: the run's directory (holds the warm-start cache).
         seed: seed of the default policy's initialisation and warm start (ignored otherwise).
         warmstart_steps: warm-start steps of the default policy (ignored otherwise).
+        env: the env whose demonstrations warm-start the default policy (see `demos_module`; ignored otherwise).
 
     Returns:
         ``(model, tokenizer)``, the model in fp32 on CPU in eval mode.
 
     Raises:
         PolicyLoadError: if ``model`` names neither a loadable local directory nor a reachable hub model,
-            or the shipped tokenizer is missing.
+            the shipped tokenizer is missing, or ``env`` has no demonstrations for a warm start.
     """
     if model is None:
         tokenizer = load_default_tokenizer()
         config = tiny_model_config(tokenizer, seed)
-        cache = Path(run_dir) / "warmstart" / _default_cache_key(seed, warmstart_steps, config)
+        if warmstart_steps > 0:
+            env = demos_module(env).__name__.rsplit(".", 1)[0]  # fails early; one key per env package
+        else:
+            env = DEFAULT_WARMSTART_ENV  # untrained weights do not depend on the env
+        cache = Path(run_dir) / "warmstart" / _default_cache_key(seed, warmstart_steps, config, env)
         if not (cache / "config.json").is_file():
-            logger.info("warm-starting the default policy (%d steps, seed %d) into %s", warmstart_steps, seed, cache)
+            logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
+                        seed, cache)
             try:
                 warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
-                           out_dir=cache)
+                           out_dir=cache, env=env)
             except (FileExistsError, OSError):
                 if not (cache / "config.json").is_file():  # not a concurrent writer winning the rename
                     raise
@@ -712,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=_WARMSTART_BATCH_SIZE)
     p.add_argument("--lr", type=float, default=_WARMSTART_LR)
     p.add_argument("--error-rate", type=float, default=_ERROR_RATE)
+    p.add_argument("--env", default=DEFAULT_WARMSTART_ENV,
+                   help="env server module or package whose scripted demonstrations to train on")
     p = sub.add_parser("evaluate", help="play fresh episodes with a saved policy")
     p.add_argument("model_dir", help="a save_pretrained directory or hub id")
     p.add_argument("--episodes", type=int, default=100)
@@ -728,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_default_tokenizer()
         t0 = time.monotonic()
         out = warm_start(build_tiny_model(tokenizer, args.seed), tokenizer, seed=args.seed, steps=args.steps,
-                         out_dir=args.out, batch_size=args.batch_size, lr=args.lr, error_rate=args.error_rate)
+                         out_dir=args.out, batch_size=args.batch_size, lr=args.lr, error_rate=args.error_rate,
+                         env=args.env)
         print(f"warm start: {args.steps} steps in {time.monotonic() - t0:.1f} s -> {out}")
     else:
         try:

@@ -74,8 +74,9 @@ class Coordinator:
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None:
-            self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir,
-                                                     seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps)
+            self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir, seed=config.warmstart.seed,
+                                                     warmstart_steps=config.warmstart.steps,
+                                                     env=config.env.server_module)
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
         (self.run_dir / "config.json").write_text(config.to_json())

@@ -531,3 +531,24 @@ def test_environment_in_process_counts_calls_and_rejects_steps_after_the_end():
         env.step(CodingAction(tool="submit", arguments={}))
     with pytest.raises(ValueError, match="max_tool_calls"):
         env.reset(max_tool_calls=0)
+
+
+@pytest.mark.timeout(120)
+def test_warm_start_demonstrations_replay_exactly_in_the_sandbox():
+    """The demos write run_tests/submit replies without the sandbox; real sandboxed runs must give the same text."""
+    from envs.coding_env.demos import demonstration
+
+    seen_families, seen_failures = set(), 0
+    for index in range(12):
+        demo = demonstration(5, index, error_rate=0.5)
+        task = make_task(5, f"warmstart-{index}", "generated")
+        assert demo.question == task.question
+        files = task.files()
+        replies = [execute(task, files, tool, args, limits=FAST).content for tool, args in demo.calls]
+        assert replies == demo.replies
+        assert demo.replies[-1].startswith("submitted:") and demo.imitate[-1]
+        seen_families.add(task.family)
+        seen_failures += not all(demo.imitate)
+    assert len(seen_families) >= 3 and seen_failures >= 3
+    with pytest.raises(ValueError, match="error_rate"):
+        demonstration(0, 0, error_rate=1.5)

@@ -266,3 +266,36 @@ def test_load_policy_unknown_hub_id_offline_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network attempt: local cache only
     with pytest.raises(PolicyLoadError, match="nonexistent-org/nonexistent-model"):
         load_policy("nonexistent-org/nonexistent-model", run_dir=tmp_path, seed=0, warmstart_steps=0)
+
+
+# ----------------------------------------------------------------------------------------- warm-start envs
+
+
+@pytest.mark.timeout(60)
+def test_warm_start_data_comes_from_the_run_s_env(tok, tmp_path):
+    """Each env package owns its demonstrations; the coding env's render its own tools and skip failed calls."""
+    from envs.coding_env.demos import demonstration
+    from envs.coding_env.tools import TOOL_SCHEMAS as CODING_TOOLS
+
+    rows = policy.solver_examples(tok, seed=0, n_episodes=20, env="envs.coding_env.server")
+    demos = [demonstration(0, i) for i in range(20)]
+    assert any(not all(d.imitate) for d in demos) and any(all(d.imitate) for d in demos)
+    for row, demo in zip(rows, demos):
+        text = tok.decode(row["input_ids"])
+        assert '"name": "write_file"' in text and '"name": "lookup"' not in text  # coding tools rendered
+        trained = tok.decode([t for t in row["labels"] if t != -100])
+        assert trained.count("<tool_call>") == sum(demo.imitate)  # failed attempts are context only
+    assert demos[0].tools == CODING_TOOLS
+    default = policy.solver_examples(tok, seed=0, n_episodes=2)
+    assert '"name": "lookup"' in tok.decode(default[0]["input_ids"])
+    out = warm_start(build_tiny_model(tok, seed=0), tok, seed=0, steps=1, batch_size=2, out_dir=tmp_path / "c",
+                     env="envs.coding_env")
+    assert json.loads((out / "warmstart.json").read_text())["env"] == "envs.coding_env"
+
+
+def test_an_env_without_demonstrations_is_a_clear_error(tmp_path):
+    with pytest.raises(PolicyLoadError, match=r"envs\.nope\.server.*\[warmstart\] steps = 0"):
+        load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=5, env="envs.nope.server")
+    assert not (tmp_path / "warmstart").exists()
+    with pytest.raises(PolicyLoadError, match="no scripted demonstrations"):
+        policy.demos_module("envs.schema")

@@ -1,7 +1,8 @@
 """Coding environment: write or fix a small Python function in a workspace, with visible and hidden tests.
 
 Layout follows OpenEnv's: ``models`` (wire types), ``tasks`` (hand-written and generated tasks, a scripted
-solver), ``tools`` (tool schemas and execution), ``sandbox`` (contained execution of the model's code), ``client``
+solver), ``tools`` (tool schemas and execution), ``sandbox`` (contained execution of the model's code), ``demos``
+(the scripted solver's episodes, the warm-start data of the embedded default policy), ``client``
 (WebSocket client), ``server`` (environment and FastAPI app). ``python -m envs.coding_env.server --port 8001``
 serves it; a run plays it with ``[env] server_module = "envs.coding_env.server"`` (``configs/coding.toml``).
 """

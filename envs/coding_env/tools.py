@@ -54,6 +54,8 @@ __all__ = [
     "ErrorKind",
     "ToolOutcome",
     "execute",
+    "submitted_text",
+    "tests_passed_text",
 ]
 
 ErrorKind = Literal["tool_not_found", "invalid_args", "execution_error", "timeout"]
@@ -240,6 +242,16 @@ def _import_failure(tool: str, record: dict[str, Any], result: SandboxResult, li
     return _error("execution_error", tool, prefix + text, reason=reason or "import_error", **common)
 
 
+def tests_passed_text(total: int) -> str:
+    """``run_tests``'s reply when all ``total`` visible tests pass."""
+    return f"all {total} visible tests passed"
+
+
+def submitted_text(passed: int, total: int) -> str:
+    """``submit``'s reply (or its error message's start) when ``passed`` of ``total`` hidden tests pass."""
+    return f"submitted: {passed} of {total} hidden tests passed"
+
+
 def _run_tests(files: dict[str, str], limits: SandboxLimits, policy: SandboxPolicy) -> ToolOutcome:
     tool = "run_tests"
     result = run_sandboxed(files, {"mode": "tests"}, limits, policy)
@@ -256,7 +268,7 @@ def _run_tests(files: dict[str, str], limits: SandboxLimits, policy: SandboxPoli
     failed = [r for r in tests if r["status"] != "passed"]
     total = len(tests)
     if not failed:
-        return ToolOutcome(f"all {total} visible tests passed")
+        return ToolOutcome(tests_passed_text(total))
     names = [_short(r["name"]) for r in failed]
     summary = f"{len(failed)} of {total} visible tests failed"
     meta = {"failed_tests": names, "passed": total - len(failed), "total": total,
@@ -297,7 +309,7 @@ def _submit(task: CodingTask, files: dict[str, str], limits: SandboxLimits, poli
         except (TypeError, ValueError):
             continue
         passed += same_value(got, normalize(expected))
-    score = f"submitted: {passed} of {total} hidden tests passed"
+    score = submitted_text(passed, total)
     outcome = _run_failure(tool, result, limits)
     if outcome is None:
         imports = [r for r in result.records if r["type"] == "import_error"]

@@ -1,7 +1,8 @@
 """Tool-use environment: price-arithmetic episodes solved with lookup/add/subtract/multiply/submit.
 
 Layout follows OpenEnv's: ``models`` (wire types), ``tasks`` (pure task generation, tool execution
-and a scripted solver), ``client`` (WebSocket client), ``server`` (environment and FastAPI app).
+and a scripted solver), ``demos`` (the solver's episodes, the embedded default policy's warm-start data),
+``client`` (WebSocket client), ``server`` (environment and FastAPI app).
 """
 
 from .client import ToolEnvClient
