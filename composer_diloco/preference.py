@@ -8,7 +8,7 @@ prompt, a preferred and a dispreferred response. Here a pair lives at one assist
 2. At each site gather candidate actions (`Candidate`): the recorded failed call itself (``"recorded"``), samples of
    the policy on the student context (``"policy"``), samples of the same policy with a hint about the error inserted
    before the turn (``"policy+hint"``, the SDPO teacher context, see `composer_diloco.hints`), and calls proposed by
-   named teachers (`TEACHERS`; ``"scripted"`` is the tool environment's scripted solver).
+   named teachers (`TEACHERS`; ``"scripted"`` is the scripted solver of the env the episode was played on).
 3. Score each candidate by replaying the environment to the site and running it (`replay_to`, `score_candidate`):
    the score is the environment's own verdict on that one action, not a judge's opinion.
 4. Pair candidates of one turn by score (`build_pairs`). The pair's prompt is always the *student* context: DPO must
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -42,7 +41,8 @@ from composer_diloco.chat import ParsedCall, parse_tool_call
 from composer_diloco.episode_tokens import TurnSpan, generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.rollout import Episode, EnvSession, _generate
-from envs.tool_env.tasks import make_task, solve
+from envs.coding_env import demos as _coding_demos
+from envs.tool_env import demos as _tool_demos
 
 __all__ = [
     "TEACHERS",
@@ -362,21 +362,30 @@ def render_tool_call(tokenizer: Any, name: str, arguments: Mapping[str, Any]) ->
     return body + eos, ids
 
 
+_SCRIPTS: tuple[Callable[[int, str, str], list[ToolCall] | None], ...] = (_tool_demos.script, _coding_demos.script)
+"""The envs' scripted solvers, ``(seed, episode_id, question) -> calls or None`` (``envs/<env>/demos.py``)."""
+
+
 def scripted_teacher(episode: Episode, turn: int) -> ToolCall | None:
-    """The `envs.tool_env` scripted solver's next correct call at assistant turn ``turn``.
+    """The scripted solver's next correct call at assistant turn ``turn``, for an episode of tool_env or the coding env.
 
-    The script is ``solve(make_task(seed, episode_id), rng, 0.0)`` (lookup x, lookup y, the operation, submit). The
-    proposal is the first script call not yet made successfully before ``turn`` (matching name and arguments); for an
-    episode that follows the script that is ``script[k]``, k the number of successful calls so far, and a successful
-    off-script call (a lookup of another item) does not make it skip a step.
+    The script is the env's ``demos.script(seed, episode_id, question)``: for tool_env lookup x, lookup y, the
+    operation, submit; for the coding env read ``solution.py``, write the reference solution, run the tests, submit.
+    The proposal is the first script call not yet made successfully before ``turn`` (matching name and arguments);
+    for an episode that follows the script that is ``script[k]``, k the number of successful calls so far, and a
+    successful off-script call (a lookup of another item, a write of wrong code) does not make it skip a step.
 
-    Returns None for an episode that is not an `envs.tool_env` task (its question differs from the task's) or when
-    every script call has been made.
+    Returns None for an episode of neither env (no script reproduces its question) or when every script call has
+    been made.
     """
-    task = make_task(episode.seed, episode.episode_id)
-    if not episode.turns or episode.turns[0].content != task.question:
+    if not episode.turns:
         return None
-    remaining = list(solve(task, random.Random(0), 0.0))
+    question = episode.turns[0].content
+    remaining = next((calls for calls in (f(episode.seed, episode.episode_id, question) for f in _SCRIPTS)
+                      if calls is not None), None)
+    if remaining is None:
+        return None
+    remaining = list(remaining)
     for k in range(min(turn, len(episode.turns) - 1)):
         t, reply = episode.turns[k], episode.turns[k + 1]
         if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None:

@@ -184,6 +184,27 @@ def test_scripted_teacher_proposes_the_call_the_failed_one_attempted():
     assert TEACHERS["scripted"] is scripted_teacher
 
 
+@pytest.mark.timeout(30)
+def test_scripted_teacher_writes_the_reference_after_a_failed_coding_call():
+    """On a coding episode the teacher follows the coding env's script: at a failed run_tests after a wrong write
+    (an error site), it proposes writing the reference solution; after that, running the tests."""
+    from envs.coding_env.tasks import make_task as coding_task
+
+    for source in ("generated", "mixed"):
+        task = coding_task(SEED, f"c-{source}", source)
+        wrong = {"path": "solution.py", "content": task.starter}
+        turns = [Turn("user", task.question)]
+        for name, args, kind in [("read_file", {"path": "solution.py"}, None), ("write_file", wrong, None),
+                                 ("run_tests", {}, "execution_error")]:
+            turns += [Turn("assistant", "", {"name": name, "arguments": args}), Turn("tool", "x", None, kind, {})]
+        ep = Episode(SEED, f"c-{source}", turns, [], [])
+        assert error_sites(ep) == [5]
+        assert scripted_teacher(ep, 5) == ("write_file", {"path": "solution.py", "content": task.reference})
+        ep.turns[3] = Turn("assistant", "", {"name": "write_file",
+                                             "arguments": {"path": "solution.py", "content": task.reference}})
+        assert scripted_teacher(ep, 5) == ("run_tests", {})
+
+
 @pytest.mark.timeout(10)
 def test_error_sites_are_assistant_turns_followed_by_a_failed_tool_turn():
     task = make_task(SEED, "sites")
