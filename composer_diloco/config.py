@@ -34,6 +34,18 @@ class EnvConfig(_Section):
     max_tool_calls: int = Field(6, ge=1, le=64, description="Assistant turns per episode before it is cut off.")
     max_turn_tokens: int = Field(40, ge=4, le=4096, description="Tokens the policy may generate per assistant turn.")
     connect_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait for an env server to answer.")
+    reset_kwargs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Keywords every episode's reset passes to the env server, e.g. {source = \"generated\"} for the "
+        "coding env (OpenEnv's reset(**kwargs)); seed, episode_id and max_tool_calls are the node's own.",
+    )
+
+    @model_validator(mode="after")
+    def _own_reset_keys(self) -> "EnvConfig":
+        taken = sorted({"seed", "episode_id", "max_tool_calls"} & set(self.reset_kwargs))
+        if taken:
+            raise ValueError(f"reset_kwargs must not set {', '.join(taken)}: the node sets them per episode")
+        return self
 
 
 class GRPOSettings(_Section):

@@ -96,13 +96,34 @@ def tool_error_kind(error_type: Any) -> str:
     return TOOL_ERROR_KINDS.get(str(value), "execution_error")
 
 
+_KEY_ORDER = ("type", "description", "properties", "required")
+
+
+def _canonical(schema: Any) -> Any:
+    """A JSON schema with its keys in the order OpenAI function schemas are written (type, description, properties,
+    required, then the rest as given), recursively; ``title`` and ``additionalProperties: false`` are dropped."""
+    if isinstance(schema, list):
+        return [_canonical(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    kept = {k: v for k, v in schema.items() if k != "title" and not (k == "additionalProperties" and v is False)}
+    ordered = [k for k in _KEY_ORDER if k in kept] + [k for k in kept if k not in _KEY_ORDER]
+    if "properties" in kept and isinstance(kept["properties"], Mapping):
+        kept["properties"] = {name: _canonical(p) for name, p in kept["properties"].items()}
+    return {k: kept[k] if k == "properties" else _canonical(kept[k]) for k in ordered}
+
+
 def tool_schema(tool: Any) -> dict[str, Any]:
     """An MCP tool (OpenEnv's ``Tool``: ``name``, ``description``, ``input_schema``) in OpenAI function format, the
     format ``tokenizer.apply_chat_template(tools=...)`` renders and `composer_diloco.hints` reads.
 
+    The input schema is put in canonical key order (`_canonical`: type, description, properties, required, then the
+    rest), without pydantic's ``title``s and FastMCP's ``additionalProperties: false`` (the server enforces it), so
+    that a tool renders the same prompt tokens whether a typed env or an MCP server lists it: a chat template
+    serialises the schema with ``tojson``, key order included, and pydantic writes ``description`` before ``type``.
     A missing or empty ``input_schema`` becomes ``{"type": "object", "properties": {}}`` (a tool without arguments).
     """
-    params = dict(getattr(tool, "input_schema", None) or {}) or {"type": "object", "properties": {}}
+    params = _canonical(dict(getattr(tool, "input_schema", None) or {})) or {"type": "object", "properties": {}}
     description = getattr(tool, "description", "") or ""
     return {"type": "function", "function": {"name": tool.name, "description": description, "parameters": params}}
 
@@ -174,6 +195,7 @@ class McpEnvSession(EnvSession):
         url: the server's base URL, ``http(s)://host:port`` or ``ws(s)://...`` (the client adds ``/ws``).
         max_tool_calls: the node's call budget per episode, passed to the server's ``reset`` as a keyword (the node
             itself stops an episode after that many assistant turns).
+        reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``).
         connect_timeout_s: seconds for the WebSocket connection.
         message_timeout_s: seconds to wait for any one answer (a tool call included).
 
@@ -188,13 +210,14 @@ class McpEnvSession(EnvSession):
         tool_names: the tool names, in the server's order.
     """
 
-    def __init__(self, url: str, *, max_tool_calls: int, connect_timeout_s: float = 10.0,
-                 message_timeout_s: float = 60.0):
+    def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None,
+                 connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0):
         from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction, ListToolsObservation
         from openenv.core.mcp_client import MCPToolClient
 
         self._call_action = CallToolAction
         self.url, self.max_tool_calls = url, max_tool_calls
+        self.reset_kwargs = dict(reset_kwargs or {})
         self._client = MCPToolClient(base_url=url, connect_timeout_s=connect_timeout_s,
                                      message_timeout_s=message_timeout_s).sync()
         try:
@@ -229,7 +252,8 @@ class McpEnvSession(EnvSession):
             McpProtocolError: the reset observation holds no task text (`QUESTION_KEYS`).
             RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's reset raised.
         """
-        result = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls)
+        result = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                    **self.reset_kwargs)
         return _question(result.observation, self.url), [dict(t) for t in self.tools]
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
@@ -287,7 +311,8 @@ class McpEnvSession(EnvSession):
             log.debug("closing MCP env session %s: %r", self.url, e)
 
 
-def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = None) -> EnvSession:
+def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = None,
+                     reset_kwargs: Mapping[str, Any] | None = None) -> EnvSession:
     """One env session for ``url``: `McpEnvSession` for an OpenEnv MCP server, else `OpenEnvSession`.
 
     Args:
@@ -295,6 +320,7 @@ def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = No
         max_tool_calls: the call budget per episode.
         protocol: ``"mcp"`` or ``"openenv"`` when already known (no probe); None detects it by sending
             ``ListToolsAction`` (see the module docstring).
+        reset_kwargs: more keywords for every episode's ``reset`` (``[env] reset_kwargs``).
 
     Raises:
         ValueError: an unknown ``protocol``.
@@ -304,14 +330,15 @@ def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = No
         raise ValueError(f"protocol must be 'mcp', 'openenv' or None, got {protocol!r}")
     if protocol != "openenv":
         try:
-            return McpEnvSession(url, max_tool_calls=max_tool_calls)
+            return McpEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
         except NotAnMcpServer:
             if protocol == "mcp":
                 raise
-    return OpenEnvSession(url, max_tool_calls=max_tool_calls)
+    return OpenEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
 
 
-def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int) -> list[EnvSession]:
+def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
+                      reset_kwargs: Mapping[str, Any] | None = None) -> list[EnvSession]:
     """``count`` env sessions over ``urls`` round-robin (session i on ``urls[i % len(urls)]``).
 
     Each URL's protocol is detected once, with its first session (`open_env_session`), and logged. On an error the
@@ -328,7 +355,8 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int) -
     try:
         for i in range(count):
             url = urls[i % len(urls)]
-            session = open_env_session(url, max_tool_calls=max_tool_calls, protocol=protocols.get(url))
+            session = open_env_session(url, max_tool_calls=max_tool_calls, protocol=protocols.get(url),
+                                       reset_kwargs=reset_kwargs)
             if url not in protocols:
                 protocols[url] = "mcp" if isinstance(session, McpEnvSession) else "openenv"
                 if isinstance(session, McpEnvSession):

@@ -10,7 +10,7 @@ environment tokens) for importance ratios.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,20 +121,29 @@ class EnvSession:
 class OpenEnvSession(EnvSession):
     """A `envs.tool_env` WebSocket session (OpenEnv ``EnvClient.sync()``), one episode at a time.
 
+    Any env speaking tool_env's typed actions (``tool``/``arguments``) works; the coding env does.
+
+    Args:
+        url: the server's base URL.
+        max_tool_calls: the call budget per episode, passed to ``reset``.
+        reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``, e.g. the coding env's ``source``).
+
     Raises:
         EnvServerError (from `composer_diloco.env_process`) when the server cannot be reached.
     """
 
-    def __init__(self, url: str, *, max_tool_calls: int):
+    def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):
         from envs.tool_env import ToolAction, ToolEnvClient
 
         self._action = ToolAction
         self._client = ToolEnvClient(base_url=url).sync()
         self._client.connect()
         self.url, self.max_tool_calls = url, max_tool_calls
+        self.reset_kwargs = dict(reset_kwargs or {})
 
     def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
-        obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls).observation
+        obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                 **self.reset_kwargs).observation
         return obs.question, list(obs.tools)
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:

@@ -141,7 +141,8 @@ class Node:
             self.stop.add_cleanup(server.stop)
             urls = [server.url]
         # round-robin over the URLs; each URL's protocol (OpenEnv MCP tools or our typed envs) is detected once
-        self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls)
+        self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls,
+                                          reset_kwargs=config.env.reset_kwargs)
         # starting env servers takes seconds: the swarm may have moved on since the state was loaded
         self.swarm_round = self.peer.join_at_round_boundary(
             join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)

@@ -6,12 +6,13 @@ OpenEnv's ``create_app(Env, CallToolAction, CallToolObservation)`` under uvicorn
 project, so a node that plays it plays "any" OpenEnv MCP server.
 
 The task: "What is the price of X plus the price of Y?" over a hidden catalogue of 4 items (prices 1..9), drawn
-from ``(seed, episode_id)``, so that a replayed episode is the same episode. Tools:
+from ``(seed, episode_id)``, so that a replayed episode is the same episode. The tools are ``envs/tool_env``'s, with
+the same descriptions, so the embedded default policy (warm-started on tool_env's prompt) can play it. Tools:
 
 - ``lookup(item: str) -> int``: the price; an unknown item raises FastMCP's ``ToolError`` (OpenEnv types it
   ``execution_error``).
 - ``add(a: int, b: int) -> int``: ``a + b``; arguments of the wrong type are refused by FastMCP's validation
-  (``invalid_args``).
+  (``invalid_args``); ``subtract`` and ``multiply`` likewise.
 - ``submit(answer: int) -> str``: the final tool: the episode ends (``done``) with reward 1.0 for the right answer,
   else 0.0.
 
@@ -30,17 +31,21 @@ from __future__ import annotations
 
 import argparse
 import random
-from typing import Any
+from typing import Annotated, Any
 from uuid import uuid4
 
 from fastmcp import FastMCP
 from fastmcp.exceptions import ToolError
+from pydantic import Field
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
 __all__ = ["ITEMS", "PriceMCPEnvironment", "answer_of", "build_app", "main", "question_of"]
+
+A = Annotated[int, Field(description="First number.")]
+B = Annotated[int, Field(description="Second number.")]
 
 ITEMS = ("apple", "pear", "plum", "fig", "kiwi", "lime", "lemon", "mango")
 """Item vocabulary the hidden catalogues are drawn from."""
@@ -85,19 +90,29 @@ class PriceMCPEnvironment(MCPEnvironment):
         self._submitted: int | None = None
 
         @mcp.tool
-        def lookup(item: str) -> int:
+        def lookup(item: Annotated[str, Field(description="Item name, e.g. apple.")]) -> int:
             """Look up the price of an item."""
             if item not in self._catalogue:
                 raise ToolError(f"no item {item!r} in the catalogue; items: {', '.join(sorted(self._catalogue))}")
             return self._catalogue[item]
 
         @mcp.tool
-        def add(a: int, b: int) -> int:
+        def add(a: A, b: B) -> int:
             """Return a + b."""
             return a + b
 
         @mcp.tool
-        def submit(answer: int) -> str:
+        def subtract(a: A, b: B) -> int:
+            """Return a - b."""
+            return a - b
+
+        @mcp.tool
+        def multiply(a: A, b: B) -> int:
+            """Return a * b."""
+            return a * b
+
+        @mcp.tool
+        def submit(answer: Annotated[int, Field(description="The final answer.")]) -> str:
             """Submit the final answer. Ends the episode."""
             self._submitted = answer
             return "submitted"

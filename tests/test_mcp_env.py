@@ -32,9 +32,11 @@ from composer_diloco.mcp_session import (
     open_env_sessions,
     tool_error_kind,
     tool_result_text,
+    tool_schema,
 )
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout import OpenEnvSession
+from envs.tool_env.tasks import TOOL_SCHEMAS
 from mcp_env_server import answer_of, question_of
 from tests_support import stop_processes
 
@@ -137,7 +139,7 @@ def test_task_text_of_a_reset_observation():
 
 @pytest.mark.timeout(120)
 def test_session_lists_tools_and_the_prompt_renders_them(session, tok):
-    assert session.tool_names == ["lookup", "add", "submit"]
+    assert session.tool_names == ["lookup", "add", "subtract", "multiply", "submit"]
     question, tools = session.reset(SEED, "q")
     assert question == question_of(SEED, "q")
     add = next(t for t in tools if t["function"]["name"] == "add")
@@ -148,6 +150,15 @@ def test_session_lists_tools_and_the_prompt_renders_them(session, tok):
     for name in ("lookup", "add", "submit"):
         assert f'"name": "{name}"' in prompt
     assert question in prompt
+    # The same tools render the same prompt as the typed tool_env lists them (canonical schema key order, no
+    # pydantic titles or FastMCP additionalProperties), so a policy trained on one plays the other.
+    assert tools == TOOL_SCHEMAS
+    assert tool_schema(SimpleNamespace(name="f", description="d", input_schema={
+        "additionalProperties": False, "required": ["x"], "title": "F",
+        "properties": {"x": {"description": "an x", "type": "array", "items": {"title": "X", "type": "integer"}}},
+        "type": "object"})) == {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"x": {"type": "array", "description": "an x", "items": {"type": "integer"}}},
+            "required": ["x"]}}}
 
 
 @pytest.mark.timeout(120)
@@ -165,8 +176,8 @@ def test_calls_map_typed_errors_to_hint_kinds_and_reward_at_submit(session):
     assert DEFAULT_HINTS.hint(kind, meta).startswith("Call add(a: integer, b: integer).")
 
     content, kind, meta, _, _ = session.call("sum", {"a": 1, "b": 2})
-    assert kind == "tool_not_found" and meta["available_tools"] == ["lookup", "add", "submit"]
-    assert DEFAULT_HINTS.hint(kind, meta) == "There is no tool 'sum'. Use one of: lookup, add, submit."
+    assert kind == "tool_not_found" and meta["available_tools"] == ["lookup", "add", "subtract", "multiply", "submit"]
+    assert DEFAULT_HINTS.hint(kind, meta) == "There is no tool 'sum'. Use one of: lookup, add, subtract, multiply, submit."
 
     content, kind, meta, reward, done = session.call("lookup", {"item": catalogue_item})
     assert kind is None and meta == {} and content.isdigit() and (reward, done) == (0.0, False)
@@ -236,7 +247,7 @@ def test_tiny_policy_plays_episodes_against_the_server(mcp_url, tok):
     for ep, (seed, episode_id) in zip(episodes, keys):
         ep.check()
         assert ep.turns[0].content == question_of(seed, episode_id)
-        assert [t["function"]["name"] for t in ep.tools] == ["lookup", "add", "submit"]
+        assert [t["function"]["name"] for t in ep.tools] == ["lookup", "add", "subtract", "multiply", "submit"]
         assert '"name": "submit"' in ep.prompt_text
         assert sum(ep.env_mask) > 0 and ep.end_reason in {"done", "no_tool_call", "truncated", "max_tool_calls",
                                                           "max_seq_len"}
