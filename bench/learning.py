@@ -10,7 +10,7 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
                          inner model after every round: plain single-process GRPO(+SDPO+DPO) training
     diloco-N{2,4}-H{4,16,64}   N nodes, one GRPO group (4 episodes) per inner step each, H inner steps per
                          round, DiLoCo's outer Nesterov SGD with the paper's lr 0.7, momentum 0.9 (the config's
-                         default)
+                         default for a real model; set explicitly here)
     avg-N{2,4}-H{4,16,64}      the same with outer lr 1, no momentum: theta becomes the weighted mean of the
                          nodes' models every round (parameter averaging, FedAvg / DiLoCo with the outer step off)
     grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside avg-N2-H16 (= GRPO + SDPO + DPO)
@@ -79,7 +79,8 @@ class Arm:
 
     def config_toml(self, seed: int, rounds: int) -> str:
         """The run config of this arm and seed (TOML)."""
-        outer = "lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync or self.averaging else ""
+        outer = ("lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync or self.averaging
+                 else "lr = 0.7\nmomentum = 0.9\n")  # DiLoCo's; the embedded default's config default is averaging
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"

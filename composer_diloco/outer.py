@@ -24,7 +24,8 @@ class GlobalModel:
         model: the policy; its trainable parameters define the layout (order of ``model.parameters()``).
         lr: outer learning rate (paper: 0.7).
         momentum: outer Nesterov momentum (paper: 0.9).
-        nesterov: Nesterov (True, paper) or heavy-ball momentum.
+        nesterov: Nesterov (True, paper) or heavy-ball momentum; ignored at ``momentum == 0`` (plain SGD: with
+            lr 1 that is parameter averaging), which torch's SGD refuses to combine with ``nesterov=True``.
 
     Attributes:
         params: list of fp32 CPU tensors, one per trainable parameter of ``model``.
@@ -38,7 +39,7 @@ class GlobalModel:
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.SGD(
-            self.params, lr=lr, momentum=momentum, nesterov=nesterov, foreach=False
+            self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
         )
         # Materialise the momentum buffers now (zeros == torch's lazy first-step init) so that the state a
         # late joiner downloads always has the same layout.

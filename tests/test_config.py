@@ -7,7 +7,7 @@ from composer_diloco.config import ConfigError, RunConfig, load_config
 
 def test_defaults_are_valid_and_embedded():
     cfg = load_config(None)
-    assert cfg.model is None and cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9 and cfg.outer.nesterov
+    assert cfg.model is None and cfg.outer.nesterov
     assert cfg.batch_size == cfg.grpo.tasks_per_step * cfg.grpo.num_generations
 
 
@@ -45,3 +45,26 @@ def test_invalid_file_names_field(tmp_path, text, needle):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_env_reset_kwargs(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[env]\nreset_kwargs = { source = "generated", level = 2 }\n')
+    assert load_config(path).env.reset_kwargs == {"source": "generated", "level": 2}
+    path.write_text('[env]\nreset_kwargs = { seed = 3 }\n')
+    with pytest.raises(ConfigError, match="reset_kwargs must not set seed"):
+        load_config(path)
+
+
+def test_outer_defaults_follow_the_policy(tmp_path):
+    """The embedded default averages (lr 1, momentum 0: DiLoCo's 0.7 / 0.9 collapses it); a real model gets DiLoCo's
+    defaults; explicit values win either way, and a published config keeps its values."""
+    embedded = load_config(None)
+    assert (embedded.outer.lr, embedded.outer.momentum) == (1.0, 0.0)
+    real = load_config(None, model="Qwen/Qwen3-0.6B")
+    assert (real.outer.lr, real.outer.momentum) == (0.7, 0.9)
+    path = tmp_path / "c.toml"
+    path.write_text("[outer]\nmomentum = 0.9\n")
+    assert (load_config(path).outer.lr, load_config(path).outer.momentum) == (1.0, 0.9)
+    assert (load_config(path, model="m").outer.lr, load_config(path, model="m").outer.momentum) == (0.7, 0.9)
+    assert RunConfig.from_json(real.to_json()) == real and RunConfig.from_json(embedded.to_json()) == embedded

@@ -44,6 +44,21 @@ def test_weighted_mean_then_two_nesterov_steps():
     assert torch.equal(model.a.detach(), gm.params[0].detach())
 
 
+def test_lr_one_without_momentum_is_parameter_averaging():
+    """The embedded default's outer step (lr 1, momentum 0, nesterov left on): theta <- theta - mean(theta - theta_i),
+    i.e. the mean of the nodes' models; torch's SGD alone would refuse nesterov without momentum."""
+    model = Tiny()
+    gm = GlobalModel(model, lr=1.0, momentum=0.0, nesterov=True)
+    theta = torch.tensor([1.0, -2.0, 0.5, 0.25, 4.0])
+    locals_ = [theta + torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5]), theta + torch.tensor([-3.0, 2.0, 1.0, 0.0, 0.5])]
+    mean_delta = sum(theta - local for local in locals_) / 2
+    gm.outer_step([mean_delta[:3], mean_delta[3:].reshape(1, 2)])
+    averaged = sum(locals_) / 2
+    assert torch.allclose(torch.cat([gm.params[0], gm.params[1].flatten()]), averaged, atol=1e-6)
+    gm.outer_step([mean_delta[:3], mean_delta[3:].reshape(1, 2)])  # no momentum carries over into round 2
+    assert torch.allclose(torch.cat([gm.params[0], gm.params[1].flatten()]), averaged - mean_delta, atol=1e-6)
+
+
 def test_pseudo_gradient_is_global_minus_local():
     model = Tiny()
     gm = GlobalModel(model, lr=0.7, momentum=0.9)
