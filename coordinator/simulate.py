@@ -51,15 +51,15 @@ class Simulation:
     model: str | None = None
     device: str = "cpu"
     verbose: bool = False
-    peer_timeout_s: float = 1200.0
+    peer_timeout_s: float = 3600.0  # the first run warm-starts the default policy: ~10 min on the coding env
     procs: list[Proc] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
 
-    def _spawn(self, name: str, args: list[str], stdout: int | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], stdout: int | None = None, threads: int = 1) -> Proc:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # N trainers on few cores: no thread oversubscription
+        env.setdefault("OMP_NUM_THREADS", str(threads))  # N trainers on few cores: no thread oversubscription
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
@@ -81,7 +81,9 @@ class Simulation:
             args += ["--model", self.model]
         if self.verbose:
             args.append("--verbose")
-        proc = self._spawn("coordinator", args, stdout=subprocess.PIPE)
+        # The coordinator's warm start runs before any node starts, alone on the machine: 2 threads halve it (a
+        # fixed count, not the core count, so that its bytes do not depend on it); then the coordinator is nearly idle.
+        proc = self._spawn("coordinator", args, stdout=subprocess.PIPE, threads=2)
         found: list[str] = []
 
         def read_stdout() -> None:
