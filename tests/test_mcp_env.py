@@ -328,7 +328,9 @@ def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
     assert "speaks OpenEnv's MCP tool protocol" in text and "lookup" in text
     (record,) = read_metrics(run_dir)["node-mcp"]
     assert record["round"] == 0 and record["samples"] > 0 and record["inner_steps"] >= 1
-    assert 0.0 <= record["mean_reward"] <= 1.0
+    # The embedded default knows tool_env's prompt; the server lists the same tools, rendered the same: it earns
+    # reward (0.50-0.53 per node in round 0 here; 0.0 before the schemas were put in canonical order).
+    assert 0.0 < record["mean_reward"] <= 1.0
     print(f"\nround 0 against the MCP server: mean reward {record['mean_reward']:.3f}, success "
           f"{record['success_rate']:.2f}, tool errors/episode {record['tool_errors_per_episode']:.2f}, "
           f"{record['samples']} episodes")
