@@ -108,9 +108,10 @@ def _canonical(schema: Any) -> Any:
         return schema
     kept = {k: v for k, v in schema.items() if k != "title" and not (k == "additionalProperties" and v is False)}
     ordered = [k for k in _KEY_ORDER if k in kept] + [k for k in kept if k not in _KEY_ORDER]
-    if "properties" in kept and isinstance(kept["properties"], Mapping):
-        kept["properties"] = {name: _canonical(p) for name, p in kept["properties"].items()}
-    return {k: kept[k] if k == "properties" else _canonical(kept[k]) for k in ordered}
+    out = {k: _canonical(kept[k]) for k in ordered if k != "properties"}
+    if isinstance(kept.get("properties"), Mapping):  # names -> schemas: keep every name, in the server's order
+        out["properties"] = {name: _canonical(p) for name, p in kept["properties"].items()}
+    return {k: out.get(k, kept.get(k)) for k in ordered}
 
 
 def tool_schema(tool: Any) -> dict[str, Any]:

@@ -67,9 +67,10 @@ def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE, source:
     files = task.files()
     replies, imitate = [], []
     for tool, args in calls:
-        if tool == "run_tests" and files[SOLUTION_FILE] == task.reference:
+        solved = files[SOLUTION_FILE] == task.reference  # then run_tests and submit pass without the sandbox
+        if solved and tool == "run_tests":
             reply, ok = tests_passed_text(len(task.visible_args)), True
-        elif tool == "submit" and files[SOLUTION_FILE] == task.reference:
+        elif solved and tool == "submit":
             reply, ok = submitted_text(len(task.hidden_args), len(task.hidden_args)), True
         else:
             outcome = execute(task, files, tool, args)
