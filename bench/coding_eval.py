@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from composer_diloco.chat import episode_messages, parse_tool_call
+from composer_diloco.rollout.chat import episode_messages, parse_tool_call
 from composer_diloco.policy import load_policy
 from envs.coding_env.tasks import make_task
 from envs.coding_env.tools import TOOL_SCHEMAS, execute

@@ -17,10 +17,10 @@ import json
 import statistics
 import time
 
-from composer_diloco.collator import CollatorStats, ComposerCollator
-from composer_diloco.episode_tokens import scripted_episode, tool_call_text
+from composer_diloco.inner.collator import CollatorStats, ComposerCollator
+from composer_diloco.rollout.episode_tokens import scripted_episode, tool_call_text
 from composer_diloco.policy import load_default_tokenizer
-from composer_diloco.rollout import Turn
+from composer_diloco.rollout.episodes import Turn
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
 
 

@@ -54,10 +54,10 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from composer_diloco.config import RunConfig
-from composer_diloco.env_process import start_env_server
-from composer_diloco.mcp_session import open_env_sessions
+from composer_diloco.rollout.env_process import start_env_server
+from composer_diloco.rollout.mcp import open_env_sessions
 from composer_diloco.policy import load_policy
-from composer_diloco.trainer import ComposerGRPOTrainer, env_reward, episode_dataset, grpo_args, play_rollout
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, env_reward, episode_dataset, grpo_args, play_rollout
 
 log = logging.getLogger("bench.overhead")
 
@@ -193,7 +193,7 @@ def plain_rollout(config: RunConfig, sessions: list) -> Callable:
 
     Our trainer reads each row's ``(seed, episode_id)`` from the dataset rows it keeps; plain TRL hands the prompts
     only, so the episode id is read back from the prompt text (``"episode <id>"``, `episode_dataset`) and the seed
-    is ``config.seed``, as in every row. Returns the same keys as `composer_diloco.trainer._rollout`.
+    is ``config.seed``, as in every row. Returns the same keys as `composer_diloco.inner.trainer._rollout`.
     """
 
     def rollout(prompts: list, trainer: GRPOTrainer) -> dict[str, list]:

@@ -1,7 +1,7 @@
 """Seconds of all-reduce plus outer step per DiLoCo round against parameter count, on loopback and throttled links.
 
 Two peers, each its own process (and its own hivemind DHT peer and p2pd daemon), run the project's real sync path:
-`composer_diloco.averaging.ExactAverager` built as `DiLoCoPeer` builds it (min group 2, the default config's
+`composer_diloco.outer.averaging.ExactAverager` built as `DiLoCoPeer` builds it (min group 2, the default config's
 matchmaking time, the codec of ``--codecs``, one group key per step) and then `GlobalModel.outer_step` (fp32 CPU,
 SGD-Nesterov, lr 0.7, momentum 0.9) on the averaged pseudo-gradient, cloned first as `DiLoCoPeer.sync` does. Per
 step it records:
@@ -120,11 +120,11 @@ def run_peer(args: argparse.Namespace) -> None:
     from hivemind.utils.timed_storage import get_dht_time
     from torch import nn
 
-    from composer_diloco.averaging import ExactAverager
-    from composer_diloco.compression import make_compression
-    from composer_diloco.diloco import round_group_bits
-    from composer_diloco.outer import GlobalModel
-    from composer_diloco.swarm import start_dht, visible_multiaddr
+    from composer_diloco.outer.averaging import ExactAverager
+    from composer_diloco.outer.compression import make_compression
+    from composer_diloco.outer.peer import round_group_bits
+    from composer_diloco.outer.global_model import GlobalModel
+    from composer_diloco.outer.swarm import start_dht, visible_multiaddr
 
     class TimedAverager(ExactAverager):
         """ExactAverager that records the wall seconds of its last all-reduce (measured in its own process)."""

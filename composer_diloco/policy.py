@@ -62,7 +62,7 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
-from composer_diloco.chat import episode_messages, parse_tool_call
+from composer_diloco.rollout.chat import episode_messages, parse_tool_call
 from envs.tool_env.demos import ERROR_RATE as _ERROR_RATE
 from envs.tool_env.tasks import ITEM_VOCAB, TOOL_NAMES, TOOL_SCHEMAS, execute, make_task, solve
 
@@ -256,7 +256,7 @@ def tokenize_episode(
 
     Args:
         tokenizer: a tokenizer with a Qwen-style chat template (the default one).
-        messages: chat messages from :func:`composer_diloco.chat.episode_messages`.
+        messages: chat messages from :func:`composer_diloco.rollout.chat.episode_messages`.
         trained_turns: per assistant turn, whether its tokens enter the mask (default: all).
         tools: the tool schemas rendered into the system prompt (OpenAI function format).
 
@@ -679,7 +679,7 @@ def evaluate_policy(
 
     Each turn renders the episode so far with the chat template (``tools=TOOL_SCHEMAS``,
     ``add_generation_prompt=True``), generates one assistant turn (``model.generate``, stopping at
-    eos ``<|im_end|>``), parses it with :func:`composer_diloco.chat.parse_tool_call` and feeds the tool
+    eos ``<|im_end|>``), parses it with :func:`composer_diloco.rollout.chat.parse_tool_call` and feeds the tool
     result back. An episode ends at the first ``submit`` (success iff the answer equals
     ``task.answer``), at a turn with no parsable tool call (a format failure), or after ``max_calls``
     calls. Episodes are ``make_task(seed, "eval-i")``, batched ``batch_size`` at a time with left padding.

@@ -54,7 +54,7 @@ def start(
     try:
         cfg = _load(config, rounds, model)
         if listen is not None:
-            from composer_diloco.swarm import SwarmError
+            from composer_diloco.outer.swarm import SwarmError
 
             from hivemind.utils.multiaddr import Multiaddr
 
@@ -95,7 +95,7 @@ def simulate(
     verbose: VerboseOpt = False,
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table."""
-    from composer_diloco.auth import SECRET_ENV, SecretError, load_secret
+    from composer_diloco.outer.auth import SECRET_ENV, SecretError, load_secret
     from composer_diloco.config import ConfigError
     from coordinator.simulate import Simulation, run_simulation
 

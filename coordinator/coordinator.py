@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composer_diloco.config import RunConfig, config_diff
-from composer_diloco.diloco import DiLoCoPeer
+from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
-from coordinator.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint, write_atomic
+from composer_diloco.outer.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
+from composer_diloco.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Coordinator:
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
-        from composer_diloco.auth import load_secret
+        from composer_diloco.outer.auth import load_secret
         from composer_diloco.policy import load_policy
 
         self.secret = load_secret(self.options.secret_file)  # a bad secret fails before any work

@@ -23,14 +23,14 @@ from transformers import TrainerCallback
 
 from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff, load_config
-from composer_diloco.diloco import DiLoCoPeer
-from composer_diloco.env_process import EnvServer, start_env_server, wait_for_env
+from composer_diloco.outer.peer import DiLoCoPeer
+from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.mcp_session import open_env_sessions
-from composer_diloco.rollout import EnvSession
-from composer_diloco.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
-from composer_diloco.trainer import ComposerGRPOTrainer, grpo_args
+from composer_diloco.rollout.mcp import open_env_sessions
+from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.outer.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
 from nodes.device import NodeBatch, Placement
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class Node:
         NodeBatch.check_options(o.batch_size, o.grad_accum)
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
-        from composer_diloco.auth import load_secret
+        from composer_diloco.outer.auth import load_secret
 
         secret = load_secret(o.secret_file)  # None: an open run
         self.dht = start_dht(initial_peers=[o.peer], secret=secret)
@@ -180,7 +180,7 @@ class Node:
         """At the run's end with no coordinator alive to checkpoint theta, save it under this node's folder."""
         if any(p.role == "coordinator" for p in self.swarm.live_peers()):
             return
-        from coordinator.checkpoint import save_checkpoint
+        from composer_diloco.checkpoint import save_checkpoint
 
         own_dir = Path(self.options.run_dir) / self.options.name
         folder = save_checkpoint(own_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,

@@ -12,9 +12,9 @@ import torch
 from hivemind import DHT
 from torch import nn
 
-from composer_diloco.averaging import ExactAverager
-from composer_diloco.compression import make_compression
-from composer_diloco.outer import GlobalModel
+from composer_diloco.outer.averaging import ExactAverager
+from composer_diloco.outer.compression import make_compression
+from composer_diloco.outer.global_model import GlobalModel
 
 WEIGHTS = [0.0, 1.0, 3.0]
 

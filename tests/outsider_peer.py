@@ -41,11 +41,11 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.timed_storage import get_dht_time
 
-from composer_diloco.auth import HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret
-from composer_diloco.averaging import ExactAverager
+from composer_diloco.outer.auth import HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret
+from composer_diloco.outer.averaging import ExactAverager
 from composer_diloco.config import RunConfig
-from composer_diloco.diloco import round_group_bits
-from composer_diloco.swarm import RUNS_KEY, publish_config, start_dht
+from composer_diloco.outer.peer import round_group_bits
+from composer_diloco.outer.swarm import RUNS_KEY, publish_config, start_dht
 
 RPC_TIMEOUT_S = 10.0
 HOST_TENSORS = [torch.zeros(4)]  # what `host` averages (a real run's schema differs: its join is refused anyway)

@@ -19,7 +19,7 @@ import pytest
 from hivemind.proto import dht_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
-from composer_diloco.auth import (
+from composer_diloco.outer.auth import (
     SECRET_ENV, HMACAuthorizer, RunSecretRefused, SecretError, averaging_prefix, load_secret,
 )
 from composer_diloco.metrics import read_metrics

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_diloco.env_process import start_env_server
-from composer_diloco.hints import DEFAULT_HINTS
+from composer_diloco.rollout.env_process import start_env_server
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from envs.coding_env import (
     FAMILIES,
     HANDWRITTEN,
@@ -446,8 +446,8 @@ def test_server_plays_a_scripted_episode_and_survives_every_containment_case(ser
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_rollout_session_plays_the_coding_env_unchanged(server):
-    """``composer_diloco.rollout.OpenEnvSession`` (the node's client, built on tool_env's models) plays it."""
-    from composer_diloco.rollout import OpenEnvSession
+    """``composer_diloco.rollout.episodes.OpenEnvSession`` (the node's client, built on tool_env's models) plays it."""
+    from composer_diloco.rollout.episodes import OpenEnvSession
 
     session = OpenEnvSession(server.url, max_tool_calls=6)
     try:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from trl.chat_template_utils import get_training_chat_template
 
-from composer_diloco.collator import CollatorStats, ComposerCollator
-from composer_diloco.episode_tokens import scripted_episode, tool_call_text, tool_suffix_ids
-from composer_diloco.hints import DEFAULT_HINTS
+from composer_diloco.inner.collator import CollatorStats, ComposerCollator
+from composer_diloco.rollout.episode_tokens import scripted_episode, tool_call_text, tool_suffix_ids
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
-from composer_diloco.rollout import Turn
+from composer_diloco.rollout.episodes import Turn
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
 
 TRL_TEMPLATES = __import__("pathlib").Path(__import__("trl").__file__).parent / "chat_templates"

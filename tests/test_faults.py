@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from coordinator.checkpoint import latest_checkpoint, read_outer_state
+from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
 from local_run import LocalRun, assert_agree, write_config
 
 FAULT_CONFIG = """
@@ -160,9 +160,9 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
 
 CHECKPOINT_WRITER = """
 import sys
-from composer_diloco.outer import GlobalModel
+from composer_diloco.outer.global_model import GlobalModel
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
-from coordinator.checkpoint import save_checkpoint
+from composer_diloco.checkpoint import save_checkpoint
 
 run_dir, round_ = sys.argv[1], int(sys.argv[2])
 tokenizer = load_default_tokenizer()

@@ -19,13 +19,15 @@ from tests_support import error_line
 import torch
 from transformers import TrainerCallback
 
-from composer_diloco import composite, preference, rollout
-from composer_diloco import trainer as trainer_mod
+from composer_diloco.channels import dpo_pairs as preference
+from composer_diloco.inner import composite
+from composer_diloco.rollout import episodes as rollout
+from composer_diloco.inner import trainer as trainer_mod
 from composer_diloco.config import LossConfig, RunConfig
-from composer_diloco.episode_tokens import tool_call_text
+from composer_diloco.rollout.episode_tokens import tool_call_text
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
-from composer_diloco.rollout import EnvSession
-from composer_diloco.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args, split_channels
+from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args, split_channels
 from envs.tool_env.models import ToolAction
 from envs.tool_env.server.tool_environment import ToolEnvironment
 from envs.tool_env.tasks import ITEM_VOCAB, make_task, solve

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.metrics import read_metrics
-from coordinator.checkpoint import latest_checkpoint, read_outer_state
+from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
 from tests_support import port_is_free, run_processes_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]

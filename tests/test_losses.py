@@ -1,4 +1,4 @@
-"""The SDPO and DPO channels (`composer_diloco.losses`) against TRL 1.16's own implementations, on random tensors.
+"""The SDPO and DPO channels (`composer_diloco.channels.losses`) against TRL 1.16's own implementations, on random tensors.
 
 References called directly:
 - ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss`` (staticmethod), labels = -100 where mask is 0,
@@ -24,7 +24,7 @@ from trl.experimental.gkd import GKDTrainer  # noqa: E402
 from trl.experimental.sdpo.loss_utils import compute_topk_self_distillation_loss  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 
-from composer_diloco.losses import dpo_sigmoid_loss, generalized_jsd, sequence_logprobs  # noqa: E402
+from composer_diloco.channels.losses import dpo_sigmoid_loss, generalized_jsd, sequence_logprobs  # noqa: E402
 
 B, T, V = 3, 7, 11
 

@@ -1,4 +1,4 @@
-"""Any OpenEnv MCP tool server: `composer_diloco.mcp_session` against `tests/mcp_env_server.py`, an `MCPEnvironment`
+"""Any OpenEnv MCP tool server: `composer_diloco.rollout.mcp` against `tests/mcp_env_server.py`, an `MCPEnvironment`
 with FastMCP tools served by OpenEnv as its own process.
 
 The session lists the tools (``ListToolsAction``), renders them into the chat template, calls them
@@ -21,10 +21,10 @@ import pytest
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
-from composer_diloco import rollout
-from composer_diloco.env_process import find_free_port, start_env_server, wait_for_env
-from composer_diloco.hints import DEFAULT_HINTS
-from composer_diloco.mcp_session import (
+from composer_diloco.rollout import episodes as rollout
+from composer_diloco.rollout.env_process import find_free_port, start_env_server, wait_for_env
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
+from composer_diloco.rollout.mcp import (
     TOOL_ERROR_KINDS,
     McpEnvSession,
     NotAnMcpServer,
@@ -35,7 +35,7 @@ from composer_diloco.mcp_session import (
     tool_schema,
 )
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
-from composer_diloco.rollout import OpenEnvSession
+from composer_diloco.rollout.episodes import OpenEnvSession
 from envs.tool_env.tasks import TOOL_SCHEMAS
 from mcp_env_server import answer_of, question_of
 from tests_support import stop_processes
@@ -124,7 +124,7 @@ def test_tool_result_text():
 def test_task_text_of_a_reset_observation():
     from openenv.core.mcp_client import GenericMCPObservation
 
-    from composer_diloco.mcp_session import McpProtocolError, _question
+    from composer_diloco.rollout.mcp import McpProtocolError, _question
 
     assert _question(GenericMCPObservation(metadata={"question": "Q?"}), "u") == "Q?"
     assert _question(GenericMCPObservation(task="T", metadata={"question": "Q?"}), "u") == "T"  # a field first
@@ -257,7 +257,7 @@ def test_tiny_policy_plays_episodes_against_the_server(mcp_url, tok):
 @pytest.mark.timeout(180)
 def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, monkeypatch):
     """Tool replies, error kinds and the final reward reach the episode; replaying it reproduces every reply."""
-    from composer_diloco.preference import replay_to
+    from composer_diloco.channels.dpo_pairs import replay_to
 
     question = question_of(SEED, "s")
     x = question.split("price of ")[1].split(" ")[0]

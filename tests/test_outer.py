@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from composer_diloco.outer import GlobalModel
+from composer_diloco.outer.global_model import GlobalModel
 
 
 class Tiny(nn.Module):

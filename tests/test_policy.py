@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from composer_diloco import policy
-from composer_diloco.chat import ParsedCall, episode_messages, parse_tool_call
+from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.policy import (
     DEFAULT_TOKENIZER_DIR,
     PolicyLoadError,

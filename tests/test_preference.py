@@ -1,4 +1,4 @@
-"""Trace-replay DPO pairs (`composer_diloco.preference`): the pure pairing rules, then replay and scoring against a
+"""Trace-replay DPO pairs (`composer_diloco.channels.dpo_pairs`): the pure pairing rules, then replay and scoring against a
 real tool-environment server process, on episodes played by `rollout.play_episodes` with a scripted stand-in for
 the sampler (so their token layout is exactly the rollout's)."""
 
@@ -15,13 +15,13 @@ import pytest
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
-from composer_diloco import rollout
-from composer_diloco.chat import ParsedCall, episode_messages, parse_tool_call
-from composer_diloco.env_process import start_env_server
-from composer_diloco.episode_tokens import generation_prompt_ids, message_ids, turn_spans
-from composer_diloco.hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.rollout import episodes as rollout
+from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
+from composer_diloco.rollout.env_process import start_env_server
+from composer_diloco.rollout.episode_tokens import generation_prompt_ids, message_ids, turn_spans
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer, tokenize_episode
-from composer_diloco.preference import (
+from composer_diloco.channels.dpo_pairs import (
     TEACHERS,
     Candidate,
     PairStats,
@@ -36,7 +36,7 @@ from composer_diloco.preference import (
     scripted_teacher,
     site_contexts,
 )
-from composer_diloco.rollout import Episode, OpenEnvSession, Turn
+from composer_diloco.rollout.episodes import Episode, OpenEnvSession, Turn
 from envs.tool_env.tasks import ITEM_VOCAB, execute, make_task, solve
 
 MAX_TOOL_CALLS = 8

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from composer_diloco.faults import Fault, parse_faults
-from composer_diloco.screening import pseudo_gradient_norm, screen
+from composer_diloco.outer.screening import pseudo_gradient_norm, screen
 
 
 def peer(name, norm, weight=8.0):

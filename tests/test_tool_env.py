@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from composer_diloco.env_process import (
+from composer_diloco.rollout.env_process import (
     EnvServerError,
     find_free_port,
     start_env_server,

@@ -9,8 +9,8 @@ from trl import GRPOTrainer
 
 from composer_diloco.config import LossConfig, RunConfig
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
-from composer_diloco.rollout import EnvSession
-from composer_diloco.trainer import ComposerGRPOTrainer, env_reward, grpo_args
+from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, env_reward, grpo_args
 
 
 def grpo_batch(tok, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -37,11 +37,11 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
-from composer_diloco.collator import CollatorStats, ComposerBatch, ComposerCollator
-from composer_diloco.composite import ChannelLosses, dpo_loss, sdpo_loss
+from composer_diloco.inner.collator import CollatorStats, ComposerBatch, ComposerCollator
+from composer_diloco.inner.composite import ChannelLosses, dpo_loss, sdpo_loss
 from composer_diloco.config import RunConfig
-from composer_diloco.hints import HintRegistry
-from composer_diloco.rollout import Episode, EnvSession, play_episodes
+from composer_diloco.channels.sdpo_hints import HintRegistry
+from composer_diloco.rollout.episodes import Episode, EnvSession, play_episodes
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             return None
         pairs = []
         if cfg.loss.beta_dpo > 0:
-            from composer_diloco.preference import collect_pairs
+            from composer_diloco.channels.dpo_pairs import collect_pairs
 
             p = cfg.preference
             pairs, stats = collect_pairs(

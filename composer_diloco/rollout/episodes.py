@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_diloco.chat import parse_tool_call
+from composer_diloco.rollout.chat import parse_tool_call
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class OpenEnvSession(EnvSession):
         reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``, e.g. the coding env's ``source``).
 
     Raises:
-        EnvServerError (from `composer_diloco.env_process`) when the server cannot be reached.
+        EnvServerError (from `composer_diloco.rollout.env_process`) when the server cannot be reached.
     """
 
     def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):

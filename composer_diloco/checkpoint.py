@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from composer_diloco import faults
-from composer_diloco.outer import GlobalModel
+from composer_diloco.outer.global_model import GlobalModel
 
 
 class CheckpointError(RuntimeError):

@@ -7,7 +7,7 @@ prompt, a preferred and a dispreferred response. Here a pair lives at one assist
    ``error_kind``.
 2. At each site gather candidate actions (`Candidate`): the recorded failed call itself (``"recorded"``), samples of
    the policy on the student context (``"policy"``), samples of the same policy with a hint about the error inserted
-   before the turn (``"policy+hint"``, the SDPO teacher context, see `composer_diloco.hints`), and calls proposed by
+   before the turn (``"policy+hint"``, the SDPO teacher context, see `composer_diloco.channels.sdpo_hints`), and calls proposed by
    named teachers (`TEACHERS`; ``"scripted"`` is the scripted solver of the env the episode was played on).
 3. Score each candidate by replaying the environment to the site and running it (`replay_to`, `score_candidate`):
    the score is the environment's own verdict on that one action, not a judge's opinion.
@@ -37,10 +37,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from composer_diloco.chat import ParsedCall, parse_tool_call
-from composer_diloco.episode_tokens import TurnSpan, generation_prompt_ids, header_start, message_ids, turn_spans
-from composer_diloco.hints import DEFAULT_HINTS, HintRegistry
-from composer_diloco.rollout import Episode, EnvSession, _generate
+from composer_diloco.rollout.chat import ParsedCall, parse_tool_call
+from composer_diloco.rollout.episode_tokens import TurnSpan, generation_prompt_ids, header_start, message_ids, turn_spans
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.rollout.episodes import Episode, EnvSession, _generate
 from envs.coding_env import demos as _coding_demos
 from envs.tool_env import demos as _tool_demos
 
@@ -245,7 +245,7 @@ def replay_to(session: EnvSession, episode: Episode, turn: int) -> None:
         ValueError: if ``turn`` is not an assistant turn.
         ReplayError: naming the episode, the site and the replayed turn, if the reset question, a reply's content or
             error kind differs from the record, or the environment ends the episode before ``turn``. Errors of the
-            session itself (e.g. `composer_diloco.env_process.EnvServerError`) propagate unchanged.
+            session itself (e.g. `composer_diloco.rollout.env_process.EnvServerError`) propagate unchanged.
     """
     _check_assistant_turn(episode, turn)
     where = f"replay of episode {episode.episode_id} (seed {episode.seed}) to turn {turn}"
@@ -314,7 +314,7 @@ def site_contexts(episode: Episode, turn: int, tokenizer: Any, hint: str | None)
 
     Raises:
         ValueError: if ``turn`` is not an assistant turn, the episode's token runs do not match its turns, or the
-            assistant header is not found before the turn (`composer_diloco.episode_tokens`).
+            assistant header is not found before the turn (`composer_diloco.rollout.episode_tokens`).
     """
     _check_assistant_turn(episode, turn)
     for span in turn_spans(episode, tokenizer.eos_token_id):
@@ -542,7 +542,7 @@ def collect_pairs(
     Args:
         model: the policy (causal LM); sampling runs on its device, without gradients.
         tokenizer: its tokenizer (the one the episodes were played with).
-        episodes: played episodes (`composer_diloco.rollout.play_episodes`).
+        episodes: played episodes (`composer_diloco.rollout.episodes.play_episodes`).
         session: an environment session of the episodes' environment, used serially for every replay.
         hints: hint registry for the ``"policy+hint"`` source; None turns that source off.
         teachers: names in `TEACHERS`.

@@ -12,10 +12,10 @@ Failure behaviour (what the round protocol relies on):
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
   those coordinates this round) and `ExactAverager.failed_size` tells how many elements were lost. A reducer
   that dies after returning a part to some peers and not to others leaves the survivors with *different*
-  averages: only peers with ``failed_size == 0`` are sure to agree, and `composer_diloco.diloco` brings the
+  averages: only peers with ``failed_size == 0`` are sure to agree, and `composer_diloco.outer.peer` brings the
   others to one of them (`ExactAverager.load_state_from_peers` with ``peer=``);
-- ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.diloco`);
-- a contribution that `composer_diloco.screening.screen` drops (non-finite, or a norm outlier) is averaged with
+- ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.outer.peer`);
+- a contribution that `composer_diloco.outer.screening.screen` drops (non-finite, or a norm outlier) is averaged with
   weight 0 by every reducer, and its owner sends zeros: the group goes on without it.
 """
 
@@ -40,8 +40,8 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 from hivemind.utils.mpfuture import MPFuture
 
 from composer_diloco import faults
-from composer_diloco.compression import roundtrip
-from composer_diloco.screening import screen
+from composer_diloco.outer.compression import roundtrip
+from composer_diloco.outer.screening import screen
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if self.sender_peer_ids[sender_index] in self._dropped_senders:
-                    weight = 0.0  # screened out: every reducer agrees (composer_diloco.screening)
+                    weight = 0.0  # screened out: every reducer agrees (composer_diloco.outer.screening)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -164,7 +164,7 @@ class ExactAverager(DecentralizedAverager):
     Attributes:
         bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
         failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
-        max_norm_ratio: screening threshold handed to `composer_diloco.screening.screen` (None = NaN/Inf only).
+        max_norm_ratio: screening threshold handed to `composer_diloco.outer.screening.screen` (None = NaN/Inf only).
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,

@@ -55,7 +55,7 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
               secret: bytes | None = None) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
-    ``secret`` closes the run: every DHT RPC is signed and checked with it (`composer_diloco.auth`).
+    ``secret`` closes the run: every DHT RPC is signed and checked with it (`composer_diloco.outer.auth`).
 
     Raises:
         SwarmError: the daemon did not start, or no initial peer answered (or all refused our run secret).
@@ -64,7 +64,7 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     if announce:
         kwargs["announce_maddrs"] = announce
     if secret is not None:
-        from composer_diloco.auth import HMACAuthorizer
+        from composer_diloco.outer.auth import HMACAuthorizer
 
         kwargs["authorizer"] = HMACAuthorizer(secret)
     try:
@@ -131,7 +131,7 @@ class PeerRecord:
     """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
     ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
     ``round`` came from an incomplete all-reduce and may still be replaced by a group member's, or while it lost
-    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.diloco`)."""
+    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.outer.peer`)."""
 
     name: str
     role: str  # "coordinator" | "node"

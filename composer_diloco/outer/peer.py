@@ -11,11 +11,11 @@ Failure behaviour of `sync`:
   same round only the first (the coordinator, else the lowest name) steps alone; the rest take its state
   (`DiLoCoPeer._after_failure`). A peer with nobody in or past its round is the whole swarm and steps alone;
 - a contribution with NaN/Inf or an outlier norm: dropped by every peer of the group alike
-  (`composer_diloco.screening`); the round goes on with the rest, the drop is logged with the peer's name, and
+  (`composer_diloco.outer.screening`); the round goes on with the rest, the drop is logged with the peer's name, and
   if nothing is left to average theta stays as it is for that round ("skipped");
 - a peer lost in the middle of the all-reduce can leave the survivors with different averages (a reducer that
   returned its part to some peers and not to others). Peers that received every part hold identical bytes
-  (`composer_diloco.averaging`); a peer that missed a part publishes its theta as unsettled, and takes the
+  (`composer_diloco.outer.averaging`); a peer that missed a part publishes its theta as unsettled, and takes the
   state of the first settled member of its group (`DiLoCoPeer._settle`), so all replicas leave the round
   identical, whoever was lost, the coordinator included;
 - a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
@@ -35,13 +35,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from composer_diloco import faults
-from composer_diloco.averaging import ExactAverager
-from composer_diloco.compression import make_compression
+from composer_diloco.outer.averaging import ExactAverager
+from composer_diloco.outer.compression import make_compression
 from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
-from composer_diloco.outer import GlobalModel
-from composer_diloco.screening import pseudo_gradient_norm, screen
-from composer_diloco.swarm import PeerRecord, Swarm
+from composer_diloco.outer.global_model import GlobalModel
+from composer_diloco.outer.screening import pseudo_gradient_norm, screen
+from composer_diloco.outer.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class DiLoCoPeer:
         self._update_priority()
 
     def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
-        from composer_diloco.auth import MembersOnlyAverager, averaging_prefix
+        from composer_diloco.outer.auth import MembersOnlyAverager, averaging_prefix
 
         net = config.network
         # a closed run's averager has its own prefix and serves only peers that hold the run secret (auth.py)

@@ -39,7 +39,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from composer_diloco.averaging import ExactAverager
+from composer_diloco.outer.averaging import ExactAverager
 
 log = logging.getLogger(__name__)
 

@@ -6,14 +6,14 @@ so every SDPO position is a position the GRPO channel trains on:
 
 SDPO, hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802; the "SDPO" of TRL's
 ``trl/experimental/sdpo``). A site is an assistant turn whose tool call failed, followed by a non-empty recovery
-turn, with a hint for the error (`composer_diloco.hints`). The student context is the episode up to the end of
+turn, with a hint for the error (`composer_diloco.channels.sdpo_hints`). The student context is the episode up to the end of
 the recovery turn; the teacher context is the same tokens with the hint message (the chat template's rendering
 of ``{"role": "user", "content": hint}``) inserted right before the recovery turn's assistant header. Student
 and teacher are aligned by explicit indices (``student_response_idx[s, j]`` and ``teacher_response_idx[s, j]``
 hold the same token), covering the recovery turn's content tokens only: never the template's scaffolding, never
 the hint. Sites without a hint or with an empty recovery are skipped and counted.
 
-DPO pairs (`composer_diloco.preference`): ``prompt + chosen`` and ``prompt + rejected`` with response masks, and
+DPO pairs (`composer_diloco.channels.dpo_pairs`): ``prompt + chosen`` and ``prompt + rejected`` with response masks, and
 the reference policy's summed log-probs of each response. The reference policy is the global model theta_r of
 the current round (frozen at the round's start): it is the anchor all peers share, so the DPO trust region
 is the same on every node and moves only with the outer step, as DPO's KL-to-reference intends.
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from composer_diloco.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
-from composer_diloco.hints import DEFAULT_HINTS, HintRegistry
-from composer_diloco.losses import sequence_logprobs
-from composer_diloco.rollout import Episode, Turn
+from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
+from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.channels.losses import sequence_logprobs
+from composer_diloco.rollout.episodes import Episode, Turn
 
 
 @dataclass

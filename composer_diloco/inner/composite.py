@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from composer_diloco.config import LossConfig
-from composer_diloco.losses import dpo_sigmoid_loss, generalized_jsd, sequence_logprobs
+from composer_diloco.channels.losses import dpo_sigmoid_loss, generalized_jsd, sequence_logprobs
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from composer_diloco.rollout import Episode, Turn
+from composer_diloco.rollout.episodes import Episode, Turn
 
 
 @dataclass(frozen=True)

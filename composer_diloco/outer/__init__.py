@@ -1,0 +1,11 @@
+"""The outer half of a DiLoCo round, after a node's H inner steps: pseudo-gradient -> barrier -> all-reduce ->
+outer step -> load theta.
+
+- `peer`: one peer's round protocol (`DiLoCoPeer.sync`), the entry point of this half;
+- `global_model`: theta and the outer optimizer (DiLoCo's OuterOpt);
+- `averaging`: the weighted all-reduce over hivemind, with identical bytes on every peer;
+- `screening`: which contributions of a group are dropped (NaN/Inf, norm outliers);
+- `compression`: the all-reduce codecs (none, fp16, int8);
+- `swarm`: the DHT records of a run (config, heartbeats, rounds);
+- `auth`: closed runs (a shared secret).
+"""

@@ -1,0 +1,8 @@
+"""Rollouts: multi-turn tool episodes played against OpenEnv servers.
+
+- `episodes`: `Episode`, `Turn`, the `EnvSession` protocol and `play_episodes`;
+- `mcp`: sessions of OpenEnv MCP tool servers;
+- `chat`: rendering turns and parsing tool calls;
+- `episode_tokens`: token spans of a played episode;
+- `env_process`: starting and probing env server processes.
+"""
