@@ -45,10 +45,12 @@ def start(
 ) -> None:
     """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from composer_diloco.reaper import watch_this_process
     from coordinator.coordinator import Coordinator, CoordinatorOptions
 
     setup_logging("coordinator", verbose)
     stop = GracefulStop().install()
+    watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
     coordinator = None
     code = 0
     try:

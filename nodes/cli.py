@@ -43,6 +43,7 @@ def join(
 ) -> None:
     """Join a run, train until its last round, and exit 0."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from composer_diloco.reaper import watch_this_process
     from nodes.node import Node, NodeOptions
 
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
@@ -52,6 +53,7 @@ def join(
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)
+    watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
     code = 0
     try:
         node.join()

@@ -50,6 +50,17 @@ def run_processes_snapshot() -> set[int]:
     return pids
 
 
+def process_tree(pid: int) -> list:
+    """``psutil.Process`` es of ``pid`` and all its descendants now (empty if ``pid`` is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     import socket
 

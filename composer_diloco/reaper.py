@@ -1,0 +1,130 @@
+"""A watcher that kills a peer's whole process tree when the peer dies, whatever the signal.
+
+hivemind forks a DHT process and an averager process (each with its own ``p2pd`` daemon); env servers and
+sandbox runners are children too. A normal exit shuts them down, but a SIGKILL of the peer (the OOM killer, a
+preemption, a container's stop timeout) runs no ``finally``: they stay as orphans of pid 1, ignore SIGTERM, and
+hold hundreds of MB each. ``PR_SET_PDEATHSIG`` cannot reach them all (hivemind forks in its own code, and a
+grandchild like ``p2pd`` outlives the child that would carry the flag), so the tie is made from outside:
+
+`watch_this_process` starts ``python -m composer_diloco.reaper PID`` in a session of its own, so that a kill of
+the peer's process group does not reach it. The reaper records the peer's descendants every ``POLL_S`` seconds
+(pid and start time, so a reused pid is never hit). Once the peer is gone (exited, or a zombie that its parent
+has not collected yet), it SIGKILLs every recorded process still alive and their current children, then exits:
+within about ``POLL_S`` seconds of the peer's death. A clean exit ends the same way, so whatever the peer's own
+shutdown left behind goes too. (A pipe closing on death would be quicker to notice, but hivemind forks: its
+children inherit every descriptor, so the pipe would stay open exactly when it matters.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+"""Seconds between two snapshots of the watched process's descendants."""
+
+
+def watch_this_process() -> subprocess.Popen | None:
+    """Start a reaper for this process, once per process; returns its handle (None off Linux, where the process
+    tree is not walked)."""
+    global _REAPER
+    if _REAPER is not None and _REAPER[0] == os.getpid():
+        return _REAPER[1]
+    if not sys.platform.startswith("linux"):
+        return None
+    reaper = subprocess.Popen([sys.executable, "-m", "composer_diloco.reaper", str(os.getpid())],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    _REAPER = (os.getpid(), reaper)
+    return reaper
+
+
+_REAPER: tuple[int, subprocess.Popen] | None = None
+
+
+def _descendants(root: psutil.Process) -> dict[int, float]:
+    """``{pid: create_time}`` of ``root``'s descendants now (processes that vanish mid-walk are skipped)."""
+    out = {}
+    try:
+        children = root.children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in children:
+        try:
+            out[p.pid] = p.create_time()
+        except psutil.Error:
+            continue
+    return out
+
+
+def _kill_all(recorded: dict[int, float]) -> int:
+    """SIGKILL every recorded process that is still the same process, and its current descendants; returns how
+    many were signalled."""
+    targets: dict[int, psutil.Process] = {}
+    for pid, created in recorded.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() != created:
+                continue  # the pid was reused by an unrelated process
+            targets[pid] = p
+            for child in p.children(recursive=True):
+                targets[child.pid] = child
+        except psutil.Error:
+            continue
+    for p in targets.values():
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            continue
+    return len(targets)
+
+
+def reap(pid: int, poll_s: float = POLL_S) -> int:
+    """Watch ``pid`` until it is gone, then kill the descendants it had; returns how many were signalled.
+
+    Raises:
+        ValueError: ``pid`` is not a live process.
+    """
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        raise ValueError(f"reaper: no process with pid {pid}") from None
+    recorded: dict[int, float] = {}
+    me = os.getpid()
+    while True:
+        recorded.update(_descendants(root))
+        recorded.pop(me, None)
+        try:
+            if not root.is_running() or root.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(poll_s)
+    return _kill_all(recorded)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m composer_diloco.reaper PID``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        print(f"usage: python -m composer_diloco.reaper PID (got {' '.join(args)!r})", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl+C to the terminal's group is for the peer, not for us
+    try:
+        reap(int(args[0]))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
