@@ -56,8 +56,7 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         "config": config_json,
     }, tmp / "outer.pt")
     _fsync_tree(tmp)
-    if faults.active("kill_in_checkpoint", round_) is not None:
-        faults.kill_this_peer(f"while writing checkpoint {final.name}")
+    faults.point("checkpoint_written", round_)
     old = None
     if final.exists():  # a re-save of the same round: move the old copy aside first, delete it after the swap
         old = root / f".old-{final.name}-{os.getpid()}"

@@ -107,14 +107,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super()._generate_input_for_peer(peer_index):
             self._count(message.tensor_part.ByteSize())
             yield message
-            if faults.active("kill_in_allreduce", self._round) is not None:
-                faults.kill_this_peer(f"in the all-reduce of round {self._round}", from_child=True)
+            faults.point("allreduce_part_sent", self._round)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
         part_index = 0
         # fault injection: answer the first sender only, then die (the others never receive our parts)
-        kill_in_reply = faults.active("kill_in_reply", self._round) is not None
+        kill_in_reply = faults.withholds_replies(self._round)
         answer = not (kill_in_reply and self._answered_one)
         self._answered_one = True
         try:
@@ -142,8 +141,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if kill_in_reply:
                 if answer:
                     await asyncio.sleep(1.0)  # let the answered sender receive its last part
-                    faults.kill_this_peer(f"after answering one peer in the all-reduce of round {self._round}",
-                                          from_child=True)
+                    faults.point("reducer_answered", self._round)
                 await asyncio.sleep(3600.0)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

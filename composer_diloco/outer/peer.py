@@ -295,7 +295,7 @@ class DiLoCoPeer:
                     d.zero_()
             else:
                 self.global_model.pseudo_gradient(model, delta)
-                faults.corrupt_pseudo_gradient(r, delta)
+                faults.point("pseudo_gradient", r, tensors=delta)
             norm = pseudo_gradient_norm(delta)
         if self.swarm.role == "node":
             self.swarm.announce_ready(r, weight)
