@@ -269,9 +269,10 @@ class DiLoCoPeer:
             barrier = self._barrier(r, weight, stop, clock)                   # 2. wait for the round's peers
             if barrier is None:
                 return None  # stopped
-            if not barrier[1]:  # we are the whole swarm: theta moves by our own pseudo-gradient
+            scheduled_time, partners = barrier
+            if not partners:  # we are the whole swarm: theta moves by our own pseudo-gradient
                 return recovery.step_alone(self, model, r, clock)
-            reduced = self._all_reduce(r, weight, norm, scheduled_time=barrier[0])  # 3. Delta = sum w_i Delta_i / w
+            reduced = self._all_reduce(r, weight, norm, scheduled_time)       # 3. Delta = sum_i w_i Delta_i / sum w
             status = self._outer_step(r, reduced)                             # 4. theta <- OuterOpt(theta, Delta)
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
@@ -317,7 +318,7 @@ class DiLoCoPeer:
             raise RoundFailed(f"the swarm finished round {r} without this peer")
         return scheduled_time, others
 
-    def _all_reduce(self, r: int, weight: float, norm: float, *, scheduled_time: float) -> _Reduced:
+    def _all_reduce(self, r: int, weight: float, norm: float, scheduled_time: float) -> _Reduced:
         """Average the pseudo-gradients of round ``r``'s group, weighted by samples; screening is applied (and
         its verdicts returned) by the averager, the same on every member.
 
