@@ -25,6 +25,7 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
+    """``<run_dir>/checkpoints``: where the ``round-NNNNNN`` folders and the ``latest`` pointer live."""
     return Path(run_dir) / "checkpoints"
 
 

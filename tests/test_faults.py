@@ -175,7 +175,6 @@ save_checkpoint(run_dir, round_, model, tokenizer, GlobalModel(model, lr=0.7, mo
 
 @pytest.mark.timeout(180)
 def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
-    import os
     import subprocess
     import sys
 
