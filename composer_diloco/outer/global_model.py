@@ -230,10 +230,7 @@ class GlobalModel:
         Raises:
             ValueError: another optimizer, other state keys, or a tensor count or shape that does not match.
         """
-        ours, _ = self.state()
-        if meta.get("optimizer") != ours["optimizer"] or [list(k) for k in meta.get("keys", [])] != ours["keys"]:
-            raise ValueError(f"the peer's outer optimizer state ({meta.get('optimizer')}) has another layout than "
-                             f"this peer's ({ours['optimizer']})")
+        ours = self.check_state_meta(meta)
         n_state = sum(1 for _, _, is_tensor in ours["keys"] if is_tensor)
         if len(tensors) != len(self.params) + n_state:
             raise ValueError(f"expected {len(self.params) + n_state} state tensors (params + optimizer state), "
@@ -247,6 +244,18 @@ class GlobalModel:
         for dst, src in zip(self.params, tensors, strict=False):
             dst.copy_(src.to(torch.float32))
         self._load_optimizer_state(values)
+
+    def check_state_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a peer's `state` meta against ours (optimizer class and state keys); returns our meta.
+
+        Raises:
+            ValueError: another optimizer or other state keys: no download of that peer's state can fit.
+        """
+        ours, _ = self.state()
+        if meta.get("optimizer") != ours["optimizer"] or [list(k) for k in meta.get("keys", [])] != ours["keys"]:
+            raise ValueError(f"the peer's outer optimizer state ({meta.get('optimizer')}) has another layout than "
+                             f"this peer's ({ours['optimizer']})")
+        return ours
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors of `state` (theta, then the optimizer's state tensors)."""

@@ -214,6 +214,11 @@ class DiLoCoPeer:
                 return False
             if isinstance(loaded[0], dict) and "layout" in loaded[0]:
                 _check_layout(loaded[0]["layout"], self.layout())  # another model: no retry can help
+            if isinstance(loaded[0], dict) and isinstance(loaded[0].get("outer"), dict):
+                try:
+                    self.global_model.check_state_meta(loaded[0]["outer"])  # another optimizer: no retry can help
+                except ValueError as e:
+                    raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
             # hivemind ends a download whose stream was cut early as if it were complete: count the tensors
             if len(loaded[1]) == expected or time.monotonic() >= deadline:
                 break
