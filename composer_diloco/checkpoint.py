@@ -1,8 +1,8 @@
 """Atomic checkpoints of the canonical global model: ``<run-dir>/checkpoints/round-NNNNNN/``.
 
 A checkpoint named ``round-000003`` holds theta after 3 outer steps (the next round to train is 3):
-``save_pretrained`` files of the policy and its tokenizer, plus ``outer.pt`` (outer momentum, round, theta's
-SHA-256, the run config). It is written into a temporary sibling folder and renamed into place, and
+``save_pretrained`` files of the policy and its tokenizer, plus ``outer.pt`` (round, parameter names, the outer
+optimizer's ``state_dict`` and class, theta's SHA-256, the run config). It is written into a temporary sibling folder and renamed into place, and
 ``checkpoints/latest`` is replaced atomically after that, so a process killed while writing leaves the previous
 checkpoint as the latest loadable one.
 """
@@ -25,6 +25,7 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
+    """``<run_dir>/checkpoints``: where the ``round-NNNNNN`` folders and the ``latest`` pointer live."""
     return Path(run_dir) / "checkpoints"
 
 
@@ -37,8 +38,10 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         round_: outer steps taken so far.
         model: a policy of the run's architecture (its weights are overwritten with theta, on CPU).
         tokenizer: saved beside the weights.
-        global_model: theta and the outer momentum.
+        global_model: theta and the outer optimizer (`GlobalModel.checkpoint_state`).
         config_json: the run config (canonical JSON) recorded with the checkpoint.
+    Raises:
+        OSError: the run dir cannot be written.
     """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -51,13 +54,12 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
     torch.save({
         "round": round_,
         "names": global_model.names,
-        "momentum": [m.clone() for m in global_model.momentum],
+        **global_model.checkpoint_state(),
         "global_sha256": global_model.sha256(),
         "config": config_json,
     }, tmp / "outer.pt")
     _fsync_tree(tmp)
-    if faults.active("kill_in_checkpoint", round_) is not None:
-        faults.kill_this_peer(f"while writing checkpoint {final.name}")
+    faults.point("checkpoint_written", round_)
     old = None
     if final.exists():  # a re-save of the same round: move the old copy aside first, delete it after the swap
         old = root / f".old-{final.name}-{os.getpid()}"
@@ -82,11 +84,36 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_outer_state(folder: Path) -> dict[str, Any]:
-    """``outer.pt`` of a checkpoint: round, names, momentum, global_sha256, config. Raises CheckpointError."""
+    """``outer.pt`` of a checkpoint: round, names, the outer optimizer's state, global_sha256, config.
+
+    Raises:
+        CheckpointError: the file is missing or unreadable.
+    """
     try:
         return torch.load(Path(folder) / "outer.pt", map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {str(folder)!r} is unreadable: {e}") from None
+
+
+def restore_outer_state(folder: Path, global_model: GlobalModel) -> int:
+    """Load a checkpoint's outer optimizer state into ``global_model`` (theta came with the policy's weights) and
+    check theta against the recorded SHA-256; returns the checkpoint's round.
+
+    Raises:
+        CheckpointError: unreadable; other parameters than the run's model; an outer optimizer state this run's
+            optimizer cannot take (another class, or one written before the optimizer was configurable that is not
+            SGD's); or weights that do not match their recorded SHA-256. One line, naming the checkpoint.
+    """
+    state = read_outer_state(folder)
+    if list(state["names"]) != global_model.names:
+        raise CheckpointError(f"checkpoint {str(folder)!r} does not match the run's model parameters")
+    try:
+        global_model.load_checkpoint_state(state)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {str(folder)!r} cannot resume this run's outer optimizer: {e}") from None
+    if global_model.sha256() != state["global_sha256"]:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: weights do not match their recorded sha256")
+    return int(state["round"])
 
 
 def write_atomic(path: Path, text: str) -> None:

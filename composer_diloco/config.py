@@ -97,21 +97,78 @@ class InnerOptimizer(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
-class OuterOptimizer(_Section):
-    """SGD with Nesterov momentum on the pseudo-gradient; DiLoCo's defaults (lr 0.7, momentum 0.9).
+_SGD_NAMES = ("sgd", "torch.optim.sgd")
 
-    In a `RunConfig` whose policy is the embedded default (``model`` unset), an ``lr`` or ``momentum`` left unset
-    is 1.0 / 0.0 instead (parameter averaging): DiLoCo's 0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs at
-    H <= 16 (BENCHMARKS.md, section 1). Set them explicitly to override either default.
+
+class OuterOptimizer(_Section):
+    """DiLoCo's OuterOpt: any ``torch.optim`` optimizer over theta, stepped once per round with the mean
+    pseudo-gradient as its gradient (`composer_diloco.outer.global_model`).
+
+    The default is DiLoCo's: SGD with Nesterov momentum, lr 0.7, momentum 0.9. In a `RunConfig` whose policy is the
+    embedded default (``model`` unset), an SGD ``lr`` or ``momentum`` left unset is 1.0 / 0.0 instead (parameter
+    averaging): DiLoCo's 0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs at H <= 16 (BENCHMARKS.md, section 1).
+    Set them explicitly to override either default. Another optimizer needs no code, e.g.
+    ``optimizer = "adam"``, ``lr = 0.001``, ``kwargs = {betas = [0.9, 0.95]}``.
     """
 
-    lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
-    nesterov: bool = True
+    optimizer: str = Field(
+        "sgd", min_length=1,
+        description="The outer optimizer: a torch.optim class name, any case (sgd, adam, adamw, nadam, radam, "
+                    "rmsprop, adagrad ...), or a dotted path to a torch.optim.Optimizer subclass "
+                    "(my_pkg.optim.Lion). Its state is checkpointed and shared with joining peers as its state_dict.",
+    )
+    lr: float | None = Field(
+        None, gt=0, description="Outer learning rate. SGD: 0.7 (DiLoCo) unless set, 1.0 for the embedded default; "
+                                "any other optimizer: required (no default fits them all).",
+    )
+    momentum: float | None = Field(
+        None, ge=0, lt=1, description="SGD only: outer (Nesterov) momentum; 0.9 (DiLoCo) unless set, 0.0 for the "
+                                      "embedded default. Another optimizer's own arguments go in `kwargs`.",
+    )
+    nesterov: bool | None = Field(
+        None, description="SGD only: Nesterov (true, DiLoCo, the default) or heavy-ball momentum; ignored at "
+                          "momentum 0.",
+    )
+    kwargs: dict[str, float | int | bool | str | list[float] | None] = Field(
+        default_factory=dict,
+        description="Further keyword arguments of the optimizer's constructor, e.g. {betas = [0.9, 0.95], "
+                    "weight_decay = 0.01} (arrays become tuples). foreach defaults to false (the same bytes on every "
+                    "peer). Checked at load time by building the optimizer once.",
+    )
     max_norm_ratio: float | None = Field(
         10.0, gt=1, description="Drop a pseudo-gradient whose norm exceeds this multiple of the round's median "
                                 "(NaN/Inf ones are always dropped); null = no norm screening.",
     )
+
+    @property
+    def is_sgd(self) -> bool:
+        """True when the optimizer is torch's SGD (the one ``momentum`` and ``nesterov`` belong to)."""
+        return self.optimizer.lower() in _SGD_NAMES
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sgd_defaults(cls, data: object) -> object:
+        """SGD's unset ``lr`` / ``momentum`` / ``nesterov`` become DiLoCo's 0.7 / 0.9 / true."""
+        if not isinstance(data, dict) or str(data.get("optimizer", "sgd")).lower() not in _SGD_NAMES:
+            return data
+        return {"lr": 0.7, "momentum": 0.9, "nesterov": True, **{k: v for k, v in data.items() if v is not None}}
+
+    @model_validator(mode="after")
+    def _optimizer_builds(self) -> OuterOptimizer:
+        if not self.is_sgd:
+            if self.momentum is not None or self.nesterov is not None:
+                raise ValueError(f"momentum and nesterov are SGD's: for optimizer {self.optimizer!r} put its own "
+                                 "arguments in kwargs")
+            if self.lr is None:
+                raise ValueError(f"lr must be set for optimizer {self.optimizer!r} (0.7 / 1.0 are SGD's defaults)")
+        reserved = {"lr", "params"} | ({"momentum", "nesterov"} if self.is_sgd else set())
+        taken = sorted(reserved & set(self.kwargs))
+        if taken:
+            raise ValueError(f"kwargs must not set {', '.join(taken)}: they are fields of [outer] (or fixed)")
+        from composer_diloco.outer.global_model import check_factory, optimizer_factory
+
+        check_factory(optimizer_factory(self))  # an unknown name or a refused argument: one line, at load time
+        return self
 
 
 class NetworkConfig(_Section):
@@ -180,7 +237,8 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _outer_defaults_of_the_policy(cls, data: object) -> object:
-        """Unset ``outer.lr`` / ``outer.momentum`` of an embedded-default run become 1.0 / 0.0 (see `OuterOptimizer`)."""
+        """Unset SGD ``outer.lr`` / ``outer.momentum`` of an embedded-default run become 1.0 / 0.0 (see
+        `OuterOptimizer`); another outer optimizer keeps what its section says."""
         if not isinstance(data, dict) or data.get("model") is not None:
             return data
         outer = data.get("outer")
@@ -188,7 +246,9 @@ class RunConfig(_Section):
             outer = {}
         if not isinstance(outer, dict):  # an OuterOptimizer instance: its values are explicit
             return data
-        return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **outer}}
+        if str(outer.get("optimizer", "sgd")).lower() not in _SGD_NAMES:
+            return data
+        return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **{k: v for k, v in outer.items() if v is not None}}}
 
     @property
     def batch_size(self) -> int:

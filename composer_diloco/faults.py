@@ -1,21 +1,29 @@
-"""Fault injection for the fault-tolerance tests: real signals and real corruption at chosen points of a run.
+"""Fault injection for the fault-tolerance tests: real signals and real corruption at named points of a run.
 
-Off unless the environment variable ``COMPOSER_DILOCO_FAULTS`` is set (the tests set it on one process). It is
-a comma-separated list of faults, each ``kind`` or ``kind:round`` or ``kind:round:value``:
+Production code marks the places where a fault may strike with `point` (``faults.point("allreduce_part_sent",
+round_)``); each is a no-op unless a `FaultPlan` is installed in the process. A plan is installed once, at process
+start: the console scripts call `install_from_environment` (`composer_diloco.lifecycle.run_cli`), which reads
+``COMPOSER_DILOCO_FAULTS`` (the tests set it on one child process); a test in-process calls `install` directly
+(torchft's ``fail_at`` style). Nothing here reads the environment after that.
+
+A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or ``kind:round:value``:
 
     kill_in_allreduce:R        SIGKILL this peer (its whole process group) after it sent the first part of its
-                               pseudo-gradient in round R's all-reduce
+                               pseudo-gradient in round R's all-reduce                  (point allreduce_part_sent)
     kill_in_reply:R            as a reducer in round R's all-reduce, return the averaged parts to one peer only,
                                then SIGKILL this peer: the survivors hold different averages
+                                                                     (`withholds_replies`, point reducer_answered)
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
-    step_delay:*:S             sleep S seconds after every inner step (a slow node)
+                                                                                        (point checkpoint_written)
+    step_delay:*:S             sleep S seconds after every inner step (a slow node)          (point inner_step_end)
     scale_pseudo_gradient:R:F  multiply this node's pseudo-gradient of round R by F (a norm outlier)
-    nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R
+                                                                                          (point pseudo_gradient)
+    nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R       (point pseudo_gradient)
     hold:*:PATH                after every inner step, wait while the file PATH exists (a test pauses a node
-                               until something else has happened, whatever the machine's load)
+                               until something else has happened, whatever the machine's load) (point inner_step_end)
 
-``R`` may be ``*`` (every round). Everything here is a no-op when the variable is unset; the variable is parsed
-once per distinct value.
+``R`` may be ``*`` (every round). The plan is inherited by the processes hivemind forks (its averager), since it
+is installed before they start.
 """
 
 from __future__ import annotations
@@ -24,15 +32,16 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from typing import Literal
 
 import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
 KINDS = ("kill_in_allreduce", "kill_in_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
          "nan_pseudo_gradient", "hold")
+Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end", "pseudo_gradient"]
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +56,25 @@ class Fault:
     value: float | str | None
 
 
-@lru_cache(maxsize=8)
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults armed in this process (empty: every `point` is a no-op)."""
+
+    faults: tuple[Fault, ...] = ()
+
+    def armed(self, kind: str, round_: int | None = None) -> Fault | None:
+        """The fault of this kind armed for ``round_`` (any round when ``round_`` is None), or None."""
+        for fault in self.faults:
+            if fault.kind == kind and (fault.round is None or round_ is None or fault.round == round_):
+                return fault
+        return None
+
+
+_plan = FaultPlan()
+
+
 def parse_faults(text: str) -> tuple[Fault, ...]:
-    """Parse ``COMPOSER_DILOCO_FAULTS``. Raises ValueError naming the bad entry."""
+    """Parse a plan (the ``COMPOSER_DILOCO_FAULTS`` syntax above). Raises ValueError naming the bad entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(","))):
         kind, _, rest = entry.partition(":")
@@ -65,15 +90,55 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
     return tuple(faults)
 
 
-def active(kind: str, round_: int | None = None) -> Fault | None:
-    """The fault of this kind set for ``round_`` in this process's environment, or None."""
-    text = os.environ.get(ENV_VAR)
-    if not text:
-        return None
-    for fault in parse_faults(text):
-        if fault.kind == kind and (fault.round is None or round_ is None or fault.round == round_):
-            return fault
-    return None
+def install(plan: FaultPlan | str) -> FaultPlan:
+    """Arm ``plan`` (a `FaultPlan` or its text) in this process, replacing any earlier one; returns it.
+
+    Raises:
+        ValueError: a bad entry in the text (`parse_faults`).
+    """
+    global _plan
+    _plan = FaultPlan(parse_faults(plan)) if isinstance(plan, str) else plan
+    if _plan.faults:
+        log.warning("fault injection armed: %s", ", ".join(f.kind for f in _plan.faults))
+    return _plan
+
+
+def install_from_environment(environ: Mapping[str, str] | None = None) -> FaultPlan:
+    """Install the plan of ``COMPOSER_DILOCO_FAULTS`` (unset or empty: no faults). Called once per process, at
+    start, by the console scripts. Raises ValueError on a bad entry."""
+    return install((os.environ if environ is None else environ).get(ENV_VAR, ""))
+
+
+def installed() -> FaultPlan:
+    """The plan armed in this process."""
+    return _plan
+
+
+def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Tensor] = ()) -> None:
+    """A named place of the production code where an armed fault strikes; a no-op without a plan.
+
+    Args:
+        name: which place (see the module docstring for the faults each one fires).
+        round_: the DiLoCo round the code is in (None where it does not know it: every-round faults only).
+        tensors: ``pseudo_gradient`` only: the fp32 pseudo-gradient, corrupted in place.
+    """
+    if not _plan.faults:
+        return
+    if name == "allreduce_part_sent" and _plan.armed("kill_in_allreduce", round_) is not None:
+        kill_this_peer(f"in the all-reduce of round {round_}", from_child=True)
+    elif name == "reducer_answered" and _plan.armed("kill_in_reply", round_) is not None:
+        kill_this_peer(f"after answering one peer in the all-reduce of round {round_}", from_child=True)
+    elif name == "checkpoint_written" and _plan.armed("kill_in_checkpoint", round_) is not None:
+        kill_this_peer(f"while writing checkpoint round-{round_:06d}")
+    elif name == "inner_step_end":
+        _slow_down()
+    elif name == "pseudo_gradient":
+        _corrupt(round_, tensors)
+
+
+def withholds_replies(round_: int | None) -> bool:
+    """True when this peer, as a reducer of round ``round_``, answers one sender only (``kill_in_reply``)."""
+    return _plan.armed("kill_in_reply", round_) is not None
 
 
 def kill_this_peer(reason: str, *, from_child: bool = False) -> None:
@@ -93,24 +158,24 @@ def kill_this_peer(reason: str, *, from_child: bool = False) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def after_inner_step() -> None:
+def _slow_down() -> None:
     """Sleep ``step_delay`` seconds (a slow node); wait while the ``hold`` file exists."""
-    fault = active("step_delay")
-    if fault is not None and fault.value:
-        time.sleep(float(fault.value))
-    hold = active("hold")
+    delay = _plan.armed("step_delay")
+    if delay is not None and delay.value:
+        time.sleep(float(delay.value))
+    hold = _plan.armed("hold")
     if hold is not None and hold.value:
         while os.path.exists(str(hold.value)):
             time.sleep(0.2)
 
 
-def corrupt_pseudo_gradient(round_: int, delta: Sequence[torch.Tensor]) -> None:
+def _corrupt(round_: int | None, delta: Sequence[torch.Tensor]) -> None:
     """Apply ``scale_pseudo_gradient`` / ``nan_pseudo_gradient`` of this round to ``delta`` in place."""
-    scale = active("scale_pseudo_gradient", round_)
+    scale = _plan.armed("scale_pseudo_gradient", round_)
     if scale is not None:
-        log.warning("fault injection: pseudo-gradient of round %d scaled by %g", round_, scale.value)
+        log.warning("fault injection: pseudo-gradient of round %s scaled by %g", round_, scale.value)
         for d in delta:
             d.mul_(float(scale.value) if scale.value is not None else 1000.0)
-    if active("nan_pseudo_gradient", round_) is not None:
-        log.warning("fault injection: NaN in the pseudo-gradient of round %d", round_)
+    if _plan.armed("nan_pseudo_gradient", round_) is not None:
+        log.warning("fault injection: NaN in the pseudo-gradient of round %s", round_)
         delta[0].view(-1)[0] = float("nan")

@@ -107,7 +107,18 @@ class GracefulStop:
 
 
 def run_cli(app: Callable[[], object]) -> int:
-    """Run a typer app as a console script and return its exit code (typer exits by raising SystemExit)."""
+    """Run a typer app as a console script and return its exit code (typer exits by raising SystemExit).
+
+    First arms the fault-injection plan of ``COMPOSER_DILOCO_FAULTS`` (tests only; `composer_diloco.faults`): the
+    one place a process reads it, before any hivemind process is forked.
+    """
+    from composer_diloco import faults
+
+    try:
+        faults.install_from_environment()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         app()
     except SystemExit as e:

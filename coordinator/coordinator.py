@@ -21,7 +21,9 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
-from composer_diloco.checkpoint import CheckpointError, latest_checkpoint, read_outer_state, save_checkpoint, write_atomic
+from composer_diloco.checkpoint import (
+    CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint, write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class CoordinatorOptions:
         run_dir: checkpoints, the warm-start cache and ``coordinator/metrics.jsonl`` go here.
         listen: multiaddr to listen on (default: 127.0.0.1, a free TCP port).
         announce: multiaddrs other machines should dial (for a public address behind NAT).
-        resume: continue from the newest checkpoint in ``run_dir`` (theta, outer momentum, round), even with a
+        resume: continue from the newest checkpoint in ``run_dir`` (theta, outer optimizer state, round), even with a
             changed config (e.g. more rounds); without it a run dir that holds checkpoints of the same config is
             continued, and one of another config is refused.
         secret_file: file holding the run secret that closes the run (None: ``$COMPOSER_DILOCO_SECRET``, else open).
@@ -159,18 +161,12 @@ class Coordinator:
         write_atomic(self.run_dir / "peers.json", json.dumps(maddrs))
 
     def _load_outer_state(self, folder: Path) -> None:
-        """Round and outer momentum from ``outer.pt``; theta came with the model. Raises CheckpointError."""
-        state = read_outer_state(folder)
-        gm = self.peer.global_model
-        if list(state["names"]) != gm.names:
-            raise CheckpointError(f"checkpoint {str(folder)!r} does not match the run's model parameters")
-        gm.load_state_tensors([*gm.params, *state["momentum"]])
-        if gm.sha256() != state["global_sha256"]:
-            raise CheckpointError(f"checkpoint {str(folder)!r}: weights do not match their recorded sha256")
-        self.peer.round = int(state["round"])
+        """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
+        self.peer.round = restore_outer_state(folder, self.peer.global_model)
         self.peer._update_priority()
         self.swarm.set_round(self.peer.round)
-        log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round, gm.sha256()[:12])
+        log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round,
+                 self.peer.global_model.sha256()[:12])
 
     def serve(self) -> int:
         """Take part in every round until the run's last; returns the rounds completed (stops on a signal)."""

@@ -251,7 +251,7 @@ class RoundCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         node = self.node
         node._steps_in_round += 1
-        faults.after_inner_step()
+        faults.point("inner_step_end")
         if node.stop.event.is_set():
             control.should_training_stop = True
             return control

@@ -160,11 +160,13 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
 
 CHECKPOINT_WRITER = """
 import sys
+from composer_diloco import faults
 from composer_diloco.outer.global_model import GlobalModel
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.checkpoint import save_checkpoint
 
 run_dir, round_ = sys.argv[1], int(sys.argv[2])
+faults.install(sys.argv[3])  # this script is its own entry point: it arms the plan as the console scripts do
 tokenizer = load_default_tokenizer()
 model = build_tiny_model(tokenizer, seed=round_)
 save_checkpoint(run_dir, round_, model, tokenizer, GlobalModel(model, lr=0.7, momentum=0.9), "{}")
@@ -173,7 +175,6 @@ save_checkpoint(run_dir, round_, model, tokenizer, GlobalModel(model, lr=0.7, mo
 
 @pytest.mark.timeout(180)
 def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
-    import os
     import subprocess
     import sys
 
@@ -181,8 +182,7 @@ def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loada
     from local_run import ROOT
 
     def write(round_: int, faults: str = "") -> subprocess.CompletedProcess:
-        env = {**os.environ, "COMPOSER_DILOCO_FAULTS": faults}
-        return subprocess.run([sys.executable, "-c", CHECKPOINT_WRITER, str(tmp_path), str(round_)], env=env,
+        return subprocess.run([sys.executable, "-c", CHECKPOINT_WRITER, str(tmp_path), str(round_), faults],
                               cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
 
     assert write(1).returncode == 0

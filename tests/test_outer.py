@@ -86,8 +86,28 @@ def test_state_roundtrip_and_sha():
     a, b = GlobalModel(Tiny(), lr=0.7, momentum=0.9), GlobalModel(Tiny(), lr=0.7, momentum=0.9)
     a.outer_step([torch.ones(3), torch.ones(1, 2)])
     assert a.sha256() != b.sha256()
-    b.load_state_tensors(a.state_tensors())
+    b.load_state(*a.state())
     assert a.sha256() == b.sha256()
     a.outer_step([torch.ones(3), torch.ones(1, 2)])
     b.outer_step([torch.ones(3), torch.ones(1, 2)])
     assert a.sha256() == b.sha256()  # the momentum came along too
+
+
+def test_default_outer_step_is_the_same_torch_sgd_bit_for_bit():
+    """The default path is the one the README's numbers were made with: torch's SGD, foreach=False, its momentum
+    buffers materialised as zeros before the first step (signed zeros included)."""
+    for lr, mu in [(0.7, 0.9), (1.0, 0.0)]:
+        gm = GlobalModel(Tiny(), lr=lr, momentum=mu)
+        params = [p.detach().clone().requires_grad_(True) for p in gm.params]
+        sgd = torch.optim.SGD(params, lr=lr, momentum=mu, nesterov=mu > 0, foreach=False)
+        for p in params:
+            sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        g = torch.Generator().manual_seed(0)
+        for step in range(4):
+            delta = [torch.randn(p.shape, generator=g) for p in params]
+            delta[0][0] = -0.0 if step % 2 else 0.0
+            gm.outer_step([d.clone() for d in delta])
+            for p, d in zip(params, delta):
+                p.grad = d
+            sgd.step()
+            assert [p.detach().numpy().tobytes() for p in params] == [p.detach().numpy().tobytes() for p in gm.params]

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from composer_diloco.faults import Fault, parse_faults
+from composer_diloco import faults
+from composer_diloco.faults import Fault, FaultPlan, parse_faults
 from composer_diloco.outer.screening import pseudo_gradient_norm, screen
 
 
@@ -50,3 +51,23 @@ def test_fault_spec_parses_and_names_bad_entries():
         parse_faults("explode:1")
     with pytest.raises(ValueError, match="bad entry 'step_delay:x'"):
         parse_faults("step_delay:x")
+
+
+def test_fault_points_are_no_ops_until_a_plan_is_installed():
+    delta = [torch.ones(3)]
+    try:
+        faults.install(FaultPlan())
+        faults.point("pseudo_gradient", 1, tensors=delta)
+        assert torch.equal(delta[0], torch.ones(3))
+        faults.install("scale_pseudo_gradient:1:10,nan_pseudo_gradient:2")  # as a test in-process arms it
+        faults.point("pseudo_gradient", 0, tensors=delta)  # another round: untouched
+        assert torch.equal(delta[0], torch.ones(3))
+        faults.point("pseudo_gradient", 1, tensors=delta)
+        assert torch.equal(delta[0], torch.full((3,), 10.0))
+        faults.point("pseudo_gradient", 2, tensors=delta)
+        assert math.isnan(delta[0][0].item())
+        assert not faults.withholds_replies(1)
+        assert faults.install_from_environment({faults.ENV_VAR: "kill_in_reply:3"}).armed("kill_in_reply", 3)
+        assert faults.withholds_replies(3) and not faults.withholds_replies(4)
+    finally:
+        faults.install(FaultPlan())

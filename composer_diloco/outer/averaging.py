@@ -16,7 +16,8 @@ Failure behaviour (what the round protocol relies on):
   others to one of them (`ExactAverager.load_state_from_peers` with ``peer=``);
 - ``step`` raises or returns None when no group forms within its timeout (see `composer_diloco.outer.peer`);
 - a contribution that `composer_diloco.outer.screening.screen` drops (non-finite, or a norm outlier) is averaged with
-  weight 0 by every reducer, and its owner sends zeros: the group goes on without it.
+  weight 0 by every reducer, and its owner sends zeros: the group goes on without it. ``step`` hands back the
+  verdicts it applied (`Contribution.rejection`), so the caller never decides the drop a second time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,11 +43,25 @@ from hivemind.utils.mpfuture import MPFuture
 
 from composer_diloco import faults
 from composer_diloco.outer.compression import roundtrip
-from composer_diloco.outer.screening import screen
+from composer_diloco.outer.screening import Rejection, screen
 
 log = logging.getLogger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One group member's entry in what `ExactAverager.step` returns.
+
+    Attributes:
+        metadata: what the member passed as ``gather`` (for DiLoCo a dict: name, role, round, weight, norm).
+        rejection: the screening verdict every reducer applied to its pseudo-gradient: None (averaged) or the
+            `Rejection` (averaged with weight 0).
+    """
+
+    metadata: Any
+    rejection: Rejection | None
 
 
 class _ZeroOnFailureContainer(TensorPartContainer):
@@ -107,14 +123,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super()._generate_input_for_peer(peer_index):
             self._count(message.tensor_part.ByteSize())
             yield message
-            if faults.active("kill_in_allreduce", self._round) is not None:
-                faults.kill_this_peer(f"in the all-reduce of round {self._round}", from_child=True)
+            faults.point("allreduce_part_sent", self._round)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
         part_index = 0
         # fault injection: answer the first sender only, then die (the others never receive our parts)
-        kill_in_reply = faults.active("kill_in_reply", self._round) is not None
+        kill_in_reply = faults.withholds_replies(self._round)
         answer = not (kill_in_reply and self._answered_one)
         self._answered_one = True
         try:
@@ -142,8 +157,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if kill_in_reply:
                 if answer:
                     await asyncio.sleep(1.0)  # let the answered sender receive its last part
-                    faults.kill_this_peer(f"after answering one peer in the all-reduce of round {self._round}",
-                                          from_child=True)
+                    faults.point("reducer_answered", self._round)
                 await asyncio.sleep(3600.0)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -157,9 +171,12 @@ class ExactAverager(DecentralizedAverager):
         averaged_tensors: fp32 CPU tensors (the pseudo-gradient buffers), moved to shared memory by hivemind.
         dht: a running `hivemind.DHT`.
         state_provider: called in this process when a peer downloads our state (``load_state_from_peers``);
-            returns ``(metadata, tensors)``: for DiLoCo, the round number and the global params plus the outer
-            momentum buffers.
+            returns ``(metadata, tensors)``: for DiLoCo, the round number and `GlobalModel.state` (theta and the
+            outer optimizer's state).
         kwargs: as `hivemind.averaging.DecentralizedAverager` (``prefix``, ``compression``, timeouts ...).
+
+    ``step`` returns ``{peer_id: Contribution}`` in group order: each member's gathered metadata with the screening
+    verdict applied to it (see `Contribution`), or raises / returns None as hivemind's (no group in time).
 
     Attributes:
         bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
@@ -173,13 +190,24 @@ class ExactAverager(DecentralizedAverager):
         self.max_norm_ratio = max_norm_ratio
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
+        self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> dict[Any, Contribution]:
+        # hivemind's, returning with each member's metadata the verdict `_run_allreduce_inplace_` applied to it
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            verdicts = self._verdicts[group_info.group_id]
+        finally:
+            self._verdicts.pop(group_info.group_id, None)
+        return {pid: Contribution(meta, v) for (pid, meta), v in zip(gathered.items(), verdicts, strict=True)}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.setdefault("compression", NoCompression())
         gathered = [self.serializer.loads(self.serializer.loads(b)[2]) for b in group_info.gathered]
         verdicts = screen(gathered, self.max_norm_ratio)
+        self._verdicts[group_info.group_id] = verdicts
         dropped = frozenset(i for i, v in enumerate(verdicts) if v is not None)
         me = group_info.peer_ids.index(self.peer_id)
         if me in dropped:  # send zeros with weight 0: 0 * NaN would still poison the reducers' sums
@@ -252,4 +280,4 @@ class ExactAverager(DecentralizedAverager):
         return metadata, tensors, None
 
 
-__all__ = ["ExactAverager", "ExactAllReduceRunner"]
+__all__ = ["Contribution", "ExactAverager", "ExactAllReduceRunner"]

@@ -2,19 +2,121 @@
 
 Paper symbols: theta^(t-1) is `GlobalModel.params` at the start of round t; each worker i runs H inner steps to
 theta_i^(t); the pseudo-gradient is Delta_i = theta^(t-1) - theta_i^(t); the outer gradient is the weighted mean
-Delta = sum_i w_i Delta_i / sum_i w_i; OuterOpt is SGD with Nesterov momentum (lr 0.7, momentum 0.9).
+Delta = sum_i w_i Delta_i / sum_i w_i; theta^(t) = OuterOpt(theta^(t-1), Delta).
 
-Everything here runs on CPU in fp32 with `foreach=False`, so peers that start from the same bytes and receive the
+OuterOpt is any ``torch.optim.Optimizer`` built over theta by a factory (torchft's ``DiLoCo(outer_optimizer=...)``
+takes one the same way): DiLoCo's SGD with Nesterov momentum (lr 0.7, momentum 0.9) by default, or whatever the
+run config's ``[outer]`` names (`optimizer_factory`). Its state travels as the optimizer's own ``state_dict``:
+in checkpoints (`GlobalModel.checkpoint_state`) as is, and to joining peers (`GlobalModel.state`) as the
+tensors of that state, flattened in a fixed order, plus a small meta structure. The state is materialised at
+construction with the values the optimizer would create lazily at its first step, so a joiner downloads the same
+layout at round 0 as at round 100, and the first step computes exactly what the lazy optimizer would.
+
+Everything here runs on CPU in fp32 with ``foreach=False``, so peers that start from the same bytes and receive the
 same Delta end with the same bytes (see `averaging.py` for how the Delta bytes are made identical).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
-from collections.abc import Sequence
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from composer_diloco.config import OuterOptimizer
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the outer optimizer over theta: ``factory(params) -> torch.optim.Optimizer``."""
+
+# a checkpoint written before the outer optimizer was configurable holds SGD's buffers under this key
+_LEGACY_SGD_BUFFERS = "momentum"
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class ``name`` stands for.
+
+    Args:
+        name: a ``torch.optim`` class name, any case (``"sgd"``, ``"adam"``, ``"AdamW"``, ``"nadam"``), or a dotted
+            path to a ``torch.optim.Optimizer`` subclass (``"torch.optim.Adam"``, ``"my_pkg.optim.Lion"``).
+    Raises:
+        ValueError: no such optimizer (one line, listing the torch.optim names).
+    """
+    if "." in name:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"outer optimizer {name!r} cannot be imported: {e}") from None
+    else:
+        cls = _torch_optimizers().get(name.lower())
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"outer optimizer {name!r} is not a torch.optim.Optimizer (expected one of "
+                         f"{', '.join(sorted(_torch_optimizers()))}, or a dotted path module.Class)")
+    return cls
+
+
+def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    return {n.lower(): c for n, c in vars(torch.optim).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+
+
+def make_factory(name: str, **kwargs: Any) -> OptimizerFactory:
+    """A factory of optimizer ``name`` with keyword arguments ``kwargs`` (lists become tuples, e.g. ``betas``).
+
+    ``foreach=False`` is added when the optimizer takes it and ``kwargs`` does not set it: the single-tensor path,
+    whose bytes do not depend on how tensors are grouped.
+
+    Raises:
+        ValueError: an unknown optimizer (`optimizer_class`).
+    """
+    cls = optimizer_class(name)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    if "foreach" in inspect.signature(cls).parameters:
+        kwargs.setdefault("foreach", False)
+    return functools.partial(cls, **kwargs)
+
+
+def nesterov_sgd(*, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> OptimizerFactory:
+    """DiLoCo's OuterOpt: ``torch.optim.SGD`` with Nesterov momentum (paper: lr 0.7, momentum 0.9).
+
+    ``nesterov`` is dropped at ``momentum == 0`` (plain SGD: with lr 1 that is parameter averaging), which torch's
+    SGD refuses to combine with ``nesterov=True``.
+    """
+    return make_factory("sgd", lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+def optimizer_factory(outer: OuterOptimizer) -> OptimizerFactory:
+    """The outer optimizer a run config's ``[outer]`` section selects (SGD's ``momentum``/``nesterov`` included).
+
+    Raises:
+        ValueError: an unknown optimizer name.
+    """
+    if outer.is_sgd:  # the config's momentum / nesterov are SGD's
+        return make_factory(outer.optimizer, lr=outer.lr, momentum=outer.momentum,
+                            nesterov=bool(outer.nesterov) and outer.momentum > 0, **outer.kwargs)
+    return make_factory(outer.optimizer, lr=outer.lr, **outer.kwargs)
+
+
+def check_factory(factory: OptimizerFactory) -> None:
+    """Build the optimizer over one scratch tensor and take one step, so that bad arguments fail at config time.
+
+    Raises:
+        ValueError: the optimizer refused its arguments or cannot step without a closure (one line).
+    """
+    try:
+        _initial_state(factory, torch.zeros(2))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"outer optimizer {_describe(factory)} cannot be used: {e}") from None
 
 
 class GlobalModel:
@@ -22,34 +124,44 @@ class GlobalModel:
 
     Args:
         model: the policy; its trainable parameters define the layout (order of ``model.parameters()``).
-        lr: outer learning rate (paper: 0.7).
-        momentum: outer Nesterov momentum (paper: 0.9).
-        nesterov: Nesterov (True, paper) or heavy-ball momentum; ignored at ``momentum == 0`` (plain SGD: with
-            lr 1 that is parameter averaging), which torch's SGD refuses to combine with ``nesterov=True``.
+        outer_optimizer: builds OuterOpt over theta (`optimizer_factory`, `make_factory`, `nesterov_sgd`, or any
+            ``params -> torch.optim.Optimizer``); None = ``nesterov_sgd(lr, momentum, nesterov)``.
+        lr, momentum, nesterov: shorthand for ``outer_optimizer=nesterov_sgd(...)`` (defaults 0.7, 0.9, True);
+            only with ``outer_optimizer=None``.
 
     Attributes:
         params: list of fp32 CPU tensors, one per trainable parameter of ``model``.
-        momentum: list of fp32 CPU tensors, the outer optimizer's momentum buffers (zeros at the start).
+        optimizer: the outer ``torch.optim.Optimizer`` over ``params``, its state materialised (module docstring).
+
+    Raises:
+        ValueError: both ``outer_optimizer`` and the SGD shorthand; an optimizer that cannot step without a closure.
     """
 
-    def __init__(self, model: nn.Module, *, lr: float, momentum: float, nesterov: bool = True):
+    def __init__(self, model: nn.Module, *, outer_optimizer: OptimizerFactory | None = None,
+                 lr: float | None = None, momentum: float | None = None, nesterov: bool = True):
+        if outer_optimizer is not None and (lr is not None or momentum is not None):
+            raise ValueError("GlobalModel: pass outer_optimizer or the SGD shorthand (lr, momentum), not both")
+        if outer_optimizer is None:
+            outer_optimizer = nesterov_sgd(lr=0.7 if lr is None else lr, momentum=0.9 if momentum is None else momentum,
+                                           nesterov=nesterov)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p.detach().to("cpu", torch.float32).clone() for _, p in named]
         for p in self.params:
             p.requires_grad_(True)
-        self.optimizer = torch.optim.SGD(
-            self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
-        )
-        # Materialise the momentum buffers now (zeros == torch's lazy first-step init) so that the state a
-        # late joiner downloads always has the same layout.
+        self.optimizer = outer_optimizer(self.params)
+        # Materialise the state the optimizer would create at its first step (e.g. SGD's zero momentum buffers,
+        # Adam's step 0 and zero moments), so that the state a late joiner downloads always has the same layout.
         for p in self.params:
-            self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, requires_grad=False)
+            self.optimizer.state[p] = _initial_state(outer_optimizer, p)
+        self._keys = [sorted(self.optimizer.state[p]) for p in self.params]  # state keys per parameter, fixed
         self._state_dict_order = _state_dict_order(model, self.names)
 
     @property
-    def momentum(self) -> list[torch.Tensor]:
-        return [self.optimizer.state[p]["momentum_buffer"] for p in self.params]
+    def optimizer_name(self) -> str:
+        """Qualified class name of the outer optimizer (``torch.optim.sgd.SGD``)."""
+        cls = type(self.optimizer)
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def numel(self) -> int:
         """Number of trainable elements (parameters of the pseudo-gradient)."""
@@ -65,12 +177,12 @@ class GlobalModel:
 
     @torch.no_grad()
     def outer_step(self, delta: Sequence[torch.Tensor]) -> None:
-        """theta <- OuterOpt(theta, Delta): one SGD-Nesterov step with ``delta`` as the gradient.
+        """theta <- OuterOpt(theta, Delta): one optimizer step with ``delta`` as the gradient.
 
         Args:
             delta: fp32 CPU tensors, the averaged pseudo-gradient, same shapes as ``params``.
         Raises:
-            ValueError: a tensor of ``delta`` holds NaN or Inf (theta is left untouched).
+            ValueError: a tensor of ``delta`` holds NaN or Inf (theta and the optimizer state are left untouched).
         """
         for name, d in zip(self.names, delta, strict=True):
             if not torch.isfinite(d).all():
@@ -88,20 +200,123 @@ class GlobalModel:
         for p, g in zip(local, self.params, strict=True):
             p.copy_(g.to(device=p.device, dtype=p.dtype))
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """theta followed by the momentum buffers: what a joining peer downloads."""
-        return [*self.params, *self.momentum]
+    # -- state sharing (hivemind's state download) ----------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads: ``(meta, tensors)``.
+
+        Returns:
+            meta: ``{"optimizer": qualified class name, "keys": [[param index, state key, is_tensor], ...],
+                "scalars": [non-tensor state values, in ``keys`` order]}``.
+            tensors: theta (fp32, the shapes of ``params``) followed by the optimizer's state tensors in ``keys``
+                order (each its own shape and dtype). Live tensors: clone them before they leave the lock.
+        """
+        keys, scalars, tensors = [], [], list(self.params)
+        for i, p in enumerate(self.params):
+            for key in self._keys[i]:
+                value = self.optimizer.state[p][key]
+                is_tensor = isinstance(value, torch.Tensor)
+                keys.append([i, key, is_tensor])
+                (tensors if is_tensor else scalars).append(value)
+        return {"optimizer": self.optimizer_name, "keys": keys, "scalars": scalars}, tensors
+
+    def num_state_tensors(self) -> int:
+        """Number of tensors `state` returns (fixed from construction on)."""
+        return len(self.state()[1])
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Inverse of `state_tensors`. Raises ValueError if the count or a shape does not match."""
-        n = len(self.params)
-        if len(tensors) != 2 * n:
-            raise ValueError(f"expected {2 * n} state tensors (params + momentum), got {len(tensors)}")
-        for dst, src in zip([*self.params, *self.momentum], tensors, strict=True):
+    def load_state(self, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """Inverse of `state`: adopt a peer's theta and optimizer state.
+
+        Raises:
+            ValueError: another optimizer, other state keys, or a tensor count or shape that does not match.
+        """
+        ours = self.check_state_meta(meta)
+        n_state = sum(1 for _, _, is_tensor in ours["keys"] if is_tensor)
+        if len(tensors) != len(self.params) + n_state:
+            raise ValueError(f"expected {len(self.params) + n_state} state tensors (params + optimizer state), "
+                             f"got {len(tensors)}")
+        for dst, src in zip(self.params, tensors, strict=False):
             if dst.shape != src.shape:
                 raise ValueError(f"state tensor shape {tuple(src.shape)} does not match {tuple(dst.shape)}")
+        state_tensors, scalars = iter(tensors[len(self.params):]), iter(meta.get("scalars", []))
+        values = {(i, key): next(state_tensors) if is_tensor else next(scalars) for i, key, is_tensor in ours["keys"]}
+        self._check_optimizer_state(values)
+        for dst, src in zip(self.params, tensors, strict=False):
             dst.copy_(src.to(torch.float32))
+        self._load_optimizer_state(values)
+
+    def check_state_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a peer's `state` meta against ours (optimizer class and state keys); returns our meta.
+
+        Raises:
+            ValueError: another optimizer or other state keys: no download of that peer's state can fit.
+        """
+        ours, _ = self.state()
+        if meta.get("optimizer") != ours["optimizer"] or [list(k) for k in meta.get("keys", [])] != ours["keys"]:
+            raise ValueError(f"the peer's outer optimizer state ({meta.get('optimizer')}) has another layout than "
+                             f"this peer's ({ours['optimizer']})")
+        return ours
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors of `state` (theta, then the optimizer's state tensors)."""
+        return self.state()[1]
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Entries of a checkpoint's ``outer.pt``: ``outer_optimizer`` (the optimizer's own ``state_dict``, cloned)
+        and ``outer_optimizer_class`` (its qualified class name)."""
+        return {"outer_optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "outer_optimizer_class": self.optimizer_name}
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, outer_pt: Mapping[str, Any]) -> None:
+        """Adopt the optimizer state of a checkpoint's ``outer.pt`` (see `checkpoint_state`); the hyperparameters
+        (lr ...) stay this run's. A checkpoint written before the outer optimizer was configurable holds SGD
+        momentum buffers instead: they resume an SGD outer optimizer.
+
+        Raises:
+            ValueError: the checkpoint's optimizer is another class than this run's, or it holds no optimizer state.
+        """
+        saved = outer_pt.get("outer_optimizer")
+        if saved is None and _LEGACY_SGD_BUFFERS in outer_pt:
+            if not isinstance(self.optimizer, torch.optim.SGD):
+                raise ValueError(f"it was written before the outer optimizer was configurable and holds SGD momentum "
+                                 f"buffers: it resumes only with outer.optimizer = 'sgd' (this run's is "
+                                 f"{self.optimizer_name})")
+            buffers = outer_pt[_LEGACY_SGD_BUFFERS]
+            saved = {"state": {i: {"momentum_buffer": b} for i, b in enumerate(buffers)
+                               if "momentum_buffer" in self._keys[i]}}
+        elif saved is None:
+            raise ValueError("it holds no outer optimizer state")
+        elif outer_pt.get("outer_optimizer_class", self.optimizer_name) != self.optimizer_name:
+            raise ValueError(f"its outer optimizer is {outer_pt['outer_optimizer_class']}, this run's is "
+                             f"{self.optimizer_name} (the state of one cannot resume the other)")
+        state = saved["state"]
+        values = {(i, key): state[i][key] for i in range(len(self.params)) for key in self._keys[i]
+                  if key in state.get(i, {})}
+        fresh = sorted({key for i in range(len(self.params)) for key in self._keys[i] if (i, key) not in values})
+        if fresh:  # e.g. SGD resumed with momentum > 0 from a run without momentum
+            log.warning("the checkpoint holds no outer optimizer state %s: starting it fresh", ", ".join(fresh))
+        self._load_optimizer_state(values)
+
+    def _check_optimizer_state(self, values: Mapping[tuple[int, str], Any]) -> None:
+        """Raise ValueError if a state tensor of ``values`` has another number of elements than ours."""
+        for (i, key), value in values.items():
+            current = self.optimizer.state[self.params[i]][key]
+            if isinstance(current, torch.Tensor) and (
+                    not isinstance(value, torch.Tensor) or value.numel() != current.numel()):
+                raise ValueError(f"outer optimizer state {key!r} of {self.names[i]!r} does not match: "
+                                 f"{tuple(getattr(value, 'shape', ()))} for {tuple(current.shape)}")
+
+    def _load_optimizer_state(self, values: Mapping[tuple[int, str], Any]) -> None:
+        """Copy ``{(param index, key): value}`` into the optimizer state (checked first: all or nothing)."""
+        self._check_optimizer_state(values)
+        for (i, key), value in values.items():
+            state = self.optimizer.state[self.params[i]]
+            if isinstance(state[key], torch.Tensor):
+                state[key].copy_(value.reshape(state[key].shape).to(state[key].dtype))
+            else:
+                state[key] = copy.deepcopy(value)
 
     def sha256(self) -> str:
         """SHA-256 (hex) of theta: fp32 little-endian bytes of each trainable tensor in ``state_dict`` order
@@ -110,6 +325,47 @@ class GlobalModel:
         for i in self._state_dict_order:
             h.update(self.params[i].detach().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+class _FirstValues(dict):
+    """A parameter's optimizer state that keeps a copy of the first value stored under each key."""
+
+    def __init__(self, initial: Mapping[str, Any]):
+        super().__init__(initial)
+        self.first = {k: _copy(v) for k, v in initial.items()}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.first:
+            self.first[key] = _copy(value)
+        super().__setitem__(key, value)
+
+
+def _initial_state(factory: OptimizerFactory, param: torch.Tensor) -> dict[str, Any]:
+    """The state ``factory``'s optimizer holds for ``param`` right after creating it lazily at its first step.
+
+    One step with a zero gradient on a scratch copy of ``param`` records each state value as it is first stored,
+    before the update changes it in place (SGD stores its buffer after the update: clone(0) = zeros, as at init).
+    Raises TypeError/ValueError/RuntimeError from the optimizer (e.g. a step that needs a closure).
+    """
+    scratch = param.detach().clone().requires_grad_(True)
+    optimizer = factory([scratch])
+    recorder = _FirstValues(optimizer.state.get(scratch, {}))
+    optimizer.state[scratch] = recorder
+    scratch.grad = torch.zeros_like(scratch)
+    with torch.no_grad():
+        optimizer.step()
+    return recorder.first
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _describe(factory: OptimizerFactory) -> str:
+    if isinstance(factory, functools.partial):
+        args = ", ".join(f"{k}={v!r}" for k, v in factory.keywords.items())
+        return f"{getattr(factory.func, '__name__', factory.func)}({args})"
+    return repr(factory)
 
 
 def _state_dict_order(model: nn.Module, names: list[str]) -> list[int]:

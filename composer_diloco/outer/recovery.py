@@ -1,0 +1,220 @@
+"""What a peer does when a round fails it, and how a peer joins a swarm already underway.
+
+`DiLoCoPeer.sync` raises `RoundFailed` from any of its steps and handles it in one place: `recover`. The rules
+here are the same on every peer, so that replicas never fork.
+
+Failure behaviour of `DiLoCoPeer.sync`:
+- the all-reduce fails (no group within ``averaging_timeout_s``, a peer lost mid-way beyond repair), or the
+  swarm finished the round without this peer (a late joiner): no outer step of its own; it takes the newest state
+  of a live peer past its round (``load_state_from_peers``, the coordinator first). Of the peers stuck in the
+  same round only the first (the coordinator, else the lowest name) steps alone; the rest take its state
+  (`recover`). A peer with nobody in or past its round is the whole swarm and steps alone (`step_alone`);
+- a contribution with NaN/Inf or an outlier norm: dropped by every peer of the group alike
+  (`composer_diloco.outer.screening`, applied in the all-reduce, whose verdicts `sync` reads back); the round
+  goes on with the rest, the drop is logged with the peer's name, and if nothing is left to average theta stays
+  as it is for that round ("skipped");
+- a peer lost in the middle of the all-reduce can leave the survivors with different averages (a reducer that
+  returned its part to some peers and not to others). Peers that received every part hold identical bytes
+  (`composer_diloco.outer.averaging`); a peer that missed a part publishes its theta as unsettled, and takes the
+  state of the first settled member of its group (`settle`), so all replicas leave the round identical, whoever
+  was lost, the coordinator included;
+- a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
+  `GlobalModel.outer_step`), the round fails and the peer resynchronises as above.
+
+Joining: `join_at_round_boundary` brings a new peer to the round the swarm is in before its first inner phase.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from hivemind.utils.timed_storage import get_dht_time
+from torch import nn
+
+from composer_diloco.outer.swarm import PeerRecord
+
+if TYPE_CHECKING:
+    from composer_diloco.outer.peer import DiLoCoPeer, SyncResult, SyncStatus, _RoundClock
+
+log = logging.getLogger(__name__)
+
+
+class RoundFailed(Exception):
+    """This peer's round ended without an average it can apply; ``reason`` says why, in one line.
+
+    Raised by the steps of `DiLoCoPeer.sync` (barrier, all-reduce, outer step) and handled only by `recover`.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def step_order(role: str, name: str) -> tuple[int, str]:
+    """Which peer of a failed round steps alone first (the smallest): the coordinator, then by name."""
+    return (0 if role == "coordinator" else 1, name)
+
+
+def by_precedence(peers: list[PeerRecord]) -> list[PeerRecord]:
+    """Whose theta the others of a round take, best first: settled peers first, then by `step_order`. The
+    first that answers is taken (a peer that just died may still have a heartbeat)."""
+    return sorted(peers, key=lambda p: (not p.settled, *step_order(p.role, p.name)))
+
+
+def recover(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
+    """Round ``r`` ended without an average for this peer: take the state of a peer past round ``r``.
+
+    One rule on every peer, so that replicas never fork: while a live peer is past round ``r``, download the
+    newest state from the peers of the newest round, in `by_precedence` order (a settled one, the coordinator
+    first among equals). While others are still in round ``r``, wait for them, at most ``averaging_timeout_s``;
+    only the first of the peers left in round ``r`` (the coordinator, else the lowest name) applies its own
+    pseudo-gradient at once, so the others have a state to take. A peer with nobody in or past its round is the
+    whole swarm and steps alone.
+
+    Returns:
+        The round's `SyncResult`: status "resynced" (a peer's state was loaded, ``peers`` 0), else as `step_alone`.
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
+    """
+    me = peer.swarm.name
+    timeout_s = peer.config.network.averaging_timeout_s
+    deadline = time.monotonic() + timeout_s
+    # unsettled while waiting for a state, so that a member settling its own theta (`settle`) does not wait for us
+    peer.swarm.set_round(r, sha=peer.swarm.sha, settled=False)
+    while time.monotonic() < deadline:
+        others = [p for p in peer.swarm.live_peers() if p.name != me]
+        ahead = [p for p in others if p.round > r]
+        if ahead:
+            newest = by_precedence([p for p in ahead if p.round == max(q.round for q in ahead)])
+            # a peer still settling its theta may replace it: wait for a settled one, unless time runs out
+            if (newest[0].settled or time.monotonic() > deadline - timeout_s / 3) and load_from_first(
+                    peer, newest, min_round=r + 1):
+                return peer._finish(model, clock, peers=0, status="resynced")
+        else:
+            in_round = [p for p in others if p.round == r]
+            if not in_round or step_order(peer.swarm.role, me) < min(step_order(p.role, p.name) for p in in_round):
+                break
+        time.sleep(0.25)
+    log.warning("%s round %d: no peer ahead of us; applying our own pseudo-gradient", me, r)
+    return step_alone(peer, model, r, clock)
+
+
+def step_alone(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
+    """Apply this peer's own pseudo-gradient (what the averager's buffers hold) and end round ``r``.
+
+    Returns:
+        A `SyncResult` with ``peers`` 1 and status "alone", or "skipped" when that pseudo-gradient is non-finite
+        (theta unchanged; the round ends all the same).
+    """
+    with peer.averager.get_tensors() as delta:
+        own = [d.clone() for d in delta]
+    status: SyncStatus = "alone"
+    with peer._lock:
+        try:
+            peer.global_model.outer_step(own)
+        except ValueError as e:  # our own pseudo-gradient is non-finite: keep theta
+            log.error("%s round %d: %s; theta unchanged", peer.swarm.name, r, e)
+            status = "skipped"
+        peer.round = r + 1
+    return peer._finish(model, clock, peers=1, status=status)
+
+
+def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStatus:
+    """After an all-reduce of round ``r`` that missed ``missed`` elements: take one group member's theta.
+
+    A reducer lost mid-way may have returned its part to some members and not to others, so theta can differ
+    between them. This peer publishes its theta as unsettled and waits (at most ``averaging_timeout_s``) for
+    a settled member, one that received every part, or for every live member to be done with round ``r``.
+    Then all adopt the theta of the same member, the first by `by_precedence` that answers (settled ones
+    first, then the coordinator, then by name); a peer that comes first keeps its own.
+
+    Returns:
+        "averaged" (this peer's theta was kept or already equal) or "resynced" (the pick's state was
+        downloaded).
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
+    """
+    me, next_round = peer.swarm.name, r + 1
+    ours = peer.global_model.sha256()
+    log.warning("%s round %d: the all-reduce returned no average for %d elements (a peer was lost mid-way): "
+                "settling theta with the group", me, r, missed)
+    peer._update_priority()
+    peer.swarm.set_round(next_round, sha=ours, settled=False)
+    deadline = time.monotonic() + peer.config.network.averaging_timeout_s
+    while True:
+        group = [p for p in peer.swarm.live_peers() if p.name in members and p.name != me]
+        done = [p for p in group if p.round == next_round and p.sha]
+        # still in the all-reduce (a member that lost it waits in `recover`, unsettled, for us)
+        pending = [p for p in group if p.round < next_round and p.settled]
+        if any(p.settled for p in done) or not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    candidates = by_precedence([*done, PeerRecord(me, peer.swarm.role, next_round, 0.0, sha=ours, settled=False)])
+    ahead_of_us = list(itertools.takewhile(lambda p: p.name != me and p.sha != ours, candidates))
+    return "resynced" if load_from_first(peer, ahead_of_us, min_round=next_round) else "averaged"
+
+
+def load_from_first(peer: DiLoCoPeer, candidates: list[PeerRecord], *, min_round: int) -> bool:
+    """Load the state of the first of ``candidates`` that sends one (a peer that just died may still have a
+    heartbeat); False if none did. Raises ArchitectureMismatch (`DiLoCoPeer.load_state_from_peers`)."""
+    for pick in candidates:
+        log.warning("%s: taking the theta of %s (round %d, sha256 %s)", peer.swarm.name, pick.name, pick.round,
+                    pick.sha[:12])
+        if peer.load_state_from_peers(peer.config.network.averaging_timeout_s, min_round=min_round, peer=pick):
+            return True
+        log.warning("%s: %s did not send its state", peer.swarm.name, pick.name)
+    return False
+
+
+def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: float,
+                           stop: threading.Event) -> int:
+    """Bring a joining peer to the round the swarm is in, right before its first inner phase.
+
+    First the newest state of any live peer past ours (a joiner whose set-up outlasted a round). Then, if that
+    round has been underway for more than ``join_grace_s`` seconds, wait for the swarm to finish it and take
+    the next round's state, so that a late joiner never holds the others up for long. Had the others already
+    passed the barrier when it arrives anyway, `DiLoCoPeer.sync` takes their state (`recover`).
+
+    Args:
+        join_grace_s: seconds a round may have been underway for this peer to still join it.
+        timeout_s: seconds to wait for a peer's state per download.
+        stop: set to give up waiting (shutdown).
+    Returns:
+        The newest round a live peer was in: ``>= config.rounds`` means the run ended while this peer joined.
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
+    """
+    me = peer.swarm.name
+    newest = max((p.round for p in peer.swarm.live_peers() if p.name != me), default=peer.round)
+    if newest >= peer.config.rounds:
+        return newest  # the others are leaving: nothing to join
+    if newest > peer.round:
+        log.info("%s: the swarm is at round %d, past our round %d: downloading its state", me, newest, peer.round)
+        peer.load_state_from_peers(timeout_s, min_round=newest)
+    r = peer.round
+    training = [p for p in peer.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
+    if not training:
+        return newest
+    age = get_dht_time() - min(p.since for p in training)
+    if age <= join_grace_s:
+        return newest  # the others wait for us at the barrier
+    log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
+    while not stop.is_set():
+        live = [p for p in peer.swarm.live_peers() if p.name != me]
+        if any(p.round > r for p in live) or not any(p.role == "node" and p.round == r for p in live):
+            break  # the round is over, or the nodes of that round are gone: nothing to wait for
+        time.sleep(0.5)
+    deadline = time.monotonic() + peer.config.network.averaging_timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        if peer.load_state_from_peers(timeout_s, min_round=r + 1):
+            break
+        time.sleep(0.5)
+    return max(newest, peer.round)
+
+
+__all__ = ["RoundFailed", "by_precedence", "join_at_round_boundary", "load_from_first", "recover", "settle",
+           "step_alone", "step_order"]
