@@ -22,6 +22,7 @@ Counts (sites kept, pairs skipped, ...) all use one pattern: a dataclass of numb
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -197,6 +198,7 @@ class LossChannel(ABC):
 
 _REGISTRY: dict[str, type[LossChannel]] = {}
 _BUILTIN = ("composer_diloco.channels.sdpo", "composer_diloco.channels.dpo")
+"""The built-in channels, in the order their terms are added to the loss (a fixed order keeps runs bit-identical)."""
 
 
 def register_channel(cls: type[LossChannel]) -> type[LossChannel]:
@@ -222,9 +224,15 @@ def unregister_channel(name: str) -> None:
 
 
 def registered_channels() -> tuple[type[LossChannel], ...]:
-    """The registered channel classes, built-ins first (SDPO, DPO), then others in registration order."""
-    for module in _BUILTIN:  # imported here, not at package import (no cycle with the modules they import)
-        importlib.import_module(module)
+    """The registered channel classes: the built-ins first (SDPO, DPO), then the others in registration order.
+
+    Every module of the ``composer_diloco.channels`` package is imported first, so a channel module dropped into the
+    package registers itself (its ``@register_channel``) with no other file edited; a channel defined elsewhere
+    registers when its module is imported.
+    """
+    package = importlib.import_module("composer_diloco.channels")
+    for info in pkgutil.iter_modules(package.__path__):  # here, not at package import: no import cycle
+        importlib.import_module(f"{package.__name__}.{info.name}")
     builtin = [c for c in _REGISTRY.values() if c.__module__ in _BUILTIN]
     builtin.sort(key=lambda c: _BUILTIN.index(c.__module__))
     return tuple(builtin + [c for c in _REGISTRY.values() if c.__module__ not in _BUILTIN])
