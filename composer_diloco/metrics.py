@@ -50,6 +50,11 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one JSON line (keys sorted), flushed and fsynced.
+
+        Raises:
+            OSError: the file cannot be written; TypeError: a value is not JSON-serializable.
+        """
         line = json.dumps(record, sort_keys=True)
         with open(self.path, "a") as f:
             f.write(line + "\n")

@@ -1,9 +1,9 @@
 """The node life cycle: join the DHT, read the run config, fetch the global model, train round after round.
 
 One round on a node, in order (the calls are in `RoundCallback.on_step_end` and `Node.end_round`):
-    H x [rollouts against the env -> GRPO loss -> AdamW step]     (TRL GRPOTrainer, `ComposerGRPOTrainer`)
+    H x [rollouts against the env -> GRPO + loss channels -> AdamW step]   (TRL GRPOTrainer, `ComposerGRPOTrainer`)
     pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
-    one line in <run-dir>/<name>/metrics.jsonl
+    one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ class RoundCallback(TrainerCallback):
         self.node = node
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        """After each inner step: count it, end the round at H steps or the time budget, stop at the run's end."""
         node = self.node
         node._steps_in_round += 1
         faults.after_inner_step()

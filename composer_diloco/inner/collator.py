@@ -114,10 +114,12 @@ class ComposerBatch:
 
     @property
     def num_sdpo(self) -> int:
+        """S, the SDPO sites in ``tensors`` (0 without SDPO keys)."""
         return 0 if "sdpo_student_ids" not in self.tensors else int(self.tensors["sdpo_student_ids"].shape[0])
 
     @property
     def num_dpo(self) -> int:
+        """P, the DPO pairs in ``tensors`` (0 without DPO keys)."""
         return 0 if "dpo_chosen_ids" not in self.tensors else int(self.tensors["dpo_chosen_ids"].shape[0])
 
 
@@ -139,7 +141,16 @@ class ComposerCollator:
 
     # -- SDPO sites -----------------------------------------------------------------------------------
     def sites_from_episode(self, episode: Episode, stats: SdpoStats) -> list[SdpoSite]:
-        """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs)."""
+        """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs).
+
+        Args:
+            episode: a played episode (``prompt_ids`` (P,), ``completion_ids`` / ``env_mask`` (C,), its turns).
+            stats: counts kept/skipped sites into its ``sdpo_*`` fields.
+        Returns:
+            The sites in turn order (ids are the episode's own: what GRPO trains on).
+        Raises:
+            ValueError: the episode's token runs do not match its turns (`composer_diloco.rollout.episode_tokens`).
+        """
         ids = episode.prompt_ids + episode.completion_ids
         spans = turn_spans(episode, self.tokenizer.eos_token_id)
         sites = []
@@ -251,7 +262,7 @@ class ComposerCollator:
 
         Args:
             episodes: played episodes of this step.
-            pairs: `preference.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
+            pairs: `composer_diloco.channels.dpo_pairing.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
             reference_model: the frozen reference policy; required when ``pairs`` is non-empty.
             with_sdpo: False skips the SDPO channel entirely (its weight is 0).
         Raises:
@@ -270,7 +281,9 @@ class ComposerCollator:
         return batch
 
     def sdpo_tensors(self, sites: Sequence[SdpoSite]) -> dict[str, torch.Tensor]:
-        """Pad the sites into the SDPO tensors of `ComposerBatch`."""
+        """Pad S >= 1 sites into the SDPO tensors of `ComposerBatch`: ids (S, Ls) / (S, Lt) long right-padded with
+        ``pad_token_id``, attention masks, aligned response indices (S, R) long with their validity (S, R) bool, and
+        the same tokens as (S, Ls) / (S, Lt) bool masks."""
         s_ids, s_att = _pad([s.student_ids for s in sites], self.pad_token_id)
         t_ids, t_att = _pad([s.teacher_ids for s in sites], self.pad_token_id)
         r = max(len(s.student_idx) for s in sites)
@@ -297,7 +310,11 @@ class ComposerCollator:
     @torch.no_grad()
     def dpo_tensors(self, pairs: Sequence[Any], reference_model: torch.nn.Module,
                     stats: CollatorStats) -> dict[str, torch.Tensor]:
-        """``prompt + chosen`` / ``prompt + rejected`` ids, response masks and reference log-probs."""
+        """``prompt + chosen`` / ``prompt + rejected`` ids (P, L) long, attention and response masks (P, L), and the
+        reference policy's summed response log-probs (P,) float32 (nats, no grad, computed on its device, returned on
+        CPU). A pair whose longer response reaches ``max_length`` is dropped (``stats.dpo_skipped_truncated``); the
+        prompt is cut from the left to fit. Returns ``{}`` when no pair fits; counts kept pairs in ``stats.dpo_pairs``.
+        """
         rows_c, rows_r = [], []
         for p in pairs:
             longest = max(len(p.chosen_ids), len(p.rejected_ids))

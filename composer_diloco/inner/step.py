@@ -123,9 +123,11 @@ class RoundStats:
         return len(self.episodes)
 
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
+        """Keep one step's played episodes (in TRL's row order)."""
         self.episodes.extend(episodes)
 
     def add_step(self, losses: StepLosses) -> None:
+        """Keep one finished optimizer step's losses."""
         self.steps.append(losses)
 
     def add_channel_stats(self, name: str, stats: Counts) -> None:
