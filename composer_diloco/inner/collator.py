@@ -195,19 +195,7 @@ class ComposerCollator:
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         starts = {s: k for k, (s, e) in enumerate(offsets) if e > s}
         header_text = self.tokenizer.decode(self.header_ids)
-        cursor, char_spans, headers = 0, [], []
-        for t in turns:  # each content located once, left to right: linear in the text's length
-            header = -1
-            if t.role == "assistant":  # the content follows the turn's header: search after it, not at the cursor
-                header = text.find(header_text, cursor)
-                cursor = header + len(header_text) if header >= 0 else cursor
-            content = t.content.strip()
-            pos = text.find(content, cursor) if content else cursor
-            if pos < 0:
-                raise ValueError(f"chat template: content of a {t.role} turn not found in the rendering")
-            char_spans.append((pos, pos + len(content)))
-            headers.append(header)
-            cursor = pos + len(content)
+        char_spans, headers = _locate_turns(text, turns, header_text)
         sites = []
         for k in range(1, len(turns) - 1):
             tool = turns[k]
@@ -339,6 +327,34 @@ class ComposerCollator:
             out[f"dpo_ref_{name}_logps"] = sequence_logprobs(logits, ids.to(device), resp.to(device)).cpu()
         stats.dpo_pairs += len(rows_c)
         return out
+
+
+def _locate_turns(text: str, turns: Sequence[Turn], header_text: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where each turn's (stripped) content lies in the rendered ``text``, and each assistant turn's header.
+
+    Each content is located once, left to right (linear in the text's length); an assistant turn's content is
+    searched after its own header, so a short content that also occurs in the scaffolding before it is not
+    matched there. Returns ``(char_spans, headers)``: ``[(start, end)]`` character offsets per turn (an empty
+    content is the empty span at the cursor), and per turn the character offset of its assistant header (-1 for
+    other roles, or when no header follows the previous turn).
+
+    Raises:
+        ValueError: a turn's content is not in the rendering after the previous turn's.
+    """
+    cursor, char_spans, headers = 0, [], []
+    for t in turns:
+        header = -1
+        if t.role == "assistant":  # the content follows the turn's header: search after it, not at the cursor
+            header = text.find(header_text, cursor)
+            cursor = header + len(header_text) if header >= 0 else cursor
+        content = t.content.strip()
+        pos = text.find(content, cursor) if content else cursor
+        if pos < 0:
+            raise ValueError(f"chat template: content of a {t.role} turn not found in the rendering")
+        char_spans.append((pos, pos + len(content)))
+        headers.append(header)
+        cursor = pos + len(content)
+    return char_spans, headers
 
 
 def _pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

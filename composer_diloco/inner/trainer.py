@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
