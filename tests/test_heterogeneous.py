@@ -164,7 +164,7 @@ def test_two_micro_batches_give_the_gradients_of_one_batch(tmp_path, monkeypatch
         float((flat2 - flat1).abs().max())
 
 
-def test_split_channels_weights_add_up_to_the_whole_batch():
+def test_channel_split_weights_add_up_to_the_whole_batch():
     """The chunks' weights are the shares of SDPO tokens and DPO pairs; padding beyond a chunk's rows is cut."""
     valid = torch.zeros(3, 5, dtype=torch.bool)
     valid[0, :5], valid[1, :1], valid[2, :2] = True, True, True
