@@ -15,9 +15,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from composer_diloco.channels.dpo import DpoLossFields, PreferenceConfig
-from composer_diloco.channels.sdpo import SdpoLossFields
-
 
 class ConfigError(ValueError):
     """A run config that cannot be used: missing file, bad TOML, or a field with a bad value."""
@@ -66,15 +63,35 @@ class GRPOSettings(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling, as TRL.")
 
 
-class LossConfig(SdpoLossFields, DpoLossFields):
-    """``[loss]``, the composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO.
+class LossConfig(_Section):
+    """The composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO.
 
-    Each channel module owns its fields (`composer_diloco.channels.sdpo.SdpoLossFields`: ``alpha_sdpo``,
-    ``sdpo_*``; `composer_diloco.channels.dpo.DpoLossFields`: ``beta_dpo``, ``dpo_beta``); this section gathers
-    them, so a TOML ``[loss]`` table keeps its flat keys.
+    Each field belongs to one loss channel module, which alone reads it: ``alpha_sdpo`` and ``sdpo_*`` to
+    `composer_diloco.channels.sdpo`, ``beta_dpo`` and ``dpo_beta`` to `composer_diloco.channels.dpo`. (The fields stay
+    here, not in those modules, so that reading a config imports no torch.)
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
+    beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
+    sdpo_jsd_beta: float = Field(
+        1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
+    )
+    sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
+    sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
+    sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
+
+
+class PreferenceConfig(_Section):
+    """Trace-replay DPO pairs: candidates compared at error sites by replaying the env (`composer_diloco.channels.dpo`)."""
+
+    mode: Literal["exhaustive", "best_vs_worst"] = Field("best_vs_worst", description="How pairs form within a turn.")
+    min_score_diff: float = Field(0.5, ge=0, description="Minimum score gap between chosen and rejected.")
+    max_pairs_per_turn: int = Field(2, ge=1)
+    max_sites: int = Field(4, ge=1, description="Error sites replayed per inner step.")
+    teachers: list[str] = Field(
+        default_factory=lambda: ["scripted"], description="Extra teacher policies proposing candidates."
+    )
 
 
 class InnerOptimizer(_Section):

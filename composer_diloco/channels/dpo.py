@@ -6,7 +6,7 @@ At the step's tool-error sites, candidate actions are replayed in the environmen
 round's frozen global model theta_r (refreshed after every outer step, so every peer shares the trust region).
 
 Config: ``[loss] beta_dpo`` (the weight; 0 = off) and ``dpo_beta`` (DPO's beta), the ``[preference]`` section
-(`PreferenceConfig`); ``beta_dpo`` / ``dpo_beta`` are `DpoLossFields`, ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
+(`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
 Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
 Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStats` by name; ``{}`` when off).
 """
@@ -16,10 +16,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
@@ -33,30 +32,7 @@ from composer_diloco.rollout.episodes import Episode, EnvSession
 if TYPE_CHECKING:
     from composer_diloco.config import LossConfig, RunConfig
 
-__all__ = ["DPO_KEYS", "DpoChannel", "DpoLossFields", "DpoStats", "PreferenceConfig", "dpo_loss", "split_dpo"]
-
-
-class DpoLossFields(BaseModel):
-    """The DPO channel's fields of the ``[loss]`` section (`composer_diloco.config.LossConfig` gathers them)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
-    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
-
-
-class PreferenceConfig(BaseModel):
-    """``[preference]``: trace-replay DPO pairs, candidates compared at error sites by replaying the env."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["exhaustive", "best_vs_worst"] = Field("best_vs_worst", description="How pairs form within a turn.")
-    min_score_diff: float = Field(0.5, ge=0, description="Minimum score gap between chosen and rejected.")
-    max_pairs_per_turn: int = Field(2, ge=1)
-    max_sites: int = Field(4, ge=1, description="Error sites replayed per inner step.")
-    teachers: list[str] = Field(
-        default_factory=lambda: ["scripted"], description="Extra teacher policies proposing candidates."
-    )
+__all__ = ["DPO_KEYS", "DpoChannel", "DpoStats", "dpo_loss", "split_dpo"]
 
 
 DPO_KEYS = ("dpo_chosen_ids", "dpo_chosen_attention_mask", "dpo_chosen_response_mask", "dpo_rejected_ids",

@@ -6,7 +6,7 @@ the error inserted before that turn (`composer_diloco.channels.sdpo_hints`). The
 (`composer_diloco.channels.losses.generalized_jsd`; the JSD family and its beta as TRL GKD, arXiv 2306.13649).
 
 Config: ``[loss] alpha_sdpo`` (the weight; 0 = off), ``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``,
-``sdpo_top_k`` (`SdpoLossFields`, gathered into `composer_diloco.config.LossConfig`), and the ``[hints]`` templates.
+``sdpo_top_k`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates.
 Metrics: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped`` (``{no_hint, empty_recovery, no_recovery, truncated}``).
 """
 
@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
@@ -27,21 +26,7 @@ from composer_diloco.rollout.episodes import Episode
 if TYPE_CHECKING:
     from composer_diloco.config import LossConfig
 
-__all__ = ["SDPO_KEYS", "SdpoChannel", "SdpoLossFields", "sdpo_loss", "split_sdpo"]
-
-
-class SdpoLossFields(BaseModel):
-    """The SDPO channel's fields of the ``[loss]`` section (`composer_diloco.config.LossConfig` gathers them)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
-    sdpo_jsd_beta: float = Field(
-        1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
-    )
-    sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
-    sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
-    sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
+__all__ = ["SDPO_KEYS", "SdpoChannel", "sdpo_loss", "split_sdpo"]
 
 
 SDPO_KEYS = ("sdpo_student_ids", "sdpo_student_attention_mask", "sdpo_teacher_ids", "sdpo_teacher_attention_mask",
