@@ -160,3 +160,30 @@ def test_registry_rules(sft_registered):
         register_channel(Other)
     with pytest.raises(TypeError, match="expected a LossChannel subclass"):
         register_channel(int)
+
+
+def test_round_stats_record_keeps_the_metrics_keys_of_before():
+    """The keys `Node.end_round` wrote by hand before the channels were modules, with the same values."""
+    from composer_diloco.channels.dpo import DpoStats
+    from composer_diloco.channels.dpo_pairing import PairStats
+    from composer_diloco.inner.collator import SdpoStats
+    from composer_diloco.inner.step import RoundStats, StepLosses
+
+    channels = registered_channels()
+    stats = RoundStats(channels, episodes_per_step=2)
+    stats.add_episodes([Episode(0, f"e{i}", [], [], [], reward=r) for i, r in enumerate((1.0, 0.0, 0.5, 1.0))])
+    for loss_grpo, sdpo in ((0.5, 0.25), (-0.25, 0.0)):
+        step = StepLosses(channels)
+        step.add("loss_grpo", loss_grpo)
+        step.add("loss_sdpo", sdpo)
+        stats.add_step(step)
+    stats.add_channel_stats("sdpo", SdpoStats(sdpo_sites=3, sdpo_skipped_no_hint=1))
+    stats.add_channel_stats("sdpo", SdpoStats(sdpo_sites=1, sdpo_skipped_truncated=2))
+    stats.add_channel_stats("dpo", DpoStats(dpo_pairs=2, pair_stats=PairStats(sites=2, pairs=2)))
+    assert stats.record() == {
+        "samples": 4, "mean_reward": 0.625, "success_rate": 0.5, "step_rewards": [0.5, 0.75],
+        "step_success": [0.5, 0.5], "tool_errors_per_episode": 0.0, "loss_grpo": 0.125, "loss_sdpo": 0.125,
+        "loss_dpo": 0.0, "sdpo_sites": 4, "dpo_pairs": 2,
+        "sdpo_skipped": {"no_hint": 1, "empty_recovery": 0, "no_recovery": 0, "truncated": 2},
+        "pair_stats": {**PairStats().as_dict(), "sites": 2, "pairs": 2},
+    }
