@@ -129,7 +129,7 @@ class TurnCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         arm, t1 = self.arm, time.perf_counter()
-        record = arm.trainer.round_losses[-1] if isinstance(arm.trainer, ComposerGRPOTrainer) else None
+        record = arm.trainer.round_stats.steps[-1] if isinstance(arm.trainer, ComposerGRPOTrainer) else None
         step_s = t1 - arm._t0
         arm.steps.append({
             "step_s": step_s, "rollout_s": arm._rollout_s, "prep_s": arm._gen_score_s - arm._rollout_s,

@@ -64,7 +64,12 @@ class GRPOSettings(_Section):
 
 
 class LossConfig(_Section):
-    """The composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO."""
+    """The composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO.
+
+    Each field belongs to one loss channel module, which alone reads it: ``alpha_sdpo`` and ``sdpo_*`` to
+    `composer_diloco.channels.sdpo`, ``beta_dpo`` and ``dpo_beta`` to `composer_diloco.channels.dpo`. (The fields stay
+    here, not in those modules, so that reading a config imports no torch.)
+    """
 
     alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
     beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
@@ -78,7 +83,7 @@ class LossConfig(_Section):
 
 
 class PreferenceConfig(_Section):
-    """Trace-replay DPO pairs: candidates compared at error sites by replaying the env."""
+    """Trace-replay DPO pairs: candidates compared at error sites by replaying the env (`composer_diloco.channels.dpo`)."""
 
     mode: Literal["exhaustive", "best_vs_worst"] = Field("best_vs_worst", description="How pairs form within a turn.")
     min_score_diff: float = Field(0.5, ge=0, description="Minimum score gap between chosen and rejected.")

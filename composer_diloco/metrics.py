@@ -1,8 +1,12 @@
 """Per-round metrics: one JSON line per round in ``<run-dir>/<peer-name>/metrics.jsonl``, and the table of a run.
 
 Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
-``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``, ``loss_sdpo``,
-``loss_dpo``, ``sdpo_sites``, ``dpo_pairs`` and ``inner_seconds``.
+``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``, ``inner_seconds`` and
+each loss channel's keys (`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``,
+``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO and DPO channels).
+
+The round table has a loss column and a count column per registered channel (`table_columns`): a run directory
+written before a channel existed shows 0 there.
 """
 
 from __future__ import annotations
@@ -14,20 +18,28 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-TABLE_COLUMNS = (
-    ("round", "round", "{}"),
-    ("peers", "peers", "{}"),
-    ("mean_reward", "mean reward", "{:.3f}"),
-    ("success_rate", "success", "{:.2f}"),
-    ("loss_grpo", "GRPO loss", "{:+.4f}"),
-    ("loss_sdpo", "SDPO loss", "{:.4f}"),
-    ("loss_dpo", "DPO loss", "{:.4f}"),
-    ("sdpo_sites", "sites", "{}"),
-    ("dpo_pairs", "pairs", "{}"),
-    ("inner_seconds", "inner s", "{:.1f}"),
-    ("sync_seconds", "sync s", "{:.1f}"),
-    ("bytes_sent", "bytes sent", "{:,}"),
-)
+Column = tuple[str, str, str]
+"""``(record key, title, format)`` of one table column."""
+
+
+def table_columns() -> tuple[Column, ...]:
+    """The round table's columns: round, peers, reward, success, the GRPO loss, every registered channel's loss,
+    every channel's count, then inner/sync seconds and bytes (``(key, title, format)`` each)."""
+    from composer_diloco.channels.base import registered_channels
+
+    channels = [c.metrics for c in registered_channels()]
+    return (
+        ("round", "round", "{}"),
+        ("peers", "peers", "{}"),
+        ("mean_reward", "mean reward", "{:.3f}"),
+        ("success_rate", "success", "{:.2f}"),
+        ("loss_grpo", "GRPO loss", "{:+.4f}"),
+        *((m.loss_key, m.loss_title, m.loss_format) for m in channels),
+        *((m.count_key, m.count_title, "{}") for m in channels),
+        ("inner_seconds", "inner s", "{:.1f}"),
+        ("sync_seconds", "sync s", "{:.1f}"),
+        ("bytes_sent", "bytes sent", "{:,}"),
+    )
 
 
 class MetricsWriter:
@@ -38,6 +50,11 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one JSON line (keys sorted), flushed and fsynced.
+
+        Raises:
+            OSError: the file cannot be written; TypeError: a value is not JSON-serializable.
+        """
         line = json.dumps(record, sort_keys=True)
         with open(self.path, "a") as f:
             f.write(line + "\n")
@@ -59,8 +76,11 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
-    and success rate weighted by samples, mean losses, summed sites and pairs, the slowest node's inner and
-    sync seconds, and the bytes all peers sent."""
+    and success rate weighted by samples, mean losses, summed channel counts (sites, pairs, ...), the slowest
+    node's inner and sync seconds, and the bytes all peers sent."""
+    from composer_diloco.channels.base import registered_channels
+
+    channels = [c.metrics for c in registered_channels()]
     by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for records in metrics.values():
         for r in records:
@@ -70,22 +90,22 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
         recs = by_round[rnd]
         nodes = [r for r in recs if r.get("role") == "node"]
         samples = sum(r.get("samples", 0) for r in nodes) or 1
-        rows.append({
+        row = {
             "round": rnd,
             "peers": max((r.get("peers", 0) for r in recs), default=0),
             "mean_reward": sum(r.get("mean_reward", 0.0) * r.get("samples", 0) for r in nodes) / samples,
             "success_rate": sum(r.get("success_rate", 0.0) * r.get("samples", 0) for r in nodes) / samples,
             "loss_grpo": _mean(r.get("loss_grpo", 0.0) for r in nodes),
-            "loss_sdpo": _mean(r.get("loss_sdpo", 0.0) for r in nodes),
-            "loss_dpo": _mean(r.get("loss_dpo", 0.0) for r in nodes),
-            "sdpo_sites": sum(int(r.get("sdpo_sites", 0)) for r in nodes),
-            "dpo_pairs": sum(int(r.get("dpo_pairs", 0)) for r in nodes),
             "inner_seconds": max((r.get("inner_seconds", 0.0) for r in nodes), default=0.0),
             # the nodes' sync: the coordinator's also holds its wait for the nodes' inner phase
             "sync_seconds": max((r.get("sync_seconds", 0.0) for r in nodes), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),
             "sha_agree": len({r.get("global_sha256") for r in recs}) == 1,
-        })
+        }
+        for m in channels:
+            row[m.loss_key] = _mean(r.get(m.loss_key, 0.0) for r in nodes)
+            row[m.count_key] = sum(int(r.get(m.count_key, 0)) for r in nodes)
+        rows.append(row)
     return rows
 
 
@@ -96,8 +116,9 @@ def _mean(values: Iterable[float]) -> float:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `round_table` as fixed-width text (one header line, one line per round)."""
-    header = [title for _, title, _ in TABLE_COLUMNS] + ["sha256 agree"]
-    body = [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] + ["yes" if row["sha_agree"] else "NO"]
+    columns = table_columns()
+    header = [title for _, title, _ in columns] + ["sha256 agree"]
+    body = [[fmt.format(row[key]) for key, _, fmt in columns] + ["yes" if row["sha_agree"] else "NO"]
             for row in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
     lines = ["  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *body]]

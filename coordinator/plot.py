@@ -4,8 +4,8 @@ Four files, each with the round on the x axis:
 
 - ``reward.png``: mean reward and success rate (fraction of episodes with reward >= 1) of each node, and their
   mean over the nodes weighted by samples (as in the run's table, `composer_diloco.metrics.round_table`);
-- ``losses.png``: ``loss_grpo``, ``loss_sdpo`` and ``loss_dpo`` (each node's mean over its inner steps), one
-  panel per loss, and their mean over the nodes;
+- ``losses.png``: ``loss_grpo`` and each registered loss channel's loss (``loss_sdpo``, ``loss_dpo``, ...; each
+  node's mean over its inner steps), one panel per loss, and their mean over the nodes;
 - ``bytes.png``: payload bytes each peer (coordinator and nodes) sent in the round's all-reduce, in MB (10^6 bytes);
 - ``sync.png``: each peer's ``sync_seconds`` (ready to new theta loaded) and ``wait_seconds`` (the part of it
   spent waiting at the barrier), in seconds.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +123,14 @@ def reward_figure(metrics: Records) -> Figure:
 
 
 def losses_figure(metrics: Records) -> Figure:
-    """Three panels: ``loss_grpo``, ``loss_sdpo``, ``loss_dpo`` (nats; each node's mean over its inner steps of
-    the round) per node and their unweighted mean over the nodes, against the round."""
-    fig, axes = _figure(3, "Inner-loop losses per round (each node's mean over its inner steps)")
-    for ax, key, label in zip(axes, ("loss_grpo", "loss_sdpo", "loss_dpo"), ("GRPO loss", "SDPO loss", "DPO loss")):
+    """One panel per loss: ``loss_grpo``, then each registered channel's (`composer_diloco.channels.base`;
+    ``loss_sdpo``, ``loss_dpo`` built in), in nats, each node's mean over its inner steps of the round, per node
+    and their unweighted mean over the nodes, against the round."""
+    from composer_diloco.channels.base import registered_channels
+
+    panels = [("loss_grpo", "GRPO loss")] + [(c.metrics.loss_key, c.metrics.plot_label) for c in registered_channels()]
+    fig, axes = _figure(len(panels), "Inner-loop losses per round (each node's mean over its inner steps)")
+    for ax, (key, label) in zip(axes, panels):
         _per_peer(ax, metrics, key, nodes_only=True)
         _mean_line(ax, metrics, key, weighted=False)
         ax.set_ylabel(label)

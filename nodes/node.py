@@ -1,9 +1,9 @@
 """The node life cycle: join the DHT, read the run config, fetch the global model, train round after round.
 
 One round on a node, in order (the calls are in `RoundCallback.on_step_end` and `Node.end_round`):
-    H x [rollouts against the env -> GRPO loss -> AdamW step]     (TRL GRPOTrainer, `ComposerGRPOTrainer`)
+    H x [rollouts against the env -> GRPO + loss channels -> AdamW step]   (TRL GRPOTrainer, `ComposerGRPOTrainer`)
     pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
-    one line in <run-dir>/<name>/metrics.jsonl
+    one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -196,28 +195,15 @@ class Node:
     def end_round(self, model: torch.nn.Module) -> None:
         """Close the current round: sync with the swarm and write the round's metrics line."""
         inner_seconds = time.monotonic() - self._round_started
-        episodes, losses, collated, pair_stats = self.trainer.take_round_stats()
-        samples = len(episodes)
+        stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
+        samples = stats.samples
         result = self.peer.sync(model, float(samples), stop=self.stop.event)
         if result is None:
             return
         self.trainer.refresh_reference()
-        rewards = [e.reward for e in episodes]
-        per_step = self.trainer.episodes_per_step  # episodes are kept in the order of the inner steps
-        steps = [rewards[i:i + per_step] for i in range(0, len(rewards), per_step)]
         record = {
             "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
-            "samples": samples, "mean_reward": statistics.fmean(rewards) if rewards else 0.0,
-            "success_rate": sum(r >= 1.0 for r in rewards) / samples if samples else 0.0,
-            "step_rewards": [round(statistics.fmean(step), 4) for step in steps],
-            "step_success": [round(sum(x >= 1.0 for x in step) / len(step), 4) for step in steps],
-            "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
-            "loss_grpo": _mean(l.loss_grpo for l in losses), "loss_sdpo": _mean(l.loss_sdpo for l in losses),
-            "loss_dpo": _mean(l.loss_dpo for l in losses), "inner_steps": self._steps_in_round,
-            "sdpo_sites": collated.sdpo_sites, "dpo_pairs": collated.dpo_pairs,
-            "sdpo_skipped": {k.removeprefix("sdpo_skipped_"): v for k, v in vars(collated).items()
-                             if k.startswith("sdpo_skipped_")},
-            "pair_stats": pair_stats,
+            **stats.record(), "inner_steps": self._steps_in_round,
             "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
             "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
             "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
@@ -249,6 +235,7 @@ class RoundCallback(TrainerCallback):
         self.node = node
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        """After each inner step: count it, end the round at H steps or the time budget, stop at the run's end."""
         node = self.node
         node._steps_in_round += 1
         faults.point("inner_step_end")
@@ -260,11 +247,6 @@ class RoundCallback(TrainerCallback):
         if node.peer.round >= node.config.rounds or node.stop.event.is_set():
             control.should_training_stop = True
         return control
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return statistics.fmean(values) if values else 0.0
 
 
 def _policy_skeleton(config: RunConfig):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.rollout.env_process import start_env_server
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
+from composer_diloco.channels.sdpo_hints import HintRegistry
+from envs.coding_env.demos import REASON_HINTS
 from envs.coding_env import (
     FAMILIES,
     HANDWRITTEN,
@@ -32,6 +33,8 @@ from envs.coding_env.tasks import TASKS_FILE, normalize, same_value
 FAST = SandboxLimits(wall_time_s=6.0, cpu_time_s=3, per_test_timeout_s=0.5, memory_mb=256)
 KERNEL_ONLY = SandboxPolicy(audit_hook=False)
 HOOK_ONLY = SandboxPolicy(namespaces=False, drop_uid=False)
+CODING_HINTS = HintRegistry.from_config(None, reason_hints=REASON_HINTS)
+"""The hints a trainer on the coding env uses: the defaults with the env's reason hints."""
 SLUGIFY = make_task(0, "0", task_id="slugify")
 
 # The model's "solution": each defines slugify(text) so that the visible tests call it.
@@ -181,7 +184,7 @@ def test_run_tests_and_submit_reward_and_error_metadata():
     out = execute(SLUGIFY, files, "run_tests", {}, FAST)
     assert out.error_meta["test"] == "test_2" and out.error_meta["passed"] == 1
     assert "returned '--many---spaces-here-', expected 'many-spaces-here'" in out.content
-    hint = DEFAULT_HINTS.hint(out.error_kind, out.error_meta)
+    hint = CODING_HINTS.hint(out.error_kind, out.error_meta)
     assert hint.startswith("test_2 failed: slugify('  Many   spaces here ') returned") and "Fix solution.py" in hint
     out = execute(SLUGIFY, files, "submit", {}, FAST)
     assert out.submitted and out.error_kind is None and 0.0 < out.reward < 1.0
@@ -190,7 +193,7 @@ def test_run_tests_and_submit_reward_and_error_metadata():
     files["solution.py"] = "def slugify(text):\n    return (\n"
     out = execute(SLUGIFY, files, "run_tests", {}, FAST)
     assert (out.error_meta["reason"], out.error_meta["where"]) == ("syntax_error", "solution.py:2")
-    assert DEFAULT_HINTS.hint(out.error_kind, out.error_meta) == (
+    assert CODING_HINTS.hint(out.error_kind, out.error_meta) == (
         "The code does not compile at solution.py:2. Fix the syntax first.")
     out = execute(SLUGIFY, files, "submit", {}, FAST)
     assert out.submitted and out.reward == 0.0 and out.error_meta["reason"] == "syntax_error"
@@ -258,7 +261,7 @@ def test_endless_loop_is_a_timeout_naming_the_test():
     out = _run(ENDLESS_LOOP)
     assert (out.error_kind, out.error_meta["reason"], out.error_meta["test"]) == ("timeout", "test_timeout", "test_1")
     assert out.error_meta["failed_tests"] == ["test_1", "test_2"]  # test_2 is skipped after the timeout
-    assert DEFAULT_HINTS.hint(out.error_kind, out.error_meta) == (
+    assert CODING_HINTS.hint(out.error_kind, out.error_meta) == (
         "run_tests timed out after 0.5 s in test_1. Look for an endless loop.")
     out = _run(ENDLESS_LOOP, tool="submit")
     assert out.submitted and out.reward == 0.0 and out.error_kind == "timeout"
@@ -290,7 +293,7 @@ def test_fork_loop_huge_allocation_and_socket_are_contained(policy):
         "execution_error", "memory_limit", "MemoryError")
     sock = _run(SOCKET, policy=policy)
     assert (sock.error_kind, sock.error_meta["reason"]) == ("execution_error", "network_disabled"), sock.content
-    assert DEFAULT_HINTS.hint(sock.error_kind, sock.error_meta) == "There is no network. Do not open sockets."
+    assert CODING_HINTS.hint(sock.error_kind, sock.error_meta) == "There is no network. Do not open sockets."
 
 
 @pytest.mark.parametrize("policy", [None, KERNEL_ONLY, HOOK_ONLY], ids=["default", "kernel_only", "hook_only"])
@@ -398,7 +401,7 @@ def test_hints_cover_the_coding_error_reasons():
         ({"tool": "run_tests", "reason": "tests_failed", "message": "1 of 2 visible tests failed"},
          "run_tests failed: 1 of 2 visible tests failed. Check the arguments."),  # no test/detail: generic hint
     ]:
-        assert DEFAULT_HINTS.hint("execution_error", meta) == hint
+        assert CODING_HINTS.hint("execution_error", meta) == hint
 
 
 # ----------------------------------------------------------------------------- real server

@@ -99,6 +99,48 @@ def test_raw_traces_under_two_chat_templates(template, qwen_tok, llama_tok):
     assert ids[: len(sites[0].student_ids)] == sites[0].student_ids
 
 
+def _trace_with_recovery(task, recovery: str) -> list[Turn]:
+    """user, a failed call, its tool error, then an assistant recovery turn with text ``recovery``, a tool reply."""
+    name, args = "sum", {"a": 1, "b": 2}
+    content, kind, meta = execute(task, name, args)
+    assert kind is not None
+    return [Turn("user", task.question), Turn("assistant", tool_call_text(name, args)),
+            Turn("tool", content, None, kind, meta), Turn("assistant", recovery), Turn("tool", "ok")]
+
+
+@pytest.mark.parametrize("template", ["qwen", "llama"])
+@pytest.mark.parametrize("recovery", ["", "   ", "\n"])
+def test_raw_trace_empty_recovery_is_skipped_and_counted(template, recovery, qwen_tok, llama_tok):
+    """An empty or whitespace-only recovery turn is no site: counted in sdpo_skipped_empty_recovery, not an error
+    (it used to raise 'chat template: no assistant header before turn 3')."""
+    tok = qwen_tok if template == "qwen" else llama_tok
+    stats = CollatorStats()
+    ids, sites = ComposerCollator(tok, max_length=8192).sites_from_trace(
+        _trace_with_recovery(make_task(1, "empty"), recovery), TOOL_SCHEMAS, stats)
+    assert sites == [] and len(ids) > 0
+    assert stats.sdpo_skipped_empty_recovery == 1 and stats.sdpo_sites == 0
+
+
+@pytest.mark.parametrize("template", ["qwen", "llama"])
+@pytest.mark.parametrize("recovery", ["end", "assistant", "im", "eot"])
+def test_raw_trace_short_recovery_found_in_its_own_turn(template, recovery, qwen_tok, llama_tok):
+    """A recovery text that also occurs in the template's text between the tool reply and the turn (``end`` in
+    ``<|im_end|>``, ``assistant`` in the header) is located after the assistant header, in the turn itself."""
+    tok = qwen_tok if template == "qwen" else llama_tok
+    collator = ComposerCollator(tok, max_length=8192)
+    turns = _trace_with_recovery(make_task(1, "short"), recovery)
+    stats = CollatorStats()
+    ids, sites = collator.sites_from_trace(turns, TOOL_SCHEMAS, stats)
+    assert len(sites) == 1 and stats.sdpo_sites == 1
+    (site,) = sites
+    assert site.turn == 3
+    check_sites(collator, sites, {3: recovery})
+    # the region ends right where the turn's content ends: what follows is the template's end of turn
+    rendered = tok.apply_chat_template([{"role": t.role, "content": t.content} for t in turns[:4]],
+                                       tools=TOOL_SCHEMAS, tokenize=False)
+    assert tok.decode(site.student_ids).endswith(recovery) and rendered.rstrip().count(recovery) >= 1
+
+
 def test_32_turn_trace_with_8_error_sites(qwen_tok):
     task = make_task(2, "c3")
     steps = failing_steps(task, n_errors=8, n_turns=32)

@@ -19,15 +19,16 @@ from tests_support import error_line
 import torch
 from transformers import TrainerCallback
 
+from composer_diloco.channels import dpo as dpo_channel
 from composer_diloco.channels import dpo_pairs as preference
-from composer_diloco.inner import composite
+from composer_diloco.channels import sdpo as sdpo_channel
 from composer_diloco.rollout import episodes as rollout
 from composer_diloco.inner import trainer as trainer_mod
 from composer_diloco.config import LossConfig, RunConfig
 from composer_diloco.rollout.episode_tokens import tool_call_text
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import EnvSession
-from composer_diloco.inner.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args, split_channels
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args
 from envs.tool_env.models import ToolAction
 from envs.tool_env.server.tool_environment import ToolEnvironment
 from envs.tool_env.tasks import ITEM_VOCAB, make_task, solve
@@ -72,7 +73,7 @@ def group_scripts(seed: int, episode_id: str) -> list[list[tuple[str, dict]]]:
 
 
 def scripted_sampler(tok, scripts):
-    """Stands in for `rollout._generate`: at lock-step turn j, every episode still playing emits its scripted call."""
+    """Stands in for `rollout.generate_turns`: at lock-step turn j, every episode still playing emits its scripted call."""
     turn = itertools.count()
 
     def generate(model, tokenizer, contexts, max_new_tokens, temperature):
@@ -86,7 +87,7 @@ def scripted_sampler(tok, scripts):
 
 
 def fixed_candidate(tok):
-    """Stands in for the DPO candidates' sampler (`preference._generate`): a lookup of an unknown item, always."""
+    """Stands in for the DPO candidates' sampler (`preference.generate_turns`): a lookup of an unknown item, always."""
 
     def generate(model, tokenizer, contexts, max_new_tokens, temperature):
         ids = tok(tool_call_text("lookup", {"item": "zzz"}), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -107,7 +108,7 @@ class GradCapture(TrainerCallback):
 
 def one_step(tmp_path: Path, monkeypatch, *, loss_type: str, micro_batch: int, grad_accum: int):
     """One optimizer step of `ComposerGRPOTrainer.train()` on the same 8 scripted episodes; returns the gradients,
-    the step's `ChannelLosses` and how many SDPO/DPO loss calls there were.
+    the step's `StepLosses` and how many SDPO/DPO loss calls there were.
 
     Gradients, not updated weights, are compared: AdamW's first step is ``lr * g / (|g| + eps)``, so a gradient
     entry near 0 turns float rounding into a visible weight difference."""
@@ -132,12 +133,13 @@ def one_step(tmp_path: Path, monkeypatch, *, loss_type: str, micro_batch: int, g
                                   sessions=[LocalSession(config.env.max_tool_calls) for _ in range(8)],
                                   callbacks=[capture])
     with monkeypatch.context() as m:
-        m.setattr(rollout, "_generate", scripted_sampler(tok, scripts))
-        m.setattr(preference, "_generate", fixed_candidate(tok))
-        m.setattr(trainer_mod, "sdpo_loss", counting("sdpo", composite.sdpo_loss))
-        m.setattr(trainer_mod, "dpo_loss", counting("dpo", composite.dpo_loss))
+        m.setattr(rollout, "generate_turns", scripted_sampler(tok, scripts))
+        m.setattr(preference, "generate_turns", fixed_candidate(tok))
+        m.setattr(sdpo_channel, "sdpo_loss", counting("sdpo", sdpo_channel.sdpo_loss))
+        m.setattr(dpo_channel, "dpo_loss", counting("dpo", dpo_channel.dpo_loss))
         trainer.train()
-    episodes, losses, collated, _ = trainer.take_round_stats()
+    stats = trainer.take_round_stats()
+    episodes, losses = stats.episodes, stats.steps
     assert [e.reward for e in episodes] == [1.0, 1.0, 0.0, 0.0] * 2
     assert len(losses) == 1  # one record per optimizer step, whatever K
     return capture.grads, losses[0], calls
@@ -162,7 +164,7 @@ def test_two_micro_batches_give_the_gradients_of_one_batch(tmp_path, monkeypatch
         float((flat2 - flat1).abs().max())
 
 
-def test_split_channels_weights_add_up_to_the_whole_batch():
+def test_channel_split_weights_add_up_to_the_whole_batch():
     """The chunks' weights are the shares of SDPO tokens and DPO pairs; padding beyond a chunk's rows is cut."""
     valid = torch.zeros(3, 5, dtype=torch.bool)
     valid[0, :5], valid[1, :1], valid[2, :2] = True, True, True
@@ -171,17 +173,23 @@ def test_split_channels_weights_add_up_to_the_whole_batch():
          "sdpo_teacher_ids": att.clone(), "sdpo_teacher_attention_mask": att, "sdpo_teacher_mask": att.bool(),
          "student_response_idx": valid.long(), "teacher_response_idx": valid.long(),
          "student_response_valid": valid, "teacher_response_valid": valid.clone()}
-    batch = trainer_mod.ComposerBatch(tensors=t)
-    parts = split_channels(batch, 2)
-    assert [p.num_sdpo for p in parts] == [2, 1] and [p.num_dpo for p in parts] == [0, 0]
-    assert [p.sdpo_weight for p in parts] == pytest.approx([6 / 8, 2 / 8])
-    assert parts[1].tensors["sdpo_student_ids"].shape == (1, 6)  # padding beyond the chunk's longest row is cut
-    assert parts[1].tensors["student_response_idx"].shape == (1, 2)
-    assert split_channels(batch, 1)[0].sdpo_weight == 1.0
-    assert [p.num_sdpo for p in split_channels(batch, 5)] == [1, 1, 1, 0, 0]
-    assert all(not p.tensors for p in split_channels(None, 3))
+    parts = sdpo_channel.split_sdpo(t, 2)
+    assert [p.count for p in parts] == [2, 1]
+    assert [p.weight for p in parts] == pytest.approx([6 / 8, 2 / 8])
+    assert parts[1].rows["sdpo_student_ids"].shape == (1, 6)  # padding beyond the chunk's longest row is cut
+    assert parts[1].rows["student_response_idx"].shape == (1, 2)
+    assert sdpo_channel.split_sdpo(t, 1)[0].weight == 1.0
+    assert [p.count for p in sdpo_channel.split_sdpo(t, 5)] == [1, 1, 1, 0, 0]
+    assert sdpo_channel.split_sdpo(t, 5)[4].rows is None
     with pytest.raises(ValueError, match="parts 0"):
-        split_channels(batch, 0)
+        sdpo_channel.split_sdpo(t, 0)
+    # DPO: weights are the shares of pairs
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    d = {f"dpo_{n}_{k}": mask.clone() for n in ("chosen", "rejected") for k in ("ids", "attention_mask", "response_mask")}
+    d.update(dpo_ref_chosen_logps=torch.zeros(3), dpo_ref_rejected_logps=torch.zeros(3))
+    dparts = dpo_channel.split_dpo(d, 2)
+    assert [p.count for p in dparts] == [2, 1] and [p.weight for p in dparts] == pytest.approx([2 / 3, 1 / 3])
+    assert dparts[1].rows["dpo_chosen_ids"].shape == (1, 1)
 
 
 # ------------------------------------------------------------------------------------------- resolution rules

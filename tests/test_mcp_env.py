@@ -274,7 +274,7 @@ def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, m
 
     s = McpEnvSession(mcp_url, max_tool_calls=len(script))
     try:
-        monkeypatch.setattr(rollout, "_generate", scripted_generate)
+        monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
         (ep,) = rollout.play_episodes(None, tok, [s], [(SEED, "s")], tool_suffix_ids=_tool_suffix(tok),
                                       max_tool_calls=len(script), max_turn_tokens=64, max_seq_len=4096,
                                       temperature=1.0)

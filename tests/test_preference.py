@@ -23,6 +23,7 @@ from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer, tokenize_episode
 from composer_diloco.channels.dpo_pairs import (
     TEACHERS,
+    make_teachers,
     Candidate,
     PairStats,
     ReplayError,
@@ -37,7 +38,13 @@ from composer_diloco.channels.dpo_pairs import (
     site_contexts,
 )
 from composer_diloco.rollout.episodes import Episode, OpenEnvSession, Turn
+from composer_diloco.rollout.env_package import load_env_package
+from envs.tool_env import demos as tool_demos
 from envs.tool_env.tasks import ITEM_VOCAB, execute, make_task, solve
+
+TOOL_ENV = load_env_package("envs.tool_env.server")
+SCRIPTED = make_teachers(["scripted"], TOOL_ENV)
+"""The ``"scripted"`` teacher of the tool env, as the trainer builds it from the env contract."""
 
 MAX_TOOL_CALLS = 8
 SEED = 3
@@ -167,21 +174,22 @@ def _episode_with_calls(seed: int, episode_id: str, calls) -> Episode:
 
 @pytest.mark.timeout(10)
 def test_scripted_teacher_proposes_the_call_the_failed_one_attempted():
+    scripted = scripted_teacher(tool_demos.script)
     for i in range(40):
         task = make_task(SEED, f"t{i}")
         calls = solve(task, random.Random(i), 1.0)  # one failed call, right before the call it attempts
         ep = _episode_with_calls(SEED, f"t{i}", calls)
         (site,) = error_sites(ep)
         at = (site - 1) // 2  # index of the failed call in `calls`
-        assert scripted_teacher(ep, site) == calls[at + 1]
+        assert scripted(ep, site) == calls[at + 1]
     # An off-script successful call does not make it skip a step; a foreign episode gets no proposal.
     task = make_task(SEED, "off")
     other = next(item for item in task.catalogue if item not in (task.x, task.y))
     ep = _episode_with_calls(SEED, "off", [("lookup", {"item": other}), ("sum", {})])
-    assert scripted_teacher(ep, 3) == ("lookup", {"item": task.x})
+    assert scripted(ep, 3) == ("lookup", {"item": task.x})
     ep.turns[0] = Turn("user", "Something else?")
-    assert scripted_teacher(ep, 3) is None
-    assert TEACHERS["scripted"] is scripted_teacher
+    assert scripted(ep, 3) is None
+    assert set(TEACHERS) == {"scripted"} and set(SCRIPTED) == {"scripted"}
 
 
 @pytest.mark.timeout(30)
@@ -190,6 +198,7 @@ def test_scripted_teacher_writes_the_reference_after_a_failed_coding_call():
     (an error site), it proposes writing the reference solution; after that, running the tests."""
     from envs.coding_env.tasks import make_task as coding_task
 
+    scripted = make_teachers(["scripted"], load_env_package("envs.coding_env.server"))["scripted"]
     for source in ("generated", "mixed"):
         task = coding_task(SEED, f"c-{source}", source)
         wrong = {"path": "solution.py", "content": task.starter}
@@ -199,10 +208,10 @@ def test_scripted_teacher_writes_the_reference_after_a_failed_coding_call():
             turns += [Turn("assistant", "", {"name": name, "arguments": args}), Turn("tool", "x", None, kind, {})]
         ep = Episode(SEED, f"c-{source}", turns, [], [])
         assert error_sites(ep) == [5]
-        assert scripted_teacher(ep, 5) == ("write_file", {"path": "solution.py", "content": task.reference})
+        assert scripted(ep, 5) == ("write_file", {"path": "solution.py", "content": task.reference})
         ep.turns[3] = Turn("assistant", "", {"name": "write_file",
                                              "arguments": {"path": "solution.py", "content": task.reference}})
-        assert scripted_teacher(ep, 5) == ("run_tests", {})
+        assert scripted(ep, 5) == ("run_tests", {})
 
 
 @pytest.mark.timeout(10)
@@ -268,7 +277,7 @@ def _play_scripted(tok, url: str, keys, scripts, monkeypatch) -> list[Episode]:
     sessions = [OpenEnvSession(url, max_tool_calls=MAX_TOOL_CALLS) for _ in keys]
     try:
         with monkeypatch.context() as m:
-            m.setattr(rollout, "_generate", scripted_generate)
+            m.setattr(rollout, "generate_turns", scripted_generate)
             episodes = rollout.play_episodes(
                 None, tok, sessions, keys, tool_suffix_ids=lambda msgs: GRPOTrainer._get_tool_suffix_ids(trl_self,
                                                                                                          msgs),
@@ -329,7 +338,7 @@ def test_scores_scripted_one_recorded_zero(two_episodes, session, tok):
         recorded = ep.turns[site]
         rec = Candidate("recorded", recorded.content, [], parse_tool_call(recorded.content))
         assert score_candidate(session, ep, site, rec) == 0.0
-        text, ids = render_tool_call(tok, *scripted_teacher(ep, site))
+        text, ids = render_tool_call(tok, *SCRIPTED["scripted"](ep, site))
         assert score_candidate(session, ep, site, Candidate("scripted", text, ids, parse_tool_call(text))) == 1.0
         junk = Candidate("policy", "no call", [5], parse_tool_call("no call"))
         assert score_candidate(session, ep, site, junk) == 0.0
@@ -369,7 +378,7 @@ def _check_stats(pairs, stats, n_sites, per_site):
 @pytest.mark.timeout(120)
 def test_collect_pairs_prefers_the_scripted_teacher(two_episodes, session, tok, model):
     episodes = list(two_episodes)
-    pairs, stats = collect_pairs(model, tok, episodes, session, teachers=["scripted"], mode="exhaustive",
+    pairs, stats = collect_pairs(model, tok, episodes, session, teachers=SCRIPTED, mode="exhaustive",
                                  min_score_diff=0.5, max_pairs_per_turn=4, max_sites=8, max_turn_tokens=16,
                                  temperature=1.0, samples_per_source=2, seed=0)
     # Per site: recorded + 2 policy + 2 policy+hint + scripted.
@@ -394,11 +403,11 @@ def test_collect_pairs_prefers_the_scripted_teacher(two_episodes, session, tok, 
     assert stats.pairs + stats.capped + stats.skipped_no_score_diff <= distinct * (distinct - 1) // 2
 
     # Same seed, same pairs; best_vs_worst gives one pair per site.
-    again, _ = collect_pairs(model, tok, episodes, session, teachers=["scripted"], mode="exhaustive",
+    again, _ = collect_pairs(model, tok, episodes, session, teachers=SCRIPTED, mode="exhaustive",
                              min_score_diff=0.5, max_pairs_per_turn=4, max_sites=8, max_turn_tokens=16,
                              temperature=1.0, samples_per_source=2, seed=0)
     assert again == pairs
-    bvw, stats = collect_pairs(model, tok, episodes, session, hints=HintRegistry({}), teachers=["scripted"],
+    bvw, stats = collect_pairs(model, tok, episodes, session, hints=HintRegistry({}), teachers=SCRIPTED,
                                mode="best_vs_worst", min_score_diff=0.5, max_pairs_per_turn=4, max_sites=1,
                                max_turn_tokens=16, temperature=1.0, samples_per_source=1, seed=0)
     assert [(p.episode_id, p.chosen_source) for p in bvw] == [("a", "scripted")]
@@ -411,12 +420,14 @@ def test_collect_pairs_counts_replay_errors_instead_of_raising(two_episodes, ses
     a, b = two_episodes
     bad = copy.deepcopy(b)
     bad.turns[4].content = "999"
-    pairs, stats = collect_pairs(model, tok, [a, bad], session, teachers=["scripted"], max_turn_tokens=8,
+    pairs, stats = collect_pairs(model, tok, [a, bad], session, teachers=SCRIPTED, max_turn_tokens=8,
                                  samples_per_source=0)
     assert stats.replay_errors == 1 and stats.sites == 2
     assert {p.episode_id for p in pairs} == {"a"}
     with pytest.raises(ValueError, match="unknown teacher"):
-        collect_pairs(model, tok, [a], session, teachers=["oracle"])
+        make_teachers(["oracle"], TOOL_ENV)
+    with pytest.raises(ValueError, match="clash with the built-in sources"):
+        collect_pairs(model, tok, [a], session, teachers={"policy": SCRIPTED["scripted"]})
 
 
 @pytest.mark.timeout(120)
@@ -429,7 +440,7 @@ def test_collect_pairs_batch_of_eight(server, session, tok, model):
     assert {ep.turns[s + 1].error_kind for ep in episodes for s in error_sites(ep)} == {
         "tool_not_found", "invalid_args", "execution_error"}
     start = time.perf_counter()
-    pairs, stats = collect_pairs(model, tok, episodes, session, teachers=["scripted"], mode="best_vs_worst",
+    pairs, stats = collect_pairs(model, tok, episodes, session, teachers=SCRIPTED, mode="best_vs_worst",
                                  min_score_diff=0.5, max_pairs_per_turn=4, max_sites=64, max_turn_tokens=40,
                                  temperature=1.0, samples_per_source=1, seed=0)
     elapsed = time.perf_counter() - start

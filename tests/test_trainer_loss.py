@@ -49,4 +49,4 @@ def test_grpo_loss_equals_trl(tmp_path, loss_type):
     a = ours._compute_loss(ours.model, dict(batch))
     b = theirs._compute_loss(theirs.model, dict(batch))
     assert torch.allclose(a, b, atol=0, rtol=0), (a, b)
-    assert ours.round_losses[-1].loss_grpo == pytest.approx(b.item()) and ours.round_losses[-1].loss_sdpo == 0.0
+    assert ours.round_stats.steps[-1].loss_grpo == pytest.approx(b.item()) and ours.round_stats.steps[-1].loss_sdpo == 0.0

@@ -4,30 +4,33 @@ SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 26
 towards itself conditioned on feedback. Here the feedback is a short hint about a failed tool call: the teacher
 sees the student's context plus the hint, and the student is pulled towards what the teacher would have emitted.
 
-The tool environment (``envs/tool_env/tasks.py``) reports a failed call as ``error_kind`` and ``error_meta``:
+An environment reports a failed call as ``error_kind`` and ``error_meta`` (the kinds of OpenEnv's
+``ToolErrorType``, `composer_diloco.rollout.mcp`):
 
 - ``tool_not_found``: ``{"tool", "available_tools", "message"}``;
 - ``invalid_args``: ``{"tool", "expected_schema", "message"}`` (``expected_schema``: the JSON schema of the tool's
   parameters);
 - ``execution_error``: ``{"tool", "message"}``;
-- ``timeout`` (coding environments): ``{"tool", "message"}`` and maybe ``timeout_s``.
+- ``timeout``: ``{"tool", "message"}`` and maybe ``timeout_s`` and ``test`` (the test that hung).
 
-The coding environment (``envs/coding_env/tools.py``) adds ``reason`` to ``execution_error`` and ``timeout`` metadata
-(e.g. ``tests_failed`` with ``test`` and ``detail``, ``syntax_error`` with ``where``, ``network_disabled``) and ``test``
-to ``timeout``; `DEFAULT_HINTS` has a hint per reason (`CODING_REASON_HINTS`) and falls back to the generic one.
+An env may add a ``reason`` to ``execution_error`` metadata (e.g. ``tests_failed`` with ``test`` and ``detail``) and
+ship a hint template per reason in its package (``REASON_HINTS``, the env contract's ``reason_hints``,
+`composer_diloco.rollout.env_package`): `default_hints` takes them, and falls back to the generic hint. This module
+names no env.
 
 A tiny model reads the hints, so they are one or two short sentences, and a pure function of the metadata.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import string
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CODING_REASON_HINTS", "DEFAULT_HINTS", "HintFn", "HintRegistry", "render_signature"]
+__all__ = ["DEFAULT_HINTS", "HintFn", "HintRegistry", "default_hints", "render_signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,18 +208,20 @@ class HintRegistry:
         return HintRegistry(self._hints)
 
     @classmethod
-    def from_config(cls, mapping: Mapping[str, str] | None, *, base: HintRegistry | None = None) -> HintRegistry:
+    def from_config(cls, mapping: Mapping[str, str] | None, *, base: HintRegistry | None = None,
+                    reason_hints: Mapping[str, str] | None = None) -> HintRegistry:
         """The defaults (or ``base``), overridden and extended by templates from a config table.
 
         Args:
             mapping: the ``[hints]`` table, ``kind = "template"`` (see `register` for the template fields). An
                 empty template turns that kind's hints off. None or ``{}`` gives the defaults.
-            base: the registry to start from (default: `DEFAULT_HINTS`); it is not modified.
+            base: the registry to start from (default: `default_hints` of ``reason_hints``); it is not modified.
+            reason_hints: the env's ``{reason: template}`` hints (`EnvPackage.reason_hints`); ignored with ``base``.
 
         Raises:
             ValueError: if a value is not a string or not a valid template (naming the kind).
         """
-        registry = (base if base is not None else DEFAULT_HINTS).copy()
+        registry = (base if base is not None else default_hints(reason_hints)).copy()
         for kind, template in (mapping or {}).items():
             if not isinstance(template, str):
                 raise ValueError(
@@ -263,36 +268,12 @@ def _invalid_args(meta: Mapping[str, Any]) -> str | None:
     return None
 
 
-CODING_REASON_HINTS: Mapping[str, str] = MappingProxyType({
-    "tests_failed": "{test} failed: {detail}. Fix solution.py, then run the tests again.",
-    "syntax_error": "The code does not compile at {where}. Fix the syntax first.",
-    "import_error": "Importing {path} raised {error_type}. Check the code outside functions.",
-    "no_tests": "The test file has no test functions. Do not change test_solution.py.",
-    "crashed": "The code stopped the test process. Do not call exit or kill processes.",
-    "no_such_file": "There is no file {path}. Files: {files}.",
-    "bad_path": "Use a relative path inside the workspace, e.g. solution.py.",
-    "patch_not_found": "The old text is not in {path}. Read the file and copy the text exactly.",
-    "patch_ambiguous": "The old text occurs {count} times in {path}. Include more lines so it occurs once.",
-    "too_large": "The file is too long. Keep it under {max_chars} characters.",
-    "too_many_files": "Do not create more files. Edit solution.py.",
-    "memory_limit": "The code ran out of memory. Use less memory.",
-    "process_limit": "Do not start processes. Compute the result directly.",
-    "processes_refused": "Do not start processes. Compute the result directly.",
-    "write_outside_workspace": "Write files only inside the workspace, with relative paths.",
-    "permission_denied": "Only use files inside the workspace.",
-    "network_disabled": "There is no network. Do not open sockets.",
-    "read_refused": "Only read files inside the workspace.",
-    "ctypes_refused": "Do not use ctypes.",
-    "file_size_limit": "The code wrote too much data. Write less.",
-    "open_files_limit": "The code opened too many files. Close the files you open.",
-})
-"""``execution_error`` hint templates by the coding environment's ``meta["reason"]`` (fields: the meta keys; read-only,
-override one with a ``[hints]`` entry for ``execution_error`` instead)."""
+_NO_REASONS: Mapping[str, str] = MappingProxyType({})
 
 
-def _by_reason(meta: Mapping[str, Any]) -> str | None:
-    """The `CODING_REASON_HINTS` hint for ``meta["reason"]``, or None (no reason, or a key it needs is missing)."""
-    template = CODING_REASON_HINTS.get(meta.get("reason")) if isinstance(meta.get("reason"), str) else None
+def _by_reason(meta: Mapping[str, Any], reasons: Mapping[str, str]) -> str | None:
+    """The ``reasons`` template for ``meta["reason"]``, filled, or None (no reason, or a key it needs is missing)."""
+    template = reasons.get(meta.get("reason")) if isinstance(meta.get("reason"), str) else None
     if template is None:
         return None
     try:
@@ -301,13 +282,13 @@ def _by_reason(meta: Mapping[str, Any]) -> str | None:
         return None
 
 
-def _execution_error(meta: Mapping[str, Any]) -> str | None:
+def _execution_error(meta: Mapping[str, Any], reasons: Mapping[str, str] = _NO_REASONS) -> str | None:
     """``lookup failed: unknown item 'kiwi'; known items: apple, pear. Check the arguments.``
 
-    With a coding-environment ``reason``, its `CODING_REASON_HINTS` entry, e.g. ``test_2 failed: f(2) returned 3,
-    expected 4. Fix solution.py, then run the tests again.``
+    With a ``meta["reason"]`` that ``reasons`` (the env's ``REASON_HINTS``) has a template for, that template
+    filled, e.g. ``test_2 failed: f(2) returned 3, expected 4. Fix solution.py, then run the tests again.``
     """
-    by_reason = _by_reason(meta)
+    by_reason = _by_reason(meta, reasons)
     if by_reason:
         return by_reason
     tool, message = meta.get("tool"), meta.get("message")
@@ -322,18 +303,30 @@ def _timeout(meta: Mapping[str, Any]) -> str:
     tool, limit = meta.get("tool"), meta.get("timeout_s")
     who = f"{tool} timed out" if tool is not None else "The call timed out"
     after = f" after {limit:g} s" if isinstance(limit, (int, float)) and not isinstance(limit, bool) else ""
-    if isinstance(meta.get("test"), str) and meta["test"]:  # the coding environment names the test that hung
+    if isinstance(meta.get("test"), str) and meta["test"]:  # an env that runs tests may name the test that hung
         return f"{who}{after} in {meta['test']}. Look for an endless loop."
     return f"{who}{after}. Make the call faster or simpler."
 
 
-DEFAULT_HINTS = HintRegistry(
-    {
-        "tool_not_found": _tool_not_found,
-        "invalid_args": _invalid_args,
-        "execution_error": _execution_error,
-        "timeout": _timeout,
-    },
-    read_only=True,
-)
-"""Default hints for ``tool_not_found``, ``invalid_args``, ``execution_error`` and ``timeout`` (read-only)."""
+def default_hints(reason_hints: Mapping[str, str] | None = None) -> HintRegistry:
+    """The default hints for ``tool_not_found``, ``invalid_args``, ``execution_error`` and ``timeout`` (read-only).
+
+    Args:
+        reason_hints: the env's ``{reason: template}`` for ``execution_error`` metadata that carries a ``reason``
+            (`composer_diloco.rollout.env_package.EnvPackage.reason_hints`); None or empty = the generic hint only.
+    """
+    reasons = MappingProxyType(dict(reason_hints or {}))
+    return HintRegistry(
+        {
+            "tool_not_found": _tool_not_found,
+            "invalid_args": _invalid_args,
+            "execution_error": functools.partial(_execution_error, reasons=reasons) if reasons else _execution_error,
+            "timeout": _timeout,
+        },
+        read_only=True,
+    )
+
+
+DEFAULT_HINTS = default_hints()
+"""Default hints for ``tool_not_found``, ``invalid_args``, ``execution_error`` and ``timeout`` (read-only), without
+env reason hints."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from composer_diloco.channels.base import Counts
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.channels.losses import sequence_logprobs
@@ -66,20 +67,31 @@ class SdpoSite:
 
 
 @dataclass
-class CollatorStats:
-    """What the collator kept and skipped in one call (per-step metrics)."""
+class SdpoStats(Counts):
+    """What SDPO site building kept and skipped (counts of sites; per step, summed over a round).
+
+    Attributes:
+        sdpo_sites: sites kept.
+        sdpo_skipped_no_hint: the hint registry had no hint for the error.
+        sdpo_skipped_empty_recovery: the recovery turn has no content (empty or whitespace only).
+        sdpo_skipped_no_recovery: the error is the trace's last turn, or no assistant turn follows it.
+        sdpo_skipped_truncated: the hint or the recovery turn would not fit ``max_length``.
+    """
 
     sdpo_sites: int = 0
     sdpo_skipped_no_hint: int = 0
     sdpo_skipped_empty_recovery: int = 0
     sdpo_skipped_no_recovery: int = 0
     sdpo_skipped_truncated: int = 0
+
+
+@dataclass
+class CollatorStats(SdpoStats):
+    """What one `ComposerCollator` call kept and skipped: the SDPO counts plus the DPO rows (pairs kept, pairs
+    longer than ``max_length``)."""
+
     dpo_pairs: int = 0
     dpo_skipped_truncated: int = 0
-
-    def add(self, other: CollatorStats) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
@@ -102,10 +114,12 @@ class ComposerBatch:
 
     @property
     def num_sdpo(self) -> int:
+        """S, the SDPO sites in ``tensors`` (0 without SDPO keys)."""
         return 0 if "sdpo_student_ids" not in self.tensors else int(self.tensors["sdpo_student_ids"].shape[0])
 
     @property
     def num_dpo(self) -> int:
+        """P, the DPO pairs in ``tensors`` (0 without DPO keys)."""
         return 0 if "dpo_chosen_ids" not in self.tensors else int(self.tensors["dpo_chosen_ids"].shape[0])
 
 
@@ -126,8 +140,17 @@ class ComposerCollator:
         self.header_ids = generation_prompt_ids(tokenizer)
 
     # -- SDPO sites -----------------------------------------------------------------------------------
-    def sites_from_episode(self, episode: Episode, stats: CollatorStats) -> list[SdpoSite]:
-        """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs)."""
+    def sites_from_episode(self, episode: Episode, stats: SdpoStats) -> list[SdpoSite]:
+        """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs).
+
+        Args:
+            episode: a played episode (``prompt_ids`` (P,), ``completion_ids`` / ``env_mask`` (C,), its turns).
+            stats: counts kept/skipped sites into its ``sdpo_*`` fields.
+        Returns:
+            The sites in turn order (ids are the episode's own: what GRPO trains on).
+        Raises:
+            ValueError: the episode's token runs do not match its turns (`composer_diloco.rollout.episode_tokens`).
+        """
         ids = episode.prompt_ids + episode.completion_ids
         spans = turn_spans(episode, self.tokenizer.eos_token_id)
         sites = []
@@ -145,15 +168,26 @@ class ComposerCollator:
                 sites.append(site)
         return sites
 
-    def sites_from_trace(self, turns: Sequence[Turn], tools: list[dict] | None, stats: CollatorStats,
+    def sites_from_trace(self, turns: Sequence[Turn], tools: list[dict] | None, stats: SdpoStats,
                          episode_id: str = "") -> tuple[list[int], list[SdpoSite]]:
         """Render a raw trace once with the chat template and find its SDPO sites.
 
-        Assistant turns are rendered with their raw text as content (the text the policy produced).
+        Assistant turns are rendered with their raw text as content (the text the policy produced). Each turn's
+        content is located once, left to right; an assistant turn's content is searched after its assistant header,
+        so a short recovery text that also occurs in the template's scaffolding (``"end"`` in ``<|im_end|>``) is
+        found in the turn itself. An empty or whitespace-only recovery turn is skipped and counted in
+        ``sdpo_skipped_empty_recovery``.
+
+        Args:
+            turns: the trace, in order (``role``, ``content``, ``error_kind``, ``error_meta`` of tool turns).
+            tools: the tool schemas the template renders into the system prompt, or None.
+            stats: counts kept/skipped sites into its ``sdpo_*`` fields.
+            episode_id: names the sites.
         Returns:
-            (input_ids, sites): the single rendering's token ids (what GRPO would train on) and the sites.
+            ``(input_ids, sites)``: the single rendering's token ids (``(L,)``, what GRPO would train on) and the sites.
         Raises:
-            ValueError: a message's content cannot be located in the rendering (a template that rewrites it).
+            ValueError: a message's content cannot be located in the rendering (a template that rewrites it), or a
+                recovery turn has no assistant header after its tool reply.
         """
         messages = [{"role": t.role, "content": t.content} for t in turns]
         text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
@@ -161,14 +195,7 @@ class ComposerCollator:
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         starts = {s: k for k, (s, e) in enumerate(offsets) if e > s}
         header_text = self.tokenizer.decode(self.header_ids)
-        cursor, char_spans = 0, []
-        for t in turns:  # each content located once, left to right: linear in the text's length
-            content = t.content.strip()
-            pos = text.find(content, cursor) if content else cursor
-            if pos < 0:
-                raise ValueError(f"chat template: content of a {t.role} turn not found in the rendering")
-            char_spans.append((pos, pos + len(content)))
-            cursor = pos + len(content)
+        char_spans, headers = _locate_turns(text, turns, header_text)
         sites = []
         for k in range(1, len(turns) - 1):
             tool = turns[k]
@@ -178,9 +205,12 @@ class ComposerCollator:
             if turns[nxt].role != "assistant":
                 stats.sdpo_skipped_no_recovery += 1
                 continue
+            if not turns[nxt].content.strip():  # nothing to distil: counted like an empty played recovery turn
+                stats.sdpo_skipped_empty_recovery += 1
+                continue
             cs, ce = char_spans[nxt]
-            h_char = text.rfind(header_text, char_spans[k][1], cs + 1) if cs > char_spans[k][1] else -1
-            if h_char < 0 or h_char not in starts:
+            h_char = headers[nxt]
+            if h_char < char_spans[k][1] or h_char not in starts:
                 raise ValueError(f"chat template: no assistant header before turn {nxt}")
             tok_s = _token_at_or_after(offsets, cs)
             tok_e = _token_at_or_after(offsets, ce)
@@ -192,7 +222,7 @@ class ComposerCollator:
         return ids, sites
 
     def _site(self, episode_id: str, ids: list[int], turn: int, header: int, content_start: int, content_end: int,
-              tool: Turn, stats: CollatorStats) -> SdpoSite | None:
+              tool: Turn, stats: SdpoStats) -> SdpoSite | None:
         if content_end <= content_start:
             stats.sdpo_skipped_empty_recovery += 1
             return None
@@ -220,7 +250,7 @@ class ComposerCollator:
 
         Args:
             episodes: played episodes of this step.
-            pairs: `preference.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
+            pairs: `composer_diloco.channels.dpo_pairing.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
             reference_model: the frozen reference policy; required when ``pairs`` is non-empty.
             with_sdpo: False skips the SDPO channel entirely (its weight is 0).
         Raises:
@@ -239,7 +269,9 @@ class ComposerCollator:
         return batch
 
     def sdpo_tensors(self, sites: Sequence[SdpoSite]) -> dict[str, torch.Tensor]:
-        """Pad the sites into the SDPO tensors of `ComposerBatch`."""
+        """Pad S >= 1 sites into the SDPO tensors of `ComposerBatch`: ids (S, Ls) / (S, Lt) long right-padded with
+        ``pad_token_id``, attention masks, aligned response indices (S, R) long with their validity (S, R) bool, and
+        the same tokens as (S, Ls) / (S, Lt) bool masks."""
         s_ids, s_att = _pad([s.student_ids for s in sites], self.pad_token_id)
         t_ids, t_att = _pad([s.teacher_ids for s in sites], self.pad_token_id)
         r = max(len(s.student_idx) for s in sites)
@@ -266,7 +298,11 @@ class ComposerCollator:
     @torch.no_grad()
     def dpo_tensors(self, pairs: Sequence[Any], reference_model: torch.nn.Module,
                     stats: CollatorStats) -> dict[str, torch.Tensor]:
-        """``prompt + chosen`` / ``prompt + rejected`` ids, response masks and reference log-probs."""
+        """``prompt + chosen`` / ``prompt + rejected`` ids (P, L) long, attention and response masks (P, L), and the
+        reference policy's summed response log-probs (P,) float32 (nats, no grad, computed on its device, returned on
+        CPU). A pair whose longer response reaches ``max_length`` is dropped (``stats.dpo_skipped_truncated``); the
+        prompt is cut from the left to fit. Returns ``{}`` when no pair fits; counts kept pairs in ``stats.dpo_pairs``.
+        """
         rows_c, rows_r = [], []
         for p in pairs:
             longest = max(len(p.chosen_ids), len(p.rejected_ids))
@@ -291,6 +327,34 @@ class ComposerCollator:
             out[f"dpo_ref_{name}_logps"] = sequence_logprobs(logits, ids.to(device), resp.to(device)).cpu()
         stats.dpo_pairs += len(rows_c)
         return out
+
+
+def _locate_turns(text: str, turns: Sequence[Turn], header_text: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where each turn's (stripped) content lies in the rendered ``text``, and each assistant turn's header.
+
+    Each content is located once, left to right (linear in the text's length); an assistant turn's content is
+    searched after its own header, so a short content that also occurs in the scaffolding before it is not
+    matched there. Returns ``(char_spans, headers)``: ``[(start, end)]`` character offsets per turn (an empty
+    content is the empty span at the cursor), and per turn the character offset of its assistant header (-1 for
+    other roles, or when no header follows the previous turn).
+
+    Raises:
+        ValueError: a turn's content is not in the rendering after the previous turn's.
+    """
+    cursor, char_spans, headers = 0, [], []
+    for t in turns:
+        header = -1
+        if t.role == "assistant":  # the content follows the turn's header: search after it, not at the cursor
+            header = text.find(header_text, cursor)
+            cursor = header + len(header_text) if header >= 0 else cursor
+        content = t.content.strip()
+        pos = text.find(content, cursor) if content else cursor
+        if pos < 0:
+            raise ValueError(f"chat template: content of a {t.role} turn not found in the rendering")
+        char_spans.append((pos, pos + len(content)))
+        headers.append(header)
+        cursor = pos + len(content)
+    return char_spans, headers
 
 
 def _pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

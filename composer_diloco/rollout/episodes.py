@@ -204,7 +204,7 @@ def play_episodes(
         if not active:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].completion_ids for i in active]
-        generated, logps = _generate(model, tokenizer, contexts, max_turn_tokens, temperature)
+        generated, logps = generate_turns(model, tokenizer, contexts, max_turn_tokens, temperature)
         still = []
         for i, ids, lp in zip(active, generated, logps):
             ep = episodes[i]
@@ -243,7 +243,7 @@ def play_episodes(
     return episodes
 
 
-def _generate(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
+def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
               temperature: float) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one turn for each context (left-padded batch). Returns new token ids (up to and including EOS)
     and the sampler's log-prob of each, under the temperature-scaled distribution."""

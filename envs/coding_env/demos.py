@@ -15,6 +15,8 @@ are the expected values); ``tests/test_coding_env.py`` checks these replies agai
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from envs.demonstration import Demonstration
@@ -89,3 +91,31 @@ def script(seed: int, episode_id: str, question: str) -> list[tuple[str, dict[st
         if task.question == question:
             return solve(task)
     return None
+
+
+REASON_HINTS: Mapping[str, str] = MappingProxyType({
+    "tests_failed": "{test} failed: {detail}. Fix solution.py, then run the tests again.",
+    "syntax_error": "The code does not compile at {where}. Fix the syntax first.",
+    "import_error": "Importing {path} raised {error_type}. Check the code outside functions.",
+    "no_tests": "The test file has no test functions. Do not change test_solution.py.",
+    "crashed": "The code stopped the test process. Do not call exit or kill processes.",
+    "no_such_file": "There is no file {path}. Files: {files}.",
+    "bad_path": "Use a relative path inside the workspace, e.g. solution.py.",
+    "patch_not_found": "The old text is not in {path}. Read the file and copy the text exactly.",
+    "patch_ambiguous": "The old text occurs {count} times in {path}. Include more lines so it occurs once.",
+    "too_large": "The file is too long. Keep it under {max_chars} characters.",
+    "too_many_files": "Do not create more files. Edit solution.py.",
+    "memory_limit": "The code ran out of memory. Use less memory.",
+    "process_limit": "Do not start processes. Compute the result directly.",
+    "processes_refused": "Do not start processes. Compute the result directly.",
+    "write_outside_workspace": "Write files only inside the workspace, with relative paths.",
+    "permission_denied": "Only use files inside the workspace.",
+    "network_disabled": "There is no network. Do not open sockets.",
+    "read_refused": "Only read files inside the workspace.",
+    "ctypes_refused": "Do not use ctypes.",
+    "file_size_limit": "The code wrote too much data. Write less.",
+    "open_files_limit": "The code opened too many files. Close the files you open.",
+})
+"""SDPO hint templates for ``execution_error`` by this env's ``meta["reason"]`` (fields: the meta keys), the env
+contract's ``reason_hints`` (`composer_diloco.rollout.env_package`); a ``[hints]`` entry for ``execution_error``
+overrides them all."""

@@ -1,0 +1,190 @@
+"""The DPO channel: trace-replay preference pairs (Rafailov et al., "Direct Preference Optimization", arXiv 2305.18290).
+
+At the step's tool-error sites, candidate actions are replayed in the environment and paired by score
+(`composer_diloco.channels.dpo_pairs.collect_pairs`); the channel's term is ``beta_dpo * DPO`` (sigmoid loss, Eq. (7),
+`composer_diloco.channels.losses.dpo_sigmoid_loss`), a mean over pairs, against the reference log-probs of the
+round's frozen global model theta_r (refreshed after every outer step, so every peer shares the trust region).
+
+Config: ``[loss] beta_dpo`` (the weight; 0 = off) and ``dpo_beta`` (DPO's beta), the ``[preference]`` section
+(`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
+Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
+Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStats` by name; ``{}`` when off).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
+from composer_diloco.channels.dpo_pairing import PairStats
+from composer_diloco.channels.dpo_pairs import collect_pairs
+from composer_diloco.channels.dpo_teachers import TeacherFn, make_teachers
+from composer_diloco.channels.losses import dpo_sigmoid_loss, sequence_logprobs
+from composer_diloco.inner.collator import ComposerCollator
+from composer_diloco.rollout.episodes import Episode, EnvSession
+
+if TYPE_CHECKING:
+    from composer_diloco.config import LossConfig, RunConfig
+
+__all__ = ["DPO_KEYS", "DpoChannel", "DpoStats", "dpo_loss", "split_dpo"]
+
+
+DPO_KEYS = ("dpo_chosen_ids", "dpo_chosen_attention_mask", "dpo_chosen_response_mask", "dpo_rejected_ids",
+            "dpo_rejected_attention_mask", "dpo_rejected_response_mask", "dpo_ref_chosen_logps",
+            "dpo_ref_rejected_logps")
+"""The DPO row tensors (`composer_diloco.inner.collator.ComposerBatch` documents their shapes)."""
+
+
+@dataclass
+class DpoStats(Counts):
+    """What the DPO channel built in a step (summed over a round).
+
+    Attributes:
+        dpo_pairs: pairs collated (trained on).
+        dpo_skipped_truncated: pairs whose response alone is longer than ``max_seq_len``.
+        pair_stats: what pair collection saw and dropped (`PairStats`).
+    """
+
+    dpo_pairs: int = 0
+    dpo_skipped_truncated: int = 0
+    pair_stats: PairStats = field(default_factory=PairStats)
+
+
+def dpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
+    """DPO sigmoid loss (arXiv 2305.18290, Eq. (7)) of the policy's summed response log-probs against the reference
+    log-probs the collator computed with the round's frozen global model.
+
+    Args:
+        model: the policy being trained (causal LM: ``input_ids`` (P, L) long -> ``logits`` (P, L, V)).
+        t: DPO tensors of P pairs (`DPO_KEYS`), on the model's device: ``dpo_{chosen,rejected}_ids`` (P, L) long,
+            their attention and response masks (P, L), ``dpo_ref_{chosen,rejected}_logps`` (P,) float32 nats.
+        cfg: ``dpo_beta`` (DPO's beta).
+    Returns:
+        Scalar fp32, nats: the mean over pairs.
+    Raises:
+        ValueError: from `sequence_logprobs` / `dpo_sigmoid_loss`, on inconsistent shapes.
+    """
+    logps = {}
+    for name in ("chosen", "rejected"):
+        ids, att = t[f"dpo_{name}_ids"], t[f"dpo_{name}_attention_mask"]
+        logits = model(input_ids=ids, attention_mask=att).logits
+        logps[name] = sequence_logprobs(logits, ids, t[f"dpo_{name}_response_mask"])
+    loss, _, _ = dpo_sigmoid_loss(logps["chosen"], logps["rejected"], t["dpo_ref_chosen_logps"],
+                                  t["dpo_ref_rejected_logps"], beta=cfg.dpo_beta)
+    return loss
+
+
+def split_dpo(t: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
+    """Cut P DPO pairs into ``parts`` contiguous, near-equal row chunks, each weighted by ``P_c / P`` (DPO is a mean
+    over pairs); (P, L) tensors are cut to the chunk's longest chosen / rejected sequence.
+
+    Args:
+        t: DPO tensors of P >= 1 pairs (`DPO_KEYS`).
+        parts: K >= 1.
+    Returns:
+        K `ChannelPart` s (``rows``: a tensor dict or None, ``count``: pairs, ``weight``: P_c / P).
+    Raises:
+        ValueError: ``parts`` below 1.
+    """
+    if parts < 1:
+        raise ValueError(f"parts {parts}: expected a number of micro-batches >= 1")
+    out = [ChannelPart() for _ in range(parts)]
+    n = int(t["dpo_chosen_ids"].shape[0])
+    for part, rows in zip(out, torch.arange(n).tensor_split(parts), strict=True):
+        if len(rows):
+            part.rows, part.count, part.weight = _dpo_rows(t, rows), len(rows), len(rows) / n
+    return out
+
+
+def _dpo_rows(t: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DPO tensors of ``rows``; (P, L) tensors cut to the chunk's longest chosen / rejected sequence."""
+    out = {}
+    for name in ("chosen", "rejected"):
+        width = int(t[f"dpo_{name}_attention_mask"][rows].sum(dim=1).max())
+        for k in (f"dpo_{name}_ids", f"dpo_{name}_attention_mask", f"dpo_{name}_response_mask"):
+            out[k] = t[k][rows, :width]
+        out[f"dpo_ref_{name}_logps"] = t[f"dpo_ref_{name}_logps"][rows]
+    return out
+
+
+@register_channel
+class DpoChannel(LossChannel):
+    """Trace-replay DPO as a `LossChannel` (see the module docstring).
+
+    Args:
+        weight: beta_dpo > 0.
+        config: the run config (``[preference]``, ``[loss] dpo_beta``, ``env.max_turn_tokens``, ``grpo.temperature``).
+        reference_model: the frozen reference policy pi_ref (a copy of the policy; `after_outer_step` refreshes it).
+        session: the env session every replay uses.
+        collator: pads the pairs and computes their reference log-probs (``max_length``).
+        hints: the SDPO hint registry (the ``"policy+hint"`` candidates).
+        teachers: ``{name: TeacherFn}`` (`make_teachers`).
+        policy: the trained policy whose weights the reference copies.
+    """
+
+    name = "dpo"
+    metrics = ChannelMetrics(loss_key="loss_dpo", count_key="dpo_pairs", loss_title="DPO loss",
+                             count_title="pairs", plot_label="DPO loss")
+    stats_type = DpoStats
+
+    def __init__(self, weight: float, *, config: RunConfig, reference_model: nn.Module, session: EnvSession,
+                 collator: ComposerCollator, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module):
+        super().__init__(weight)
+        self.config, self.reference_model, self.session = config, reference_model, session
+        self.collator, self.hints, self.teachers, self.policy = collator, hints, teachers, policy
+
+    @classmethod
+    def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
+        """Off when ``[loss] beta_dpo`` is 0. Copies the policy as the reference (no RNG is drawn).
+
+        Raises:
+            ValueError: an unknown ``[preference] teachers`` name (`make_teachers`).
+        """
+        cfg = ctx.config
+        if cfg.loss.beta_dpo <= 0:
+            return None
+        return cls(cfg.loss.beta_dpo, config=cfg, reference_model=copy.deepcopy(ctx.model).eval().requires_grad_(False),
+                   session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
+                   collator=ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=cfg.max_seq_len),
+                   teachers=make_teachers(cfg.preference.teachers, ctx.env))
+
+    def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
+        """Collect the step's pairs (samples from the global RNG, replays in the env), then their tensors with the
+        reference log-probs; None when no pair survives."""
+        cfg, p = self.config, self.config.preference
+        pairs, pair_stats = collect_pairs(
+            model, self.collator.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
+            mode=p.mode, min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
+            max_sites=p.max_sites, max_turn_tokens=cfg.env.max_turn_tokens, temperature=cfg.grpo.temperature,
+        )
+        stats.pair_stats.add(pair_stats)
+        if not pairs:
+            return None
+        return self.collator.dpo_tensors(pairs, self.reference_model, stats) or None
+
+    def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
+        """`split_dpo`."""
+        return split_dpo(rows, parts)
+
+    def loss(self, model: nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`dpo_loss` on one part (a mean over pairs)."""
+        return dpo_loss(model, rows, self.config.loss)
+
+    @torch.no_grad()
+    def after_outer_step(self) -> None:
+        """Make the reference policy the current weights (theta of the new round)."""
+        for ref, cur in zip(self.reference_model.parameters(), self.policy.parameters(), strict=True):
+            ref.copy_(cur)
+
+    @classmethod
+    def round_record(cls, loss_mean: float, stats: Counts | None) -> dict[str, Any]:
+        """``loss_dpo``, ``dpo_pairs`` and ``pair_stats`` (``{}`` when the channel was off)."""
+        record = super().round_record(loss_mean, stats)
+        record["pair_stats"] = {k: int(v) for k, v in stats.pair_stats.as_dict().items()} if stats is not None else {}
+        return record

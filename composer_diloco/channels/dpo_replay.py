@@ -1,0 +1,109 @@
+"""Replaying a played episode in its environment, and scoring one candidate action there (trace-replay DPO).
+
+The score of a candidate is the environment's own verdict on that one action: the episode is re-run from its
+``(seed, episode_id)`` up to the turn and the candidate's call is executed. That needs a deterministic environment;
+a replay that diverges from the recorded trace raises `ReplayError`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from composer_diloco.channels.dpo_pairing import Candidate
+from composer_diloco.rollout.episodes import Episode, EnvSession
+
+__all__ = ["ReplayError", "check_assistant_turn", "error_sites", "replay_to", "score_candidate"]
+
+
+class ReplayError(RuntimeError):
+    """Replaying an episode in its environment did not reproduce the recorded trace (or could not be done)."""
+
+
+def error_sites(episode: Episode) -> list[int]:
+    """Indices into ``episode.turns`` of the assistant turns whose tool call came back with an ``error_kind``.
+
+    An assistant turn counts when the turn right after it is a tool turn with ``error_kind is not None``. In order.
+    """
+    turns = episode.turns
+    return [
+        k for k in range(len(turns) - 1)
+        if turns[k].role == "assistant" and turns[k + 1].role == "tool" and turns[k + 1].error_kind is not None
+    ]
+
+
+def check_assistant_turn(episode: Episode, turn: int) -> None:
+    """Raise ValueError unless ``turn`` indexes an assistant turn of ``episode``."""
+    if not 0 <= turn < len(episode.turns) or episode.turns[turn].role != "assistant":
+        role = episode.turns[turn].role if 0 <= turn < len(episode.turns) else "out of range"
+        raise ValueError(f"episode {episode.episode_id}: turn {turn} is not an assistant turn ({role})")
+
+
+def replay_to(session: EnvSession, episode: Episode, turn: int) -> None:
+    """Reset ``session`` to the episode and re-run every tool call made before assistant turn ``turn``.
+
+    ``session.reset(episode.seed, episode.episode_id)``, then, in order, ``session.call`` of each earlier assistant
+    turn that has a recorded tool reply, checking the reply against the record. Afterwards the session stands where
+    the episode stood right before ``turn``: the next ``session.call`` is that turn's action.
+
+    Args:
+        session: an environment session (one episode at a time; its previous episode is abandoned). Its call budget
+            must be at least the episode's.
+        episode: a played episode; its environment must be deterministic in ``(seed, episode_id)`` and the calls.
+        turn: index of an assistant turn in ``episode.turns``.
+
+    Raises:
+        ValueError: if ``turn`` is not an assistant turn.
+        ReplayError: naming the episode, the site and the replayed turn, if the reset question, a reply's content or
+            error kind differs from the record, or the environment ends the episode before ``turn``. Errors of the
+            session itself (e.g. `composer_diloco.rollout.env_process.EnvServerError`) propagate unchanged.
+    """
+    check_assistant_turn(episode, turn)
+    where = f"replay of episode {episode.episode_id} (seed {episode.seed}) to turn {turn}"
+    question, _ = session.reset(episode.seed, episode.episode_id)
+    turns = episode.turns
+    if turns and turns[0].role == "user" and question != turns[0].content:
+        raise ReplayError(f"{where}: reset gave question {question!r}, recorded {turns[0].content!r}")
+    for k in range(turn):
+        call = turns[k].tool_call
+        if turns[k].role != "assistant" or call is None:
+            continue
+        reply = turns[k + 1] if k + 1 < len(turns) and turns[k + 1].role == "tool" else None
+        if reply is None:
+            raise ReplayError(f"{where}: assistant turn {k} has a tool call but no recorded tool reply")
+        content, kind, _meta, _reward, done = session.call(call["name"], call["arguments"])
+        if content != reply.content or kind != reply.error_kind:
+            raise ReplayError(
+                f"{where}: turn {k} call {call['name']}({json.dumps(call['arguments'])}) gave "
+                f"({content!r}, {kind!r}), recorded ({reply.content!r}, {reply.error_kind!r}); "
+                "the environment is not deterministic, or the session is not the episode's environment"
+            )
+        if done:
+            raise ReplayError(f"{where}: the environment ended the episode at turn {k}, before turn {turn}")
+
+
+def score_candidate(session: EnvSession, episode: Episode, turn: int, candidate: Candidate) -> float:
+    """The environment's verdict on one candidate action at assistant turn ``turn``, in [0, 1].
+
+    Replays the episode to the turn (`replay_to`) and runs the candidate's call:
+
+    - 0.0 if the candidate has no valid call (no tool call, malformed, or truncated: nothing is sent to the env);
+    - 0.0 if the call comes back with an ``error_kind``;
+    - the environment's reward if the call ends the episode (``envs.tool_env``: ``submit`` gives 1.0 for the
+      correct answer, 0.0 otherwise; a call that spends the last of the call budget gives 0.0);
+    - 1.0 otherwise (the call succeeded and the episode goes on).
+
+    So a score says whether this one action was accepted, not whether it was the most useful one: a successful
+    lookup of an item the question does not ask about also scores 1.0.
+
+    Raises:
+        ValueError: if ``turn`` is not an assistant turn.
+        ReplayError: if the replay diverges from the record (see `replay_to`).
+    """
+    check_assistant_turn(episode, turn)
+    if not candidate.call.ok:
+        return 0.0
+    replay_to(session, episode, turn)
+    _content, kind, _meta, reward, done = session.call(candidate.call.name, candidate.call.arguments)
+    if kind is not None:
+        return 0.0
+    return float(reward) if done else 1.0

@@ -1,0 +1,153 @@
+"""The SDPO channel: hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802).
+
+A site is an assistant turn that recovers from a failed tool call; the teacher is the same policy with a hint about
+the error inserted before that turn (`composer_diloco.channels.sdpo_hints`). The channel's term is
+``alpha_sdpo * JSD_beta(student || stopgrad teacher)`` on the recovery turn's tokens, a mean over those tokens
+(`composer_diloco.channels.losses.generalized_jsd`; the JSD family and its beta as TRL GKD, arXiv 2306.13649).
+
+Config: ``[loss] alpha_sdpo`` (the weight; 0 = off), ``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``,
+``sdpo_top_k`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates.
+Metrics: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped`` (``{no_hint, empty_recovery, no_recovery, truncated}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
+from composer_diloco.channels.losses import generalized_jsd
+from composer_diloco.inner.collator import ComposerCollator, SdpoStats
+from composer_diloco.rollout.episodes import Episode
+
+if TYPE_CHECKING:
+    from composer_diloco.config import LossConfig
+
+__all__ = ["SDPO_KEYS", "SdpoChannel", "sdpo_loss", "split_sdpo"]
+
+
+SDPO_KEYS = ("sdpo_student_ids", "sdpo_student_attention_mask", "sdpo_teacher_ids", "sdpo_teacher_attention_mask",
+             "student_response_idx", "teacher_response_idx", "student_response_valid", "teacher_response_valid",
+             "sdpo_student_mask", "sdpo_teacher_mask")
+"""The SDPO row tensors (`composer_diloco.inner.collator.ComposerBatch` documents their shapes)."""
+
+
+def sdpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
+    """Generalized JSD between the policy on the student context and the same policy (no grad) on the teacher
+    context (hint inserted), on the recovery turn's tokens (SDPO, arXiv 2601.20802; JSD as TRL GKD).
+
+    Args:
+        model: the policy being trained (a causal LM: ``input_ids`` (S, L) long -> ``logits`` (S, L, V)).
+        t: SDPO tensors of S sites (`SDPO_KEYS`), on the model's device: ``sdpo_student_ids`` (S, Ls) long,
+            ``sdpo_teacher_ids`` (S, Lt) long, their attention masks, ``student_response_idx`` /
+            ``teacher_response_idx`` (S, R) long (aligned positions of the recovery tokens),
+            ``student_response_valid`` (S, R) bool.
+        cfg: ``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``, ``sdpo_top_k``.
+    Returns:
+        Scalar fp32 (fp64 for an fp64 model), nats per token: the mean over the sites' valid tokens.
+    Raises:
+        ValueError: from `generalized_jsd`, on inconsistent shapes or settings out of range.
+    """
+    rows = torch.arange(t["sdpo_student_ids"].shape[0], device=t["sdpo_student_ids"].device)[:, None]
+    # logits[:, i - 1] predict token i: select the positions that predict each response token
+    s_pos = (t["student_response_idx"] - 1).clamp_min(0)  # (S, R)
+    t_pos = (t["teacher_response_idx"] - 1).clamp_min(0)
+    student = model(input_ids=t["sdpo_student_ids"], attention_mask=t["sdpo_student_attention_mask"]).logits
+    with torch.no_grad():
+        teacher = model(input_ids=t["sdpo_teacher_ids"], attention_mask=t["sdpo_teacher_attention_mask"]).logits
+    return generalized_jsd(
+        student[rows, s_pos], teacher[rows, t_pos], t["student_response_valid"],  # (S, R, V) each
+        beta=cfg.sdpo_jsd_beta, temperature=cfg.sdpo_temperature, token_clip=cfg.sdpo_token_clip, top_k=cfg.sdpo_top_k,
+    )
+
+
+def split_sdpo(t: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
+    """Cut S SDPO sites into ``parts`` contiguous, near-equal row chunks (``torch.tensor_split``; a chunk may be
+    empty), each weighted by its share of the valid response tokens, ``T_c / T``: SDPO is a token mean, so
+    ``sum_c (T_c / T) * mean_c`` is the mean over all S sites. Each chunk's tensors are cut to its longest row
+    (right padding: nothing a valid position sees), so peak memory follows the micro-batch.
+
+    Args:
+        t: SDPO tensors of S >= 1 sites (`SDPO_KEYS`).
+        parts: K >= 1.
+    Returns:
+        K `ChannelPart` s (``rows``: a tensor dict or None, ``count``: sites, ``weight``: T_c / T).
+    Raises:
+        ValueError: ``parts`` below 1.
+    """
+    if parts < 1:
+        raise ValueError(f"parts {parts}: expected a number of micro-batches >= 1")
+    out = [ChannelPart() for _ in range(parts)]
+    n = int(t["sdpo_student_ids"].shape[0])
+    tokens = t["student_response_valid"].sum(dim=1)  # (S,) valid tokens per site
+    total = max(int(tokens.sum()), 1)
+    for part, rows in zip(out, torch.arange(n).tensor_split(parts), strict=True):
+        if len(rows):
+            part.rows, part.count, part.weight = _sdpo_rows(t, rows), len(rows), int(tokens[rows].sum()) / total
+    return out
+
+
+def _sdpo_rows(t: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """SDPO tensors of ``rows``, each width cut to the chunk's longest row (student, teacher, response)."""
+    ls = int(t["sdpo_student_attention_mask"][rows].sum(dim=1).max())
+    lt = int(t["sdpo_teacher_attention_mask"][rows].sum(dim=1).max())
+    r = int(t["student_response_valid"][rows].sum(dim=1).max())
+    width = {"sdpo_student_ids": ls, "sdpo_student_attention_mask": ls, "sdpo_student_mask": ls,
+             "sdpo_teacher_ids": lt, "sdpo_teacher_attention_mask": lt, "sdpo_teacher_mask": lt}
+    return {k: t[k][rows, :width.get(k, r)] for k in SDPO_KEYS}
+
+
+@register_channel
+class SdpoChannel(LossChannel):
+    """SDPO as a `LossChannel` (see the module docstring).
+
+    Args:
+        weight: alpha_sdpo > 0.
+        collator: builds the sites and their tensors (its hint registry and ``max_length``).
+        loss_config: the ``[loss]`` section (the JSD settings).
+    """
+
+    name = "sdpo"
+    metrics = ChannelMetrics(loss_key="loss_sdpo", count_key="sdpo_sites", loss_title="SDPO loss",
+                             count_title="sites", plot_label="SDPO loss")
+    stats_type = SdpoStats
+
+    def __init__(self, weight: float, collator: ComposerCollator, loss_config: LossConfig):
+        super().__init__(weight)
+        self.collator, self.loss_config = collator, loss_config
+
+    @classmethod
+    def from_context(cls, ctx: ChannelContext) -> SdpoChannel | None:
+        """Off when ``[loss] alpha_sdpo`` is 0; sites use ``ctx.hints`` and ``config.max_seq_len``."""
+        cfg = ctx.config.loss
+        if cfg.alpha_sdpo <= 0:
+            return None
+        return cls(cfg.alpha_sdpo, ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=ctx.config.max_seq_len),
+                   cfg)
+
+    def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
+        """The SDPO tensors of the step's sites (`SDPO_KEYS`), or None without a site. No model call, no RNG."""
+        sites = []
+        for ep in episodes:
+            sites += self.collator.sites_from_episode(ep, stats)
+        return self.collator.sdpo_tensors(sites) if sites else None
+
+    def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
+        """`split_sdpo`."""
+        return split_sdpo(rows, parts)
+
+    def loss(self, model: nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`sdpo_loss` on one part (a token mean)."""
+        return sdpo_loss(model, rows, self.loss_config)
+
+    @classmethod
+    def round_record(cls, loss_mean: float, stats: Counts | None) -> dict[str, Any]:
+        """``loss_sdpo``, ``sdpo_sites`` and ``sdpo_skipped`` (the skip counts without their ``sdpo_skipped_``)."""
+        record = super().round_record(loss_mean, stats)
+        counts = (stats if stats is not None else SdpoStats()).as_dict()
+        record["sdpo_skipped"] = {k.removeprefix("sdpo_skipped_"): v for k, v in counts.items()
+                                  if k.startswith("sdpo_skipped_")}
+        return record
