@@ -1,11 +1,12 @@
-"""Evaluate policies on a fixed set of coding-env tasks, in-process: what a coding run's policy has learned.
+"""Evaluate policies on a fixed set of coding-env tasks: what a coding run's policy has learned.
 
 A round's mean reward mostly says which task families that round drew; this plays the same fresh tasks with every
 policy. Episode i is ``make_task(seed, f"eval-{i}", source)`` (seed 777 and the generated families by default, as
-``configs/coding.toml`` trains on), played turn by turn: render the episode with the chat template and the env's
-tools, generate one assistant turn (greedy, or sampled at a temperature), parse the tool call, run it with
-``envs.coding_env.tools.execute`` (the sandbox runs ``run_tests`` and ``submit``), until ``submit``, a turn without a
-parsable call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
+``configs/coding.toml`` trains on), played against one local coding env server with the project's evaluation loop
+(``composer_diloco.policy.evaluate_policy``, one episode at a time): render the episode with the chat template and the
+env's tools, generate one assistant turn (greedy, or sampled at a temperature), parse the tool call, run it on the
+server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a parsable
+call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
 
     python bench/coding_eval.py RUN/warmstart/<key> RUN/checkpoints/round-000006 --temperature 0 0.6
 
@@ -16,58 +17,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
-import torch
-
-from composer_diloco.rollout.chat import episode_messages, parse_tool_call
-from composer_diloco.policy import load_policy
+from composer_diloco.policy import PolicyLoadError, evaluate_policy, load_policy
+from composer_diloco.rollout.env_process import EnvServerError, start_env_server
 from envs.coding_env.tasks import make_task
-from envs.coding_env.tools import TOOL_SCHEMAS, execute
+
+CODING_SERVER = "envs.coding_env.server"
 
 
-@torch.no_grad()
-def evaluate(model_dir: str, *, episodes: int, seed: int, source: str, temperature: float, max_calls: int,
-             max_turn_tokens: int) -> dict:
+def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: str, temperature: float,
+             max_calls: int, max_turn_tokens: int) -> dict:
     """Mean reward of the policy in ``model_dir`` on ``episodes`` fixed tasks (see the module docstring).
+
+    Args:
+        model_dir: a save_pretrained directory (a warm start, a checkpoint) or a hub id.
+        env_url: a running coding env server.
+        episodes, seed, source: the tasks, ``make_task(seed, f"eval-{i}", source)`` for ``i < episodes``.
+        temperature: 0 for greedy, else the sampling temperature.
+        max_calls: tool calls per episode; max_turn_tokens: tokens per assistant turn.
 
     Returns:
         ``{"policy", "temperature", "mean_reward", "by_family": {family: mean reward}, "episodes", "seconds"}``.
+
+    Raises:
+        PolicyLoadError: ``model_dir`` cannot be loaded. EnvServerError: the server stops answering.
     """
     model, tokenizer = load_policy(model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
-    t0 = time.monotonic()
-    rewards: dict[str, list[float]] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for i in range(episodes):
-            task = make_task(seed, f"eval-{i}", source)
-            files, calls, replies, reward = task.files(), [], [], 0.0
-            for _ in range(max_calls):
-                prompt = tokenizer.apply_chat_template(episode_messages(task.question, calls, replies),
-                                                       tools=TOOL_SCHEMAS, add_generation_prompt=True, tokenize=False)
-                ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-                sampling = (dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature > 0
-                            else dict(do_sample=False))
-                out = model.generate(**ids, max_new_tokens=max_turn_tokens, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, **sampling)
-                call = parse_tool_call(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-                if not call.ok:
-                    break
-                outcome = execute(task, files, call.name, call.arguments)
-                calls.append((call.name, call.arguments))
-                replies.append(outcome.content)
-                if call.name == "submit":
-                    reward = outcome.reward or 0.0
-                    break
-            rewards.setdefault(task.family, []).append(reward)
-    every = [r for family in rewards.values() for r in family]
-    return {"policy": model_dir, "temperature": temperature, "mean_reward": round(sum(every) / len(every), 4),
-            "by_family": {f: round(sum(v) / len(v), 3) for f, v in sorted(rewards.items())}, "episodes": episodes,
-            "seconds": round(time.monotonic() - t0, 1)}
+    stats = evaluate_policy(model, tokenizer, episodes, seed, env_url=env_url, temperature=temperature,
+                            max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=1,
+                            reset_kwargs={"source": source},
+                            family=lambda task_seed, episode_id: make_task(task_seed, episode_id, source).family)
+    return {"policy": model_dir, "temperature": temperature, "mean_reward": round(stats["mean_reward"], 4),
+            "by_family": {f: round(v["mean_reward"], 3) for f, v in stats["by_family"].items()},
+            "episodes": episodes, "seconds": round(stats["seconds"], 1)}
 
 
-def main() -> None:
+def main() -> int:
+    """The command line (see the module docstring); returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("policies", nargs="+", help="save_pretrained directories (a warm start, a checkpoint)")
     parser.add_argument("--episodes", type=int, default=48)
@@ -77,12 +65,18 @@ def main() -> None:
     parser.add_argument("--max-calls", type=int, default=6)
     parser.add_argument("--max-turn-tokens", type=int, default=200)
     args = parser.parse_args()
-    for policy in args.policies:
-        for temperature in args.temperature:
-            print(json.dumps(evaluate(policy, episodes=args.episodes, seed=args.seed, source=args.source,
-                                      temperature=temperature, max_calls=args.max_calls,
-                                      max_turn_tokens=args.max_turn_tokens)), flush=True)
+    try:
+        with start_env_server(CODING_SERVER) as server:
+            for policy in args.policies:
+                for temperature in args.temperature:
+                    print(json.dumps(evaluate(policy, env_url=server.url, episodes=args.episodes, seed=args.seed,
+                                              source=args.source, temperature=temperature, max_calls=args.max_calls,
+                                              max_turn_tokens=args.max_turn_tokens)), flush=True)
+    except (PolicyLoadError, EnvServerError, ValueError) as exc:
+        print(f"coding_eval: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -93,9 +93,10 @@ def test_learning_traffic_and_overhead_bench_smokes(tmp_path, warm_cache):
     assert both["sdpo_sites_per_step"] + both["dpo_pairs_per_step"] > 0
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_coding_eval_bench_smoke(tmp_path):
-    """An untrained tiny policy plays 2 fixed coding tasks end to end (it earns nothing; the numbers are checked)."""
+    """An untrained tiny policy plays 2 fixed coding tasks end to end against a coding env server it starts (it
+    earns nothing; the numbers are checked). Two cold Python starts (the bench, the server): slow on a busy CPU."""
     from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 
     tokenizer = load_default_tokenizer()
@@ -103,7 +104,7 @@ def test_coding_eval_bench_smoke(tmp_path):
     tokenizer.save_pretrained(tmp_path / "tiny")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "coding_eval.py"), str(tmp_path / "tiny"), "--episodes",
                         "2", "--temperature", "0", "--max-turn-tokens", "16"],
-                       capture_output=True, text=True, timeout=170, cwd=ROOT)
+                       capture_output=True, text=True, timeout=290, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row["episodes"] == 2 and row["temperature"] == 0.0 and 0.0 <= row["mean_reward"] <= 1.0

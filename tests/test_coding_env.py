@@ -519,9 +519,9 @@ def test_shipped_config_plays_the_coding_env():
     assert config.env.server_module == "envs.coding_env.server"
     assert config.env.max_tool_calls >= len(solve(SLUGIFY)) and config.env.max_turn_tokens >= 128
     # The embedded default warm-starts on this env's own demonstrations and plays the generated families.
-    from composer_diloco.policy import demos_module
+    from composer_diloco.policy import env_demonstrations
 
-    assert demos_module(config.env.server_module).__name__ == "envs.coding_env.demos"
+    assert env_demonstrations(config.env.server_module).__module__ == "envs.coding_env.demos"
     assert config.model is None and config.warmstart.steps > 0 and config.env.reset_kwargs == {"source": "generated"}
     assert (config.outer.lr, config.outer.momentum) == (1.0, 0.0)
 

@@ -10,18 +10,21 @@ import pytest
 import torch
 
 from composer_diloco import policy
-from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.policy import (
     DEFAULT_TOKENIZER_DIR,
     PolicyLoadError,
     build_tiny_model,
-    build_tokenizer,
     evaluate_policy,
     load_default_tokenizer,
     load_policy,
     tokenize_episode,
     warm_start,
 )
+from composer_diloco.policy import load as load_module
+from composer_diloco.policy import warmstart as warmstart_module
+from composer_diloco.policy.tokenizer_recipe import build_default_tokenizer
+from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
+from composer_diloco.rollout.env_process import start_env_server
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task, solve
 
 
@@ -76,7 +79,7 @@ def test_shipped_tokenizer_is_trl_qwen3(tok):
 @pytest.mark.timeout(60)
 def test_shipped_tokenizer_is_current(tmp_path):
     """The shipped files equal a fresh deterministic build (rebuild them after changing tasks.py)."""
-    build_tokenizer(tmp_path)
+    build_default_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / name).read_bytes() == (DEFAULT_TOKENIZER_DIR / name).read_bytes(), (
             f"{name} is stale: run `python -m composer_diloco.policy build-tokenizer`")
@@ -140,7 +143,7 @@ def test_episode_messages_render_with_the_template(tok):
 @pytest.mark.timeout(20)
 def test_tokenize_episode_masks_exactly_the_generated_turns(tok):
     task, calls, results = _episode()
-    enc = tokenize_episode(tok, episode_messages(task.question, calls, results))
+    enc = tokenize_episode(tok, episode_messages(task.question, calls, results), tools=TOOL_SCHEMAS)
     ids, mask = enc["input_ids"], enc["assistant_masks"]
     for k in range(len(calls)):  # the generation prompt after k calls is a prefix; turn k follows it
         prompt = tok.apply_chat_template(episode_messages(task.question, calls[:k], results[:k]),
@@ -155,7 +158,8 @@ def test_tokenize_episode_masks_exactly_the_generated_turns(tok):
         assert turn.endswith("</tool_call><|im_end|>")
     assert sum(mask) > 0 and len(mask) == len(ids)
     failed = [execute(task, n, a)[1] is None for n, a in calls]
-    partial = tokenize_episode(tok, episode_messages(task.question, calls, results), trained_turns=failed)
+    partial = tokenize_episode(tok, episode_messages(task.question, calls, results), trained_turns=failed,
+                               tools=TOOL_SCHEMAS)
     assert 0 < sum(partial["assistant_masks"]) < sum(mask)
 
 
@@ -202,7 +206,7 @@ def test_warm_start_failure_leaves_nothing(tok, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(policy, "solver_examples", boom)
+    monkeypatch.setattr(warmstart_module, "solver_examples", boom)
     with pytest.raises(RuntimeError, match="injected"):
         warm_start(build_tiny_model(tok, seed=0), tok, seed=0, steps=2, out_dir=tmp_path / "ws")
     assert os.listdir(tmp_path) == []
@@ -245,20 +249,31 @@ def test_load_policy_default_warm_starts_once_and_caches(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("should reuse the cache")
 
-    monkeypatch.setattr(policy, "warm_start", no_training)
+    monkeypatch.setattr(load_module, "warm_start", no_training)
     again, _ = load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=2)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
-@pytest.mark.timeout(30)
-def test_evaluate_policy_runs_episodes(tok):
+@pytest.fixture(scope="module")
+def tool_env_url():
+    with start_env_server("envs.tool_env.server") as server:
+        yield server.url
+
+
+@pytest.mark.timeout(60)
+def test_evaluate_policy_runs_episodes(tok, tool_env_url):
     model = build_tiny_model(tok, seed=0)
+    state, mode = torch.random.get_rng_state(), model.training
     for temperature in (0.0, 1.0):
-        stats = evaluate_policy(model, tok, n_episodes=3, seed=0, temperature=temperature, max_new_tokens=8)
+        stats = evaluate_policy(model, tok, 3, 0, env_url=tool_env_url, temperature=temperature, max_new_tokens=8,
+                                batch_size=2, family=lambda seed, episode_id: f"parity-{int(episode_id[-1]) % 2}")
         assert stats["n_episodes"] == 3
-        for key in ("success_rate", "submit_rate", "format_error_rate", "tool_error_rate"):
+        for key in ("success_rate", "mean_reward", "format_error_rate", "tool_error_rate"):
             assert 0.0 <= stats[key] <= 1.0
         assert stats["success_rate"] == 0.0  # an untrained model does not solve the task
+        assert {f: v["episodes"] for f, v in stats["by_family"].items()} == {"parity-0": 2, "parity-1": 1}
+    assert torch.equal(torch.random.get_rng_state(), state)  # caller's RNG untouched
+    assert model.training == mode  # train/eval mode restored
 
 
 @pytest.mark.timeout(30)
@@ -298,4 +313,112 @@ def test_an_env_without_demonstrations_is_a_clear_error(tmp_path):
         load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=5, env="envs.nope.server")
     assert not (tmp_path / "warmstart").exists()
     with pytest.raises(PolicyLoadError, match="no scripted demonstrations"):
-        policy.demos_module("envs.schema")
+        policy.env_demonstrations("envs.schema")
+
+
+# ------------------------------------------------------------------------------------------ evaluation loop
+
+
+class _ScriptedSession:
+    """A fake env session: ``submit`` ends the episode with reward ``answer / 10``; other tools answer "ok"."""
+
+    def __init__(self):
+        self.resets = []
+
+    def reset(self, seed, episode_id):
+        self.resets.append((seed, episode_id))
+        return f"question {episode_id}", []
+
+    def call(self, tool, arguments):
+        if tool == "submit":
+            return "submitted", None, {}, arguments["answer"] / 10, True
+        if tool == "bad":
+            return "error: unknown tool", "tool_not_found", {}, 0.0, False
+        return "ok", None, {}, 0.0, False
+
+    def close(self):
+        pass
+
+
+def test_evaluation_loop_follows_the_env(tok, monkeypatch):
+    """Reward comes from the env's done step; a turn with no call ends with reward 0; the call budget is kept."""
+    from composer_diloco.policy import evaluate as evaluate_module
+
+    turns = {  # episode -> the texts the "policy" writes, turn by turn
+        "eval-0": ['<tool_call>{"name": "look", "arguments": {}}</tool_call>',
+                   '<tool_call>{"name": "submit", "arguments": {"answer": 10}}</tool_call>'],
+        "eval-1": ["no call here"],
+        "eval-2": ['<tool_call>{"name": "bad", "arguments": {}}</tool_call>'] * 5,
+    }
+    played = {k: 0 for k in turns}
+
+    def fake_generate(model, tokenizer, prompts, *, temperature, max_new_tokens):
+        texts = []
+        for prompt in prompts:
+            episode = prompt.split("question ")[1].split("<|im_end|>")[0]
+            texts.append(turns[episode][played[episode]])
+            played[episode] += 1
+        return texts
+
+    monkeypatch.setattr(evaluate_module, "_generate_turns", fake_generate)
+    sessions = [_ScriptedSession() for _ in range(3)]
+    outcomes = evaluate_module._play_batch(None, tok, sessions, [(5, "eval-0"), (5, "eval-1"), (5, "eval-2")],
+                                           temperature=0.0, max_calls=3, max_new_tokens=8)
+    assert [o.reward for o in outcomes] == [1.0, 0.0, 0.0]
+    assert [o.tool_calls for o in outcomes] == [2, 0, 3]  # eval-2 stops at the budget
+    assert [o.format_error for o in outcomes] == [False, True, False]
+    assert outcomes[2].tool_errors == 3 and [s.resets for s in sessions] == [[(5, "eval-0")], [(5, "eval-1")],
+                                                                             [(5, "eval-2")]]
+    stats = evaluate_module._summary(outcomes, [(5, "eval-0"), (5, "eval-1"), (5, "eval-2")],
+                                     lambda seed, episode_id: "all", seconds=1.0)
+    assert stats["mean_reward"] == pytest.approx(1 / 3) and stats["success_rate"] == pytest.approx(1 / 3)
+    assert stats["tool_error_rate"] == pytest.approx(3 / 5) and stats["by_family"]["all"]["episodes"] == 3
+
+
+def test_evaluate_policy_rejects_bad_arguments(tok):
+    with pytest.raises(ValueError, match="n_episodes"):
+        evaluate_policy(None, tok, 0, 0, env_url="http://127.0.0.1:1")
+
+
+# ------------------------------------------------------------------------------------------ layout and CLI
+
+
+def test_no_policy_module_names_a_concrete_env():
+    """Only the shipped tokenizer's recipe (build time) may import an env; the rest goes through the env contract."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(policy.__file__).parent
+    offenders = [path.name for path in package.glob("*.py") if path.name != "tokenizer_recipe.py"
+                 and re.search(r"^\s*(from|import)\s+envs\b", path.read_text(), re.MULTILINE)]
+    assert offenders == []
+
+
+def test_cli_errors_are_one_line_and_nonzero(tmp_path):
+    from typer.testing import CliRunner
+
+    from composer_diloco.policy.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["evaluate", str(tmp_path / "missing")])
+    assert result.exit_code == 1
+    assert result.stderr.strip().count("\n") == 0 and "error: policy" in result.stderr
+    (tmp_path / "ws").mkdir()
+    result = runner.invoke(app, ["warm-start", "--out", str(tmp_path / "ws"), "--steps", "0"])
+    assert result.exit_code == 1 and "already exists" in result.stderr
+    result = runner.invoke(app, ["warm-start", "--out", str(tmp_path / "w2"), "--env", "envs.nope.server"])
+    assert result.exit_code == 1 and "[warmstart] steps = 0" in result.stderr
+    result = runner.invoke(app, ["evaluate", str(tmp_path), "--reset-kwarg", "novalue"])
+    assert result.exit_code == 2  # a usage error
+
+
+@pytest.mark.timeout(180)
+def test_python_m_policy_runs(tmp_path):
+    """``python -m composer_diloco.policy`` (the package's ``__main__``) runs a subcommand (a cold start: slow)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "composer_diloco.policy", "warm-start", "--out", str(tmp_path / "w"),
+                        "--steps", "0"], capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warm start: 0 steps" in r.stdout and (tmp_path / "w" / "model.safetensors").is_file()

@@ -1,0 +1,55 @@
+"""The policy: the embedded default (tiny Qwen3 + shipped tokenizer, warm-started), or any causal LM.
+
+Modules, in the order a run uses them:
+
+* :mod:`~composer_diloco.policy.tokenizer`: :func:`load_default_tokenizer` loads the tokenizer shipped in
+  ``composer_diloco/assets/tokenizer/``; :func:`build_tokenizer` builds one (the shipped one's inputs are in
+  :mod:`~composer_diloco.policy.tokenizer_recipe`); :func:`tokenize_episode` gives ids and the assistant mask.
+* :mod:`~composer_diloco.policy.tiny_model`: :func:`tiny_model_config` / :func:`build_tiny_model`, a
+  ~0.9M-parameter ``Qwen3ForCausalLM``.
+* :mod:`~composer_diloco.policy.warmstart`: :func:`warm_start`, a short SFT pass with TRL's ``SFTTrainer`` on the run
+  env's scripted demonstrations (taken through ``composer_diloco.rollout.env_package``).
+* :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project.
+* :mod:`~composer_diloco.policy.evaluate`: :func:`evaluate_policy`, fixed fresh episodes against a served env
+  (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
+* :mod:`~composer_diloco.policy.cli`: ``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``.
+
+No module here names a concrete env except :mod:`~composer_diloco.policy.tokenizer_recipe` (build time only).
+"""
+
+from composer_diloco.policy.errors import PolicyLoadError
+from composer_diloco.policy.evaluate import evaluate_policy
+from composer_diloco.policy.load import load_policy
+from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
+from composer_diloco.policy.tokenizer import (
+    DEFAULT_TOKENIZER_DIR,
+    build_tokenizer,
+    load_default_tokenizer,
+    tokenize_episode,
+    trl_qwen3_chat_template,
+)
+from composer_diloco.policy.warmstart import (
+    DEFAULT_WARMSTART_ENV,
+    DEFAULT_WARMSTART_STEPS,
+    env_demonstrations,
+    solver_examples,
+    warm_start,
+)
+
+__all__ = [
+    "DEFAULT_TOKENIZER_DIR",
+    "DEFAULT_WARMSTART_ENV",
+    "DEFAULT_WARMSTART_STEPS",
+    "PolicyLoadError",
+    "build_tiny_model",
+    "build_tokenizer",
+    "env_demonstrations",
+    "evaluate_policy",
+    "load_default_tokenizer",
+    "load_policy",
+    "solver_examples",
+    "tiny_model_config",
+    "tokenize_episode",
+    "trl_qwen3_chat_template",
+    "warm_start",
+]

@@ -1,0 +1,160 @@
+"""``python -m composer_diloco.policy``: build the shipped tokenizer, warm-start the default policy, evaluate a policy.
+
+    python -m composer_diloco.policy build-tokenizer
+    python -m composer_diloco.policy warm-start --steps 200 --out runs/ws
+    python -m composer_diloco.policy evaluate runs/ws --episodes 100
+    python -m composer_diloco.policy evaluate runs/ws --env envs.coding_env.server --reset-kwarg source=generated
+
+Every failure prints one line ``python -m composer_diloco.policy: error: ...`` to stderr and exits 1 (usage errors:
+typer's message, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from composer_diloco.policy.errors import PolicyLoadError
+from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR
+from composer_diloco.policy.warmstart import (
+    DEFAULT_WARMSTART_ENV,
+    DEFAULT_WARMSTART_STEPS,
+    WARMSTART_BATCH_SIZE,
+    WARMSTART_ERROR_RATE,
+    WARMSTART_LR,
+)
+
+__all__ = ["app", "main"]
+
+PROG = "python -m composer_diloco.policy"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The embedded default policy: its tokenizer, its warm start, and evaluating any policy.")
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO level.")] = False) -> None:
+    """The embedded default policy: its tokenizer, its warm start, and evaluating any policy."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _fail(exc: BaseException) -> typer.Exit:
+    """Print ``exc``'s first line as the command's one-line error; the exit to raise (code 1)."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    typer.echo(f"{PROG}: error: {lines[0]}", err=True)
+    logging.getLogger(__name__).info("%s", exc)  # the full message (a server's output tail) with --verbose
+    return typer.Exit(1)
+
+
+@app.command("build-tokenizer")
+def build_tokenizer_command(
+    out: Annotated[Path, typer.Option(help="Output directory.")] = DEFAULT_TOKENIZER_DIR,
+) -> None:
+    """Rebuild the shipped tokenizer (tool_env's corpus, see composer_diloco.policy.tokenizer_recipe)."""
+    from composer_diloco.policy.tokenizer_recipe import build_default_tokenizer
+
+    try:
+        tok = build_default_tokenizer(out)
+    except (OSError, ValueError) as exc:
+        raise _fail(exc) from None
+    typer.echo(f"tokenizer: {len(tok)} tokens -> {out}")
+
+
+@app.command("warm-start")
+def warm_start_command(
+    out: Annotated[Path, typer.Option(help="Directory to create (must not exist).")],
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = DEFAULT_WARMSTART_STEPS,
+    seed: Annotated[int, typer.Option(help="Seeds the initialisation, the episodes and the trainer.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Episodes per step.")] = WARMSTART_BATCH_SIZE,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = WARMSTART_LR,
+    error_rate: Annotated[float, typer.Option(help="Fraction of episodes with one failed call and its "
+                                                   "recovery.")] = WARMSTART_ERROR_RATE,
+    env: Annotated[str, typer.Option(help="Env server module or package whose scripted demonstrations to train "
+                                          "on.")] = DEFAULT_WARMSTART_ENV,
+) -> None:
+    """Warm-start the tiny default policy into a new directory."""
+    from composer_diloco.policy.tiny_model import build_tiny_model
+    from composer_diloco.policy.tokenizer import load_default_tokenizer
+    from composer_diloco.policy.warmstart import warm_start
+
+    t0 = time.monotonic()
+    try:
+        tokenizer = load_default_tokenizer()
+        result = warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=steps, out_dir=out,
+                            batch_size=batch_size, lr=lr, error_rate=error_rate, env=env)
+    except (PolicyLoadError, ValueError, OSError) as exc:  # FileExistsError is an OSError
+        raise _fail(exc) from None
+    typer.echo(f"warm start: {steps} steps in {time.monotonic() - t0:.1f} s -> {result}")
+
+
+def _reset_kwargs(pairs: list[str]) -> dict[str, str | int | float | bool]:
+    """``["source=generated", "k=3"]`` -> ``{"source": "generated", "k": 3}`` (JSON scalars parsed, else str)."""
+    kwargs: dict[str, str | int | float | bool] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--reset-kwarg")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        kwargs[key] = value if isinstance(value, (str, int, float, bool)) else raw
+    return kwargs
+
+
+@app.command()
+def evaluate(
+    model_dir: Annotated[str, typer.Argument(help="A save_pretrained directory or a Hugging Face Hub id.")],
+    episodes: Annotated[int, typer.Option(help="Episodes per temperature.")] = 100,
+    seed: Annotated[int, typer.Option(help="Episode and sampling seed.")] = 12345,
+    temperature: Annotated[list[float], typer.Option(help="Temperature (repeat for several; 0 = greedy); default: "
+                                                          "greedy, then 1.0.")] = [],
+    env: Annotated[str, typer.Option(help="Env server module to start (python -m MODULE).")] = DEFAULT_WARMSTART_ENV,
+    env_url: Annotated[str, typer.Option(help="A running env server instead of starting --env.")] = "",
+    reset_kwarg: Annotated[list[str], typer.Option(help="KEY=VALUE passed to every reset (repeatable), e.g. "
+                                                        "source=generated for the coding env.")] = [],
+    max_calls: Annotated[int, typer.Option(help="Tool calls per episode.")] = 8,
+    max_turn_tokens: Annotated[int, typer.Option(help="Tokens generated per assistant turn.")] = 48,
+    batch_size: Annotated[int, typer.Option(help="Episodes generated together.")] = 32,
+    startup_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started env server.")] = 60.0,
+) -> None:
+    """Play fixed fresh episodes with a saved policy; print one JSON line per temperature."""
+    from composer_diloco.policy.evaluate import evaluate_policy
+    from composer_diloco.policy.load import load_policy
+    from composer_diloco.rollout.env_process import EnvServerError, start_env_server
+    from composer_diloco.rollout.mcp import McpProtocolError
+
+    kwargs = _reset_kwargs(reset_kwarg)
+    server = None
+    try:
+        model, tokenizer = load_policy(model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
+        if not env_url:
+            server = start_env_server(env, startup_timeout_s=startup_timeout)
+        for temp in temperature or [0.0, 1.0]:
+            stats = evaluate_policy(model, tokenizer, episodes, seed, env_url=env_url or server.url, temperature=temp,
+                                    max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=batch_size,
+                                    reset_kwargs=kwargs)
+            typer.echo(json.dumps({"temperature": temp, **stats}))
+    except (PolicyLoadError, EnvServerError, McpProtocolError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def main() -> int:
+    """Console entry point (``python -m composer_diloco.policy``); returns the exit code."""
+    from composer_diloco.lifecycle import run_cli
+
+    return run_cli(app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

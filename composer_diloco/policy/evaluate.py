@@ -1,0 +1,191 @@
+"""Evaluation: play a fixed set of fresh episodes against a served env and report what the policy achieves.
+
+One loop for every env and every caller (``python -m composer_diloco.policy evaluate``, ``bench/coding_eval.py``):
+episode ``i`` is ``reset(seed, f"eval-{i}")`` on a session of the env server at ``env_url`` (any env this project
+plays: typed OpenEnv or MCP, see ``composer_diloco.rollout.mcp.open_env_sessions``), so every policy meets the same
+tasks. Each turn re-renders the episode so far with the chat template and the tools the env announced
+(``add_generation_prompt=True``), generates one assistant turn (``model.generate``, greedy or sampled, stopping at
+eos), parses it with ``composer_diloco.rollout.chat.parse_tool_call`` and sends the call to the env. An episode ends
+when the env says done (its reward is the episode's), at a turn with no parsable call (a format failure, reward 0),
+or after ``max_calls`` calls (the env is given the same budget).
+
+Why not ``composer_diloco.rollout.episodes.play_episodes``: that is the training rollout (token-carrying, always
+sampled, ends a turn cut before eos); this one decodes greedily too and re-renders each turn, as the measured
+figures in README.md and :mod:`composer_diloco.policy.warmstart` were taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from composer_diloco.rollout.chat import episode_messages, parse_tool_call
+from composer_diloco.rollout.episodes import EnvSession
+
+__all__ = ["EVAL_EPISODE_PREFIX", "FamilyFn", "evaluate_policy"]
+
+logger = logging.getLogger(__name__)
+
+EVAL_EPISODE_PREFIX = "eval"
+"""Episode ``i`` of an evaluation is ``(seed, f"eval-{i}")``: ids no warm start (``warmstart-i``) or run draws."""
+
+FamilyFn = Callable[[int, str], str]
+"""``(seed, episode_id) -> family name``: how an env's episodes group (the coding env's task families)."""
+
+
+@dataclass
+class _Outcome:
+    """One evaluated episode."""
+
+    reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    format_error: bool = False
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+
+
+def _generate_turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], *,
+                    temperature: float, max_new_tokens: int) -> list[str]:
+    """One assistant turn per prompt (left-padded batch), decoded without special tokens."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                      add_special_tokens=False).to(model.device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) \
+        if temperature > 0 else dict(do_sample=False)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **sampling)  # (B, P + new)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sessions: Sequence[EnvSession],
+                keys: Sequence[tuple[int, str]], *, temperature: float, max_calls: int,
+                max_new_tokens: int) -> list[_Outcome]:
+    """Play ``keys`` together, episode ``k`` on ``sessions[k]``, one batched ``generate`` per turn."""
+    starts = [session.reset(seed, episode_id) for session, (seed, episode_id) in zip(sessions, keys)]
+    outcomes = [_Outcome() for _ in keys]
+    active = list(range(len(keys)))
+    while active:
+        prompts = [tokenizer.apply_chat_template(
+            episode_messages(starts[k][0], outcomes[k].calls, outcomes[k].replies), tools=starts[k][1],
+            add_generation_prompt=True, tokenize=False) for k in active]
+        texts = _generate_turns(model, tokenizer, prompts, temperature=temperature, max_new_tokens=max_new_tokens)
+        still = []
+        for k, text in zip(active, texts):
+            episode, parsed = outcomes[k], parse_tool_call(text)
+            if not parsed.ok:
+                episode.format_error = True
+                continue
+            content, error_kind, _meta, reward, done = sessions[k].call(parsed.name, parsed.arguments)
+            episode.calls.append((parsed.name, parsed.arguments))
+            episode.replies.append(content)
+            episode.tool_calls += 1
+            episode.tool_errors += error_kind is not None
+            if done:
+                episode.reward = reward
+            elif episode.tool_calls < max_calls:
+                still.append(k)
+        active = still
+    return outcomes
+
+
+def _summary(outcomes: list[_Outcome], keys: list[tuple[int, str]], family: FamilyFn | None,
+             seconds: float) -> dict[str, Any]:
+    n = max(len(outcomes), 1)
+    calls = sum(o.tool_calls for o in outcomes)
+    stats: dict[str, Any] = dict(
+        mean_reward=sum(o.reward for o in outcomes) / n,
+        success_rate=sum(o.reward >= 1.0 for o in outcomes) / n,
+        format_error_rate=sum(o.format_error for o in outcomes) / n,
+        tool_error_rate=sum(o.tool_errors for o in outcomes) / max(calls, 1),
+        mean_tool_calls=calls / n,
+        n_episodes=len(outcomes),
+        seconds=round(seconds, 2),
+    )
+    if family is not None:
+        groups: dict[str, list[float]] = {}
+        for (seed, episode_id), outcome in zip(keys, outcomes):
+            groups.setdefault(family(seed, episode_id), []).append(outcome.reward)
+        stats["by_family"] = {name: dict(episodes=len(r), mean_reward=sum(r) / len(r),
+                                         success_rate=sum(x >= 1.0 for x in r) / len(r))
+                              for name, r in sorted(groups.items())}
+    return stats
+
+
+@torch.no_grad()
+def evaluate_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    n_episodes: int,
+    seed: int,
+    *,
+    env_url: str,
+    temperature: float = 0.0,
+    max_calls: int = 8,
+    max_new_tokens: int = 48,
+    batch_size: int = 32,
+    reset_kwargs: Mapping[str, Any] | None = None,
+    family: FamilyFn | None = None,
+) -> dict[str, Any]:
+    """Play ``n_episodes`` fixed fresh episodes against the env server at ``env_url`` (see the module docstring).
+
+    Episodes ``(seed, "eval-0") .. (seed, f"eval-{n_episodes - 1}")`` are played ``batch_size`` at a time (left
+    padding; a batch of 1 generates exactly as one prompt alone), each on its own env session (opened once, reused).
+    Sampling runs under ``torch.manual_seed(seed)`` in a forked RNG, so the caller's global RNG is untouched and the
+    same arguments draw the same tokens.
+
+    Args:
+        model: a causal LM (any dtype/device; inputs follow ``model.device``); left in its train/eval mode.
+        tokenizer: its tokenizer, with a chat template that renders tools and a pad token.
+        n_episodes: number of episodes (``>= 1``).
+        seed: the episodes' seed; also the sampling seed.
+        env_url: base URL of a running env server (``composer_diloco.rollout.env_process.start_env_server``).
+        temperature: 0 for greedy decoding, else sampling at this temperature (no top-k/top-p filter).
+        max_calls: tool calls allowed per episode (also the env's budget, ``max_tool_calls`` of ``reset``).
+        max_new_tokens: generation budget per assistant turn, in tokens.
+        batch_size: episodes generated together (``>= 1``).
+        reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``, e.g. ``{"source": "generated"}``).
+        family: ``(seed, episode_id) -> family`` to also report per family; None: no ``by_family``.
+
+    Returns:
+        ``mean_reward`` (the env's final reward per episode, 0 without one), ``success_rate`` (episodes with
+        reward >= 1), ``format_error_rate`` (episodes ended by an unparsable turn), ``tool_error_rate`` (failed
+        calls / all calls), ``mean_tool_calls`` (per episode), ``n_episodes``, ``seconds`` (wall clock), and with
+        ``family`` ``by_family``: ``{family: {"episodes", "mean_reward", "success_rate"}}``, sorted by name.
+
+    Raises:
+        ValueError: ``n_episodes``, ``max_calls`` or ``batch_size`` below 1, or a negative ``temperature``.
+        EnvServerError, McpProtocolError: the env server cannot be reached or stops answering
+            (from ``open_env_sessions`` and the sessions' calls); the sessions are closed.
+    """
+    if n_episodes < 1 or max_calls < 1 or batch_size < 1 or temperature < 0:
+        raise ValueError(f"evaluate_policy: need n_episodes, max_calls, batch_size >= 1 and temperature >= 0; got "
+                         f"{n_episodes}, {max_calls}, {batch_size}, {temperature}")
+    from composer_diloco.rollout.mcp import open_env_sessions  # the env client stack, only when evaluating
+
+    was_training = model.training
+    model.eval()
+    t0 = time.monotonic()
+    keys = [(seed, f"{EVAL_EPISODE_PREFIX}-{i}") for i in range(n_episodes)]
+    sessions = open_env_sessions([env_url], min(batch_size, n_episodes), max_tool_calls=max_calls,
+                                 reset_kwargs=reset_kwargs)
+    outcomes: list[_Outcome] = []
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for first in range(0, n_episodes, batch_size):
+                outcomes += _play_batch(model, tokenizer, sessions, keys[first:first + batch_size],
+                                        temperature=temperature, max_calls=max_calls, max_new_tokens=max_new_tokens)
+    finally:
+        for session in sessions:
+            session.close()
+        model.train(was_training)
+    stats = _summary(outcomes, keys, family, time.monotonic() - t0)
+    logger.info("evaluated %d episodes at temperature %g: mean reward %.3f in %.1f s", n_episodes, temperature,
+                stats["mean_reward"], stats["seconds"])
+    return stats

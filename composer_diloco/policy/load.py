@@ -1,0 +1,163 @@
+"""Loading a run's policy: the embedded default (warm-started once per run dir, cached) or any causal LM."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
+
+from composer_diloco.policy.errors import PolicyLoadError
+from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
+from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_default_tokenizer
+from composer_diloco.policy.warmstart import (
+    DEFAULT_WARMSTART_ENV,
+    WARMSTART_BATCH_SIZE,
+    WARMSTART_ERROR_RATE,
+    WARMSTART_LR,
+    env_demonstrations,
+    warm_start,
+)
+from composer_diloco.rollout.env_package import package_of
+
+__all__ = ["load_policy"]
+
+logger = logging.getLogger(__name__)
+
+_CACHE_KEY_VERSION = 2  # bump when the warm-start recipe changes in a way the key does not see
+
+
+def _package_dir(env: str) -> Path:
+    """The directory of ``env``'s package (``"envs.tool_env.server"`` -> ``envs/tool_env``)."""
+    spec = importlib.util.find_spec(package_of(env))
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV) -> str:
+    """Short hash of what determines the default warm-started weights: seed, steps, the warm-start
+    recipe, the model config, the tokenizer files and the source of the env package's top-level modules
+    (tasks, tools, demonstrations)."""
+    h = hashlib.sha256()
+    cfg = config.to_dict()
+    cfg.pop("transformers_version", None)
+    recipe = dict(batch_size=WARMSTART_BATCH_SIZE, lr=WARMSTART_LR, error_rate=WARMSTART_ERROR_RATE,
+                  version=_CACHE_KEY_VERSION)
+    h.update(json.dumps({"seed": seed, "steps": steps, "recipe": recipe, "config": cfg}, sort_keys=True).encode())
+    for path in sorted(_package_dir(env).glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    for name in sorted(os.listdir(DEFAULT_TOKENIZER_DIR)):
+        h.update(name.encode())
+        h.update((DEFAULT_TOKENIZER_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load_pretrained(source: str, *, local: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """``from_pretrained`` for model and tokenizer, fp32, CPU, eval mode."""
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to("cpu").float().eval(), tokenizer
+
+
+def _load_default(run_dir: Path, seed: int, warmstart_steps: int,
+                  env: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The embedded default, warm-started into (or reused from) ``run_dir / "warmstart" / <key>``."""
+    tokenizer = load_default_tokenizer()
+    config = tiny_model_config(tokenizer, seed)
+    if warmstart_steps > 0:
+        env_demonstrations(env)  # fails early
+        env = package_of(env)  # one key, and one warmstart.json "env", per env package
+    else:
+        env = DEFAULT_WARMSTART_ENV  # untrained weights do not depend on the env
+    cache = run_dir / "warmstart" / _default_cache_key(seed, warmstart_steps, config, env)
+    if not (cache / "config.json").is_file():
+        logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
+                    seed, cache)
+        try:
+            warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
+                       out_dir=cache, env=env)
+        except (FileExistsError, OSError):
+            if not (cache / "config.json").is_file():  # not a concurrent writer winning the rename
+                raise
+    else:
+        logger.info("reusing the warm-started default policy at %s", cache)
+    return _load_pretrained(str(cache), local=True)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants as hub_constants
+
+    return hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in (
+        "1", "true", "yes", "on")
+
+
+def _load_named(value: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A local ``save_pretrained`` directory, else a Hub id (local cache first, then the Hub unless offline)."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise PolicyLoadError(f"policy {value!r}: expected a model directory with config.json "
+                                  "(save_pretrained layout)")
+        try:
+            return _load_pretrained(str(path), local=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise PolicyLoadError(f"policy {value!r}: cannot load model/tokenizer from this directory: {exc}") from exc
+    looks_like_path = path.is_absolute() or value.startswith((".", "~")) or value.count("/") > 1 or "\\" in value
+    if looks_like_path:
+        raise PolicyLoadError(f"policy {value!r}: no such directory (expected a save_pretrained model "
+                              "directory or a Hugging Face Hub id like 'org/name')")
+    offline = _hub_offline()
+    errors = []
+    for local in (True,) if offline else (True, False):
+        try:
+            return _load_pretrained(value, local=local)
+        except (OSError, ValueError, KeyError) as exc:  # huggingface_hub errors subclass OSError/ValueError
+            errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    raise PolicyLoadError(f"policy {value!r}: not a local directory and not a loadable Hugging Face Hub model "
+                          f"id (cache{'' if offline else ' or Hub'}): {errors[-1]}")
+
+
+def load_policy(
+    model: str | os.PathLike[str] | None,
+    *,
+    run_dir: str | Path,
+    seed: int,
+    warmstart_steps: int,
+    env: str = DEFAULT_WARMSTART_ENV,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
+
+    ``None``: the tiny Qwen3 of ``build_tiny_model`` with the shipped tokenizer, warm-started for
+    ``warmstart_steps`` steps on ``env``'s scripted demonstrations (``warm_start``), cached in
+    ``run_dir / "warmstart" / <hash>`` where the hash covers ``seed``, ``warmstart_steps``, the model config,
+    the tokenizer files and the env package's source; a cached copy is reused. Otherwise ``model`` is a local
+    directory (``save_pretrained`` layout) or a Hugging Face Hub id, loaded with ``AutoModelForCausalLM`` /
+    ``AutoTokenizer``: first from local files only, then (unless ``HF_HUB_OFFLINE`` is set) from the Hub. A
+    tokenizer without a pad token gets eos.
+
+    Args:
+        model: ``None``, a directory, or a hub id such as ``"Qwen/Qwen3-0.6B"``.
+        run_dir: the run's directory (holds the warm-start cache).
+        seed: seed of the default policy's initialisation and warm start (ignored otherwise).
+        warmstart_steps: warm-start optimizer steps of the default policy (ignored otherwise).
+        env: the env (``[env] server_module`` or its package) whose demonstrations warm-start the default policy
+            (ignored otherwise).
+
+    Returns:
+        ``(model, tokenizer)``, the model in fp32 on CPU in eval mode.
+
+    Raises:
+        PolicyLoadError: (one line) if ``model`` names neither a loadable local directory nor a reachable hub
+            model, the shipped tokenizer is missing, or ``env`` has no demonstrations for a warm start.
+        FileExistsError / OSError: the warm-start cache could not be written.
+    """
+    if model is None:
+        return _load_default(Path(run_dir), seed, warmstart_steps, env)
+    return _load_named(os.fspath(model))
