@@ -3,6 +3,9 @@ through checkpoints and state sharing, and two real peers that average through h
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -151,7 +154,20 @@ def test_bad_optimizer_names_and_arguments_are_one_line_config_errors(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_peers_average_with_adam_chosen_by_config_and_a_joiner_downloads_the_same_state(tmp_path):
-    """Two nodes through the real DHT, barrier and `ExactAverager`, the outer optimizer Adam by config alone."""
+    """Two nodes through the real DHT, barrier and `ExactAverager`, the outer optimizer Adam by config alone.
+
+    The peers run in a child process: a process that held several hivemind averagers can abort at interpreter
+    exit (torch's shared-memory manager, "Broken pipe"), which must not take pytest down with it.
+    """
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_outer_optimizer as t; " \
+           f"t.two_peers_scenario(t.Path({str(tmp_path)!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280,
+                       start_new_session=True)
+    assert "scenario passed" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def two_peers_scenario(tmp_path: Path) -> None:
+    """The body of the test above, in its own process; prints "scenario passed" and leaves at once."""
     from composer_diloco.outer.peer import DiLoCoPeer
     from composer_diloco.outer.swarm import Swarm, start_dht, visible_multiaddr
 
@@ -219,3 +235,5 @@ def test_two_peers_average_with_adam_chosen_by_config_and_a_joiner_downloads_the
             peer.shutdown()
         for dht in dhts:
             dht.shutdown()
+    print("scenario passed", flush=True)
+    os._exit(0)  # the checks are done: skip the interpreter teardown (see the test's docstring)
