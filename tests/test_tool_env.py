@@ -273,6 +273,29 @@ def test_solver_with_errors_recovers_through_the_server(server):
             assert results[-1].done and results[-1].reward == 1.0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_rollout_session_sees_what_the_typed_client_sees(server):
+    """The core's `OpenEnvSession` reads the protocol's JSON fields (no env import): every value equals the typed
+    client's, errors and their metadata included."""
+    from composer_diloco.rollout.episodes import OpenEnvSession
+
+    task = make_task(6, "2")
+    calls = [("sum", {"a": 1}), ("add", {"a": 1}), ("lookup", {"item": "zzz"})] + _correct_calls(task)
+    session = OpenEnvSession(server.url, max_tool_calls=8)
+    try:
+        with ToolEnvClient(base_url=server.url).sync() as env:
+            obs = env.reset(seed=6, episode_id="2", max_tool_calls=8).observation
+            assert session.reset(6, "2") == (obs.question, obs.tools)
+            for tool, args in calls:
+                typed = env.step(ToolAction(tool=tool, arguments=args))
+                o = typed.observation
+                assert session.call(tool, args) == (o.content, o.error_kind, o.error_meta, typed.reward, typed.done)
+        assert typed.done and typed.reward == 1.0
+    finally:
+        session.close()
+
+
 # ----------------------------------------------------------------------------- process lifecycle
 
 
