@@ -161,3 +161,24 @@ def test_tiny_policy_plays_the_echo_env(echo_url, tok):
         ep.check()
         assert ep.turns[0].content.startswith("Echo the word ") and '"name": "echo"' in ep.prompt_text
         assert sum(ep.env_mask) > 0 and 0.0 <= ep.reward <= 1.0
+
+
+def test_an_observation_outside_the_protocol_is_named():
+    """`OpenEnvSession` checks the protocol's fields; the error names the URL, the field and the value."""
+    from types import SimpleNamespace
+
+    from composer_diloco.rollout.episodes import EnvProtocolError
+
+    class Stub:
+        def reset(self, **kwargs):
+            return SimpleNamespace(observation={"tools": []})  # no question
+
+        def step(self, action):
+            return SimpleNamespace(observation={"content": "7", "error_kind": 3}, reward=None, done=False)
+
+    session = OpenEnvSession.__new__(OpenEnvSession)
+    session.url, session.max_tool_calls, session.reset_kwargs, session._client = "http://h:1", 2, {}, Stub()
+    with pytest.raises(EnvProtocolError, match=r"http://h:1: observation field 'question' should be str, got None"):
+        session.reset(0, "0")
+    with pytest.raises(EnvProtocolError, match=r"field 'error_kind' should be str or NoneType, got 3"):
+        session.call("add", {})

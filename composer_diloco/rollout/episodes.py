@@ -133,8 +133,9 @@ def _protocol_field(observation: Mapping[str, Any], name: str, kinds: type | tup
     """
     value = observation.get(name, default)
     if not isinstance(value, kinds):
-        raise EnvProtocolError(f"env server at {url}: observation field {name!r} should be "
-                               f"{getattr(kinds, '__name__', kinds)}, got {value!r}")
+        expected = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise EnvProtocolError(f"env server at {url}: observation field {name!r} should be {expected}, "
+                               f"got {value!r:.200}")
     return value
 
 
