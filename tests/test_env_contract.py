@@ -83,6 +83,8 @@ def test_load_env_package_errors_name_the_bad_entry(tmp_path, monkeypatch):
         _package(tmp_path, name, demos)
         with pytest.raises(EnvPackageError, match=message):
             load_env_package(f"{name}.server")
+    with pytest.raises(EnvPackageError, match="bare_env.server is not importable"):
+        bare.local_session(max_tool_calls=2)
     _package(tmp_path, "broken_env", "import no_such_dependency_xyz\n")
     with pytest.raises(ImportError, match="no_such_dependency_xyz"):  # a real error inside demos.py is not hidden
         load_env_package("broken_env.server")
@@ -182,3 +184,19 @@ def test_an_observation_outside_the_protocol_is_named():
         session.reset(0, "0")
     with pytest.raises(EnvProtocolError, match=r"field 'error_kind' should be str or NoneType, got 3"):
         session.call("add", {})
+
+
+def test_local_session_plays_the_echo_env_in_process():
+    """The package's environment in this process (evaluation without a server), read through the same protocol."""
+    pkg = load_env_package(ECHO)
+    session = pkg.local_session(max_tool_calls=3)
+    try:
+        question, tools = session.reset(SEED, "l0")
+        assert [t["function"]["name"] for t in tools] == ["echo"]
+        content, kind, meta, reward, done = session.call("shout", {"text": "x"})
+        assert (kind, meta["available_tools"], reward, done) == ("tool_not_found", ["echo"], 0.0, False)
+        (call,) = pkg.script(SEED, "l0", question)
+        content, kind, meta, reward, done = session.call(*call)
+        assert (content, kind, reward, done) == (call[1]["text"], None, 1.0, True)
+    finally:
+        session.close()

@@ -296,6 +296,25 @@ def test_rollout_session_sees_what_the_typed_client_sees(server):
         session.close()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_local_session_plays_as_the_served_env(server):
+    """`EnvPackage.local_session` (the env in this process, for evaluation) answers as the server does."""
+    from composer_diloco.rollout.env_package import load_env_package
+    from composer_diloco.rollout.episodes import OpenEnvSession
+
+    task = make_task(8, "5")
+    calls = [("sum", {"a": 1}), ("add", {"a": 1}), ("lookup", {"item": "zzz"})] + _correct_calls(task)
+    served = OpenEnvSession(server.url, max_tool_calls=8)
+    local = load_env_package("envs.tool_env.server").local_session(max_tool_calls=8)
+    try:
+        assert local.reset(8, "5") == served.reset(8, "5")
+        assert [local.call(*c) for c in calls] == [served.call(*c) for c in calls]
+    finally:
+        served.close()
+        local.close()
+
+
 # ----------------------------------------------------------------------------- process lifecycle
 
 

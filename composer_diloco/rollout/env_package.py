@@ -41,6 +41,10 @@ episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already 
 - ``REASON_HINTS``: ``{reason: hint template}`` for tool errors whose metadata carries a ``reason`` (SDPO hints).
 
 Every entry is optional: a package without ``demos.py`` trains with a real ``--model`` and no scripted teacher.
+
+**Evaluation in process, optional**: `EnvPackage.local_session` plays the one ``Environment`` subclass that
+``P/server/__init__.py`` exports (built with no arguments) in this process, through the same protocol fields, for
+evaluating a policy on the env without a server.
 """
 
 from __future__ import annotations
@@ -80,6 +84,36 @@ class EnvPackage:
     script: ScriptFn | None = None
     reason_hints: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     error_rate: float | None = None
+
+
+    def local_session(self, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None) -> Any:
+        """A `composer_diloco.rollout.episodes.LocalEnvSession` on a new instance of the package's environment:
+        episodes played in this process without a server (evaluation, tests).
+
+        The environment is the one ``Environment`` subclass that ``P.server`` exports (OpenEnv's layout:
+        ``server/<name>_environment.py``, re-exported by ``server/__init__.py``), built with no arguments.
+
+        Args:
+            max_tool_calls: the call budget per episode.
+            reset_kwargs: more keywords for every ``reset``.
+        Raises:
+            EnvPackageError: ``P.server`` is not importable or exports no, or several, ``Environment`` subclasses.
+        """
+        from openenv.core.env_server.interfaces import Environment
+
+        from composer_diloco.rollout.episodes import LocalEnvSession
+
+        name = f"{self.package}.server"
+        server = _optional_module(name, self.package)
+        if server is None:
+            raise EnvPackageError(f"{name} is not importable: expected the package's server (OpenEnv layout)")
+        found = sorted({v for v in vars(server).values()
+                        if isinstance(v, type) and issubclass(v, Environment) and v is not Environment},
+                       key=lambda c: c.__name__)
+        if len(found) != 1:
+            raise EnvPackageError(f"{name} exports {len(found)} Environment subclasses "
+                                  f"({', '.join(c.__name__ for c in found) or 'none'}): expected exactly one")
+        return LocalEnvSession(found[0](), max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
 
 
 def package_of(server_module: str) -> str:

@@ -9,6 +9,7 @@ environment tokens) for importance ratios.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,6 +207,69 @@ class OpenEnvSession(EnvSession):
             self._client.close()
         except Exception as e:  # closing a dead socket
             log.debug("closing env session %s: %r", self.url, e)
+
+
+class LocalEnvSession(EnvSession):
+    """An env's OpenEnv ``Environment`` run in this process (no server, no socket), read through the same tool-call
+    protocol fields as `OpenEnvSession`: for evaluation, and tests, of an env package (`EnvPackage.local_session`).
+
+    Each observation goes through JSON (``model_dump_json``) as on the wire, so the values are those a server sends.
+
+    Args:
+        environment: an instance of the env's ``Environment``; its ``step`` must annotate its ``action`` parameter
+            with the env's pydantic action class (``tool``, ``arguments``).
+        max_tool_calls: the call budget per episode, passed to ``reset``.
+        reset_kwargs: more keywords for every ``reset``.
+
+    Raises:
+        TypeError: ``environment.step`` has no pydantic action annotation (names the class).
+    """
+
+    def __init__(self, environment: Any, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):
+        import typing
+
+        action = typing.get_type_hints(type(environment).step).get("action")
+        if not (isinstance(action, type) and hasattr(action, "model_validate")):
+            raise TypeError(f"{type(environment).__name__}.step: expected its 'action' parameter annotated with a "
+                            f"pydantic action class, got {action!r}")
+        self._env, self._action = environment, action
+        self.url = f"local:{type(environment).__name__}"
+        self.max_tool_calls, self.reset_kwargs = max_tool_calls, dict(reset_kwargs or {})
+
+    @staticmethod
+    def _wire(observation: Any) -> dict[str, Any]:
+        return json.loads(observation.model_dump_json())
+
+    def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
+        """Start episode ``(seed, episode_id)``; return (question, tool schemas).
+
+        Raises:
+            EnvProtocolError: the observation lacks a string ``question`` or a list ``tools``.
+            ValueError, RuntimeError: what the environment's ``reset`` raises.
+        """
+        obs = self._wire(self._env.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                         **self.reset_kwargs))
+        return _protocol_field(obs, "question", str, self.url), list(_protocol_field(obs, "tools", list, self.url))
+
+    def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
+        """Run one tool call; return (content, error_kind, error_meta, reward, done), as `OpenEnvSession.call`.
+
+        Raises:
+            EnvProtocolError: as `OpenEnvSession.call`.
+            RuntimeError: what the environment's ``step`` raises (e.g. a step after the episode ended).
+        """
+        obs = self._wire(self._env.step(self._action(tool=tool, arguments=arguments)))
+        content = _protocol_field(obs, "content", str, self.url, "")
+        kind = _protocol_field(obs, "error_kind", (str, type(None)), self.url)
+        meta = _protocol_field(obs, "error_meta", dict, self.url, {})
+        return content, kind, dict(meta), float(obs.get("reward") or 0.0), bool(obs.get("done"))
+
+    def close(self) -> None:
+        """Close the environment (idempotent; never raises)."""
+        try:
+            self._env.close()
+        except Exception as e:
+            log.debug("closing local env session %s: %r", self.url, e)
 
 
 @torch.no_grad()
