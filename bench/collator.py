@@ -17,15 +17,17 @@ import json
 import statistics
 import time
 
+from composer_diloco.channels.dpo_pairs import render_tool_call
 from composer_diloco.inner.collator import CollatorStats, ComposerCollator
-from composer_diloco.rollout.episode_tokens import scripted_episode, tool_call_text
 from composer_diloco.policy import load_default_tokenizer
-from composer_diloco.rollout.episodes import Turn
+from composer_diloco.rollout.episode_tokens import tool_suffix_ids
+from composer_diloco.rollout.episodes import Episode, Turn
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
 
 
-def make_trace(seed: int, n_turns: int, error_every: int = 4):
-    """A trace of ``n_turns`` assistant turns, one in ``error_every`` a failing call followed by its recovery."""
+def make_trace(tok, seed: int, n_turns: int, error_every: int = 4):
+    """A trace of ``n_turns`` assistant turns (calls rendered by ``tok``'s chat template), one in ``error_every`` a
+    failing call followed by its recovery."""
     task = make_task(seed, f"bench-{seed}")
     bad = [("sum", {"a": 1, "b": 2}), ("lookup", {"item": "zzz"}), ("add", {"x": 3})]
     good = [("lookup", {"item": task.x}), ("lookup", {"item": task.y})]
@@ -33,11 +35,27 @@ def make_trace(seed: int, n_turns: int, error_every: int = 4):
     for k in range(n_turns):
         name, args = bad[k % 3] if k % error_every == 0 else good[k % 2]
         content, kind, meta = execute(task, name, args)
-        steps.append((tool_call_text(name, args), content, kind, meta))
+        text, ids = render_tool_call(tok, name, args)
+        steps.append((text[: -len(tok.eos_token)], ids, content, kind, meta))
     turns = [Turn("user", task.question)]
-    for text, reply, kind, meta in steps:
+    for text, _, reply, kind, meta in steps:
         turns += [Turn("assistant", text), Turn("tool", reply, None, kind, meta)]
     return task, steps, turns
+
+
+def played_episode(tok, seed: int, question: str, steps) -> Episode:
+    """The `Episode` the rollout would record had the policy generated the trace's calls: prompt, then per step the
+    call's ids (EOS included, env_mask 1) and the template's tool-reply suffix (env_mask 0)."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tools=TOOL_SCHEMAS,
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    ep = Episode(seed, f"bench-{seed}", [Turn("user", question)], TOOL_SCHEMAS, list(prompt), end_reason="done")
+    for text, ids, reply, kind, meta in steps:
+        suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "tool", "content": reply}])
+        ep.completion_ids += ids + suffix
+        ep.env_mask += [1] * len(ids) + [0] * len(suffix)
+        ep.logprobs += [0.0] * (len(ids) + len(suffix))
+        ep.turns += [Turn("assistant", tok.decode(ids)), Turn("tool", reply, None, kind, dict(meta))]
+    return ep
 
 
 def prefix_retokenize_sites(collator: ComposerCollator, turns: list[Turn], tools: list[dict]) -> list[tuple]:
@@ -85,12 +103,11 @@ def main() -> None:
     collator = ComposerCollator(tok, max_length=1 << 16)
     rows = []
     for n in args.turns:
-        traces = [make_trace(seed, n) for seed in range(args.traces)]
+        traces = [make_trace(tok, seed, n) for seed in range(args.traces)]
         for _, _, turns in traces:  # same sites from both before timing
             base = [(t, c0, c1) for t, _, c0, c1, _ in prefix_retokenize_sites(collator, turns, TOOL_SCHEMAS)]
             assert base == ours_sites(collator, turns, TOOL_SCHEMAS), "baseline and collator disagree"
-        episodes = [scripted_episode(tok, seed=s, episode_id=f"bench-{s}", question=task.question, tools=TOOL_SCHEMAS,
-                                     steps=steps) for s, (task, steps, _) in enumerate(traces)]
+        episodes = [played_episode(tok, s, task.question, steps) for s, (task, steps, _) in enumerate(traces)]
         t_base = timed(lambda: [prefix_retokenize_sites(collator, tr, TOOL_SCHEMAS) for _, _, tr in traces],
                        args.repeats)
         t_trace = timed(lambda: [collator.sites_from_trace(tr, TOOL_SCHEMAS, CollatorStats()) for _, _, tr in traces],

@@ -449,7 +449,8 @@ def test_server_plays_a_scripted_episode_and_survives_every_containment_case(ser
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_rollout_session_plays_the_coding_env_unchanged(server):
-    """``composer_diloco.rollout.episodes.OpenEnvSession`` (the node's client, built on tool_env's models) plays it."""
+    """``composer_diloco.rollout.episodes.OpenEnvSession`` (the node's client, reading the protocol's JSON fields) plays
+    it."""
     from composer_diloco.rollout.episodes import OpenEnvSession
 
     session = OpenEnvSession(server.url, max_tool_calls=6)

@@ -7,11 +7,12 @@ import torch
 from trl.chat_template_utils import get_training_chat_template
 
 from composer_diloco.inner.collator import CollatorStats, ComposerCollator
-from composer_diloco.rollout.episode_tokens import scripted_episode, tool_call_text, tool_suffix_ids
+from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import Turn
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
+from episode_support import scripted_episode, tool_call_text
 
 TRL_TEMPLATES = __import__("pathlib").Path(__import__("trl").__file__).parent / "chat_templates"
 
@@ -32,15 +33,16 @@ def llama_tok():
     return tok
 
 
-def failing_steps(task, n_errors: int, n_turns: int):
-    """Assistant texts and env replies: ``n_errors`` wrong calls, each followed by a correct recovery call."""
+def failing_steps(tok, task, n_errors: int, n_turns: int):
+    """Assistant texts (calls rendered by ``tok``'s template) and env replies: ``n_errors`` wrong calls, each
+    followed by a correct recovery call."""
     bad = [("sum", {"a": 1, "b": 2}), ("lookup", {"item": "zzz"}), ("add", {"x": 3})]
     good = [("lookup", {"item": task.x}), ("lookup", {"item": task.y})]
     steps = []
     for k in range(n_turns):
         name, args = bad[(k // 2) % 3] if (k % 2 == 0 and k // 2 < n_errors) else good[k % 2]
         content, kind, meta = execute(task, name, args)
-        steps.append((tool_call_text(name, args), content, kind, meta))
+        steps.append((tool_call_text(tok, name, args), content, kind, meta))
     return steps
 
 
@@ -62,7 +64,7 @@ def check_sites(collator, sites, turns_text):
 
 def test_episode_sites_align_and_cover_only_the_recovery(qwen_tok):
     task = make_task(0, "c1")
-    steps = failing_steps(task, n_errors=2, n_turns=6)
+    steps = failing_steps(qwen_tok, task, n_errors=2, n_turns=6)
     ep = scripted_episode(qwen_tok, seed=0, episode_id="c1", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
     collator = ComposerCollator(qwen_tok)
     batch = collator([ep])
@@ -87,7 +89,7 @@ def test_episode_sites_align_and_cover_only_the_recovery(qwen_tok):
 def test_raw_traces_under_two_chat_templates(template, qwen_tok, llama_tok):
     tok = qwen_tok if template == "qwen" else llama_tok
     task = make_task(1, "c2")
-    steps = failing_steps(task, n_errors=1, n_turns=4)
+    steps = failing_steps(qwen_tok, task, n_errors=1, n_turns=4)
     turns = [Turn("user", task.question)]
     for text, reply, kind, meta in steps:
         turns += [Turn("assistant", text), Turn("tool", reply, None, kind, meta)]
@@ -143,7 +145,7 @@ def test_raw_trace_short_recovery_found_in_its_own_turn(template, recovery, qwen
 
 def test_32_turn_trace_with_8_error_sites(qwen_tok):
     task = make_task(2, "c3")
-    steps = failing_steps(task, n_errors=8, n_turns=32)
+    steps = failing_steps(qwen_tok, task, n_errors=8, n_turns=32)
     ep = scripted_episode(qwen_tok, seed=2, episode_id="c3", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
     collator = ComposerCollator(qwen_tok, max_length=4096)
     batch = collator([ep])
@@ -154,7 +156,7 @@ def test_32_turn_trace_with_8_error_sites(qwen_tok):
 
 def test_skips_are_counted(qwen_tok):
     task = make_task(3, "c4")
-    steps = failing_steps(task, n_errors=2, n_turns=4)
+    steps = failing_steps(qwen_tok, task, n_errors=2, n_turns=4)
     ep = scripted_episode(qwen_tok, seed=3, episode_id="c4", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
     no_hints = DEFAULT_HINTS.copy()
     no_hints.register("tool_not_found", "")  # an empty template turns a kind off
@@ -169,7 +171,7 @@ def test_skips_are_counted(qwen_tok):
 
 def test_truncation_keeps_the_region_or_drops_the_site(qwen_tok):
     task = make_task(4, "c6")
-    steps = failing_steps(task, n_errors=8, n_turns=32)
+    steps = failing_steps(qwen_tok, task, n_errors=8, n_turns=32)
     ep = scripted_episode(qwen_tok, seed=4, episode_id="c6", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
     full = ComposerCollator(qwen_tok, max_length=4096)([ep])
     longest = max(len(s.teacher_ids) for s in full.sites)
@@ -217,7 +219,7 @@ def test_tool_suffix_matches_trl(qwen_tok):
 def test_episode_record_views_and_length_errors(qwen_tok):
     task = make_task(5, "c7")
     ep = scripted_episode(qwen_tok, seed=5, episode_id="c7", question=task.question, tools=TOOL_SCHEMAS,
-                          steps=failing_steps(task, n_errors=1, n_turns=2))
+                          steps=failing_steps(qwen_tok, task, n_errors=1, n_turns=2))
     assert ep.full_ids == ep.prompt_ids + ep.completion_ids and len(ep.full_mask) == len(ep.full_ids)
     assert sum(ep.full_mask) == sum(ep.env_mask) > 0
     ep.logprobs.pop()

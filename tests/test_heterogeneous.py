@@ -25,7 +25,6 @@ from composer_diloco.channels import sdpo as sdpo_channel
 from composer_diloco.rollout import episodes as rollout
 from composer_diloco.inner import trainer as trainer_mod
 from composer_diloco.config import LossConfig, RunConfig
-from composer_diloco.rollout.episode_tokens import tool_call_text
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args
@@ -33,6 +32,7 @@ from envs.tool_env.models import ToolAction
 from envs.tool_env.server.tool_environment import ToolEnvironment
 from envs.tool_env.tasks import ITEM_VOCAB, make_task, solve
 from nodes.device import BatchError, DeviceError, NodeBatch, Placement
+from episode_support import tool_call_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -80,7 +80,7 @@ def scripted_sampler(tok, scripts):
         j = next(turn)
         active = [s for s in scripts if len(s) > j]  # every script ends with a submit, which ends the episode
         assert len(contexts) == len(active)
-        ids = [tok(tool_call_text(*s[j]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in active]
+        ids = [tool_call_ids(tok, *s[j]) for s in active]
         return ids, [[-0.5] * len(x) for x in ids]
 
     return generate
@@ -90,7 +90,7 @@ def fixed_candidate(tok):
     """Stands in for the DPO candidates' sampler (`preference.generate_turns`): a lookup of an unknown item, always."""
 
     def generate(model, tokenizer, contexts, max_new_tokens, temperature):
-        ids = tok(tool_call_text("lookup", {"item": "zzz"}), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = tool_call_ids(tok, "lookup", {"item": "zzz"})
         return [list(ids) for _ in contexts], [[-0.5] * len(ids) for _ in contexts]
 
     return generate

@@ -273,6 +273,48 @@ def test_solver_with_errors_recovers_through_the_server(server):
             assert results[-1].done and results[-1].reward == 1.0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_rollout_session_sees_what_the_typed_client_sees(server):
+    """The core's `OpenEnvSession` reads the protocol's JSON fields (no env import): every value equals the typed
+    client's, errors and their metadata included."""
+    from composer_diloco.rollout.episodes import OpenEnvSession
+
+    task = make_task(6, "2")
+    calls = [("sum", {"a": 1}), ("add", {"a": 1}), ("lookup", {"item": "zzz"})] + _correct_calls(task)
+    session = OpenEnvSession(server.url, max_tool_calls=8)
+    try:
+        with ToolEnvClient(base_url=server.url).sync() as env:
+            obs = env.reset(seed=6, episode_id="2", max_tool_calls=8).observation
+            assert session.reset(6, "2") == (obs.question, obs.tools)
+            for tool, args in calls:
+                typed = env.step(ToolAction(tool=tool, arguments=args))
+                o = typed.observation
+                assert session.call(tool, args) == (o.content, o.error_kind, o.error_meta, typed.reward, typed.done)
+        assert typed.done and typed.reward == 1.0
+    finally:
+        session.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_local_session_plays_as_the_served_env(server):
+    """`EnvPackage.local_session` (the env in this process, for evaluation) answers as the server does."""
+    from composer_diloco.rollout.env_package import load_env_package
+    from composer_diloco.rollout.episodes import OpenEnvSession
+
+    task = make_task(8, "5")
+    calls = [("sum", {"a": 1}), ("add", {"a": 1}), ("lookup", {"item": "zzz"})] + _correct_calls(task)
+    served = OpenEnvSession(server.url, max_tool_calls=8)
+    local = load_env_package("envs.tool_env.server").local_session(max_tool_calls=8)
+    try:
+        assert local.reset(8, "5") == served.reset(8, "5")
+        assert [local.call(*c) for c in calls] == [served.call(*c) for c in calls]
+    finally:
+        served.close()
+        local.close()
+
+
 # ----------------------------------------------------------------------------- process lifecycle
 
 

@@ -4,5 +4,6 @@
 - `mcp`: sessions of OpenEnv MCP tool servers;
 - `chat`: rendering turns and parsing tool calls;
 - `episode_tokens`: token spans of a played episode;
-- `env_process`: starting and probing env server processes.
+- `env_process`: starting and probing env server processes;
+- `env_package`: the env contract (what the core takes from an env package, found from ``[env] server_module``).
 """

@@ -1,15 +1,50 @@
 """The env contract: what the core takes from an environment package, found from ``[env] server_module``.
 
-The core names no concrete env. An env package ``P`` (``[env] server_module = "P.server"``) is an OpenEnv env in
-OpenEnv's layout (``models.py``, ``client.py``, ``server/``, ``openenv.yaml``) and may add, in ``P/demos.py``:
+The core names no concrete env: it imports nothing from ``envs`` and finds everything below from the one string
+``[env] server_module``. Adding an env means writing a package; no file of ``composer_diloco/`` changes
+(``tests/echo_env`` is such a package, played through the core by ``tests/test_env_contract.py``).
 
-- ``demonstration(seed, index, error_rate) -> envs.demonstration.Demonstration``: the scripted solver's episodes,
-  the warm-start data of the embedded default policy;
+**The package.** ``[env] server_module = "P.server"`` names an OpenEnv env package ``P`` in OpenEnv's layout
+(``models.py``, ``client.py``, ``server/``, ``openenv.yaml``). A node serves it as ``python -m P.server --host H
+--port N`` (`composer_diloco.rollout.env_process.start_env_server`), which must answer ``GET /health`` and play
+episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already running one (``--env-url``).
+
+**The session: one of two wire protocols**, detected per URL by `composer_diloco.rollout.mcp.open_env_sessions`
+(no package import, so a node can play a remote fleet whose package it lacks):
+
+- the typed tool-call protocol, played by `composer_diloco.rollout.episodes.OpenEnvSession` over OpenEnv's
+  ``GenericEnvClient``. These JSON field names are the whole contract (``envs/protocol.py`` has pydantic models and
+  a typed client for them, which this project's envs subclass; an env may use its own models):
+
+  - ``reset(seed, episode_id, max_tool_calls, **[env] reset_kwargs)``: the same ``(seed, episode_id)`` gives the
+    same episode (trace-replay DPO replays episodes); its observation holds ``question`` (str, the user prompt) and
+    ``tools`` (tool schemas in OpenAI function format, as the chat template renders them);
+  - a step action is ``{"tool": str, "arguments": object}``; its observation holds ``content`` (str, the tool
+    message the policy sees), ``error_kind`` (null on success, else ``"tool_not_found"``, ``"invalid_args"``,
+    ``"execution_error"`` or ``"timeout"``: the keys of the SDPO hints) and ``error_meta`` (object: ``tool``,
+    ``message`` and per kind ``available_tools``, ``expected_schema``, ``reason``, ``timeout_s``), plus OpenEnv's
+    ``reward`` (null counts 0.0) and ``done`` (the episode's reward is that of its first ``done`` step);
+  - an unknown action (OpenEnv's ``ListToolsAction``) is refused with an error frame: that is how it is told apart
+    from an MCP server;
+
+- OpenEnv's MCP tool protocol (``ListToolsAction`` / ``CallToolAction``), played by
+  `composer_diloco.rollout.mcp.McpEnvSession` (its module docstring lists what it expects).
+
+**Scripted data, optional**, in ``P/demos.py``:
+
+- ``demonstration(seed, index, error_rate) -> Demonstration``: the scripted solver's episodes, the warm-start data of
+  the embedded default policy. A ``Demonstration`` (``envs.demonstration``) has ``question``, ``tools``, ``calls``
+  (``[(tool, arguments), ...]``), ``replies`` (str per call) and ``imitate`` (bool per call);
+- ``ERROR_RATE``: the default fraction of demonstrations with one failed call and its recovery;
 - ``script(seed, episode_id, question) -> [(tool, arguments), ...] | None``: the solver's error-free calls for an
   episode (None when the question is not that episode's), followed by the DPO channel's ``"scripted"`` teacher;
 - ``REASON_HINTS``: ``{reason: hint template}`` for tool errors whose metadata carries a ``reason`` (SDPO hints).
 
 Every entry is optional: a package without ``demos.py`` trains with a real ``--model`` and no scripted teacher.
+
+**Evaluation in process, optional**: `EnvPackage.local_session` plays the one ``Environment`` subclass that
+``P/server/__init__.py`` exports (built with no arguments) in this process, through the same protocol fields, for
+evaluating a policy on the env without a server.
 """
 
 from __future__ import annotations
@@ -39,6 +74,8 @@ class EnvPackage:
         demonstration: scripted demonstrations (warm start), or None.
         script: the scripted solver's calls for an episode (DPO ``"scripted"`` teacher), or None.
         reason_hints: hint templates by error ``reason`` (SDPO), empty when the env has none.
+        error_rate: the demonstrations' default fraction with one failed call and its recovery (``demos.ERROR_RATE``),
+            or None.
     """
 
     package: str
@@ -46,14 +83,52 @@ class EnvPackage:
     demonstration: DemonstrationFn | None = None
     script: ScriptFn | None = None
     reason_hints: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    error_rate: float | None = None
+
+
+    def local_session(self, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None) -> Any:
+        """A `composer_diloco.rollout.episodes.LocalEnvSession` on a new instance of the package's environment:
+        episodes played in this process without a server (evaluation, tests).
+
+        The environment is the one ``Environment`` subclass that ``P.server`` exports (OpenEnv's layout:
+        ``server/<name>_environment.py``, re-exported by ``server/__init__.py``), built with no arguments.
+
+        Args:
+            max_tool_calls: the call budget per episode.
+            reset_kwargs: more keywords for every ``reset``.
+        Raises:
+            EnvPackageError: ``P.server`` is not importable or exports no, or several, ``Environment`` subclasses.
+        """
+        from openenv.core.env_server.interfaces import Environment
+
+        from composer_diloco.rollout.episodes import LocalEnvSession
+
+        name = f"{self.package}.server"
+        server = _optional_module(name, self.package)
+        if server is None:
+            raise EnvPackageError(f"{name} is not importable: expected the package's server (OpenEnv layout)")
+        found = sorted({v for v in vars(server).values()
+                        if isinstance(v, type) and issubclass(v, Environment) and v is not Environment},
+                       key=lambda c: c.__name__)
+        if len(found) != 1:
+            raise EnvPackageError(f"{name} exports {len(found)} Environment subclasses "
+                                  f"({', '.join(c.__name__ for c in found) or 'none'}): expected exactly one")
+        return LocalEnvSession(found[0](), max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
 
 
 def package_of(server_module: str) -> str:
-    """``"P.server"`` -> ``"P"``; a name without ``.server`` is taken as the package itself."""
+    """The package of a server module: ``"P.server"`` -> ``"P"``; a name without ``.server`` is the package itself.
+
+    Args:
+        server_module: ``[env] server_module``, e.g. ``"envs.tool_env.server"``.
+    Returns:
+        The package's import name, e.g. ``"envs.tool_env"``.
+    """
     return server_module[: -len(".server")] if server_module.endswith(".server") else server_module
 
 
 def _optional_module(name: str, package: str) -> ModuleType | None:
+    """``name`` imported, or None when it (or its package) does not exist; an import error inside it propagates."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
@@ -63,10 +138,18 @@ def _optional_module(name: str, package: str) -> ModuleType | None:
 
 
 def load_env_package(server_module: str) -> EnvPackage:
-    """The `EnvPackage` of ``server_module``'s package.
+    """The `EnvPackage` of ``server_module``'s package: imports the package and its optional ``demos`` module.
+
+    Args:
+        server_module: ``[env] server_module``, e.g. ``"envs.coding_env.server"`` (or the package name itself).
+    Returns:
+        The package's entries; those ``demos.py`` does not define (or a package without ``demos.py``) are None/empty.
 
     Raises:
-        EnvPackageError: the package cannot be imported, or ``demos.py`` defines an entry that is not callable.
+        EnvPackageError: the package cannot be imported, ``demos.py`` defines ``demonstration`` or ``script`` as
+            something not callable, ``REASON_HINTS`` as something not a mapping of strings, or ``ERROR_RATE`` outside
+            [0, 1]; the message names the entry and its value.
+        ImportError: ``demos.py`` exists but one of its own imports fails.
     """
     package = package_of(server_module)
     if _optional_module(package, package) is None:
@@ -80,5 +163,12 @@ def load_env_package(server_module: str) -> EnvPackage:
             raise EnvPackageError(f"{package}.demos.{name} is {type(value).__name__}: expected a function")
         entries[name] = value
     hints = getattr(demos, "REASON_HINTS", None) or {}
+    if not isinstance(hints, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in hints.items()):
+        raise EnvPackageError(f"{package}.demos.REASON_HINTS is {hints!r:.200}: expected a mapping of reason -> hint "
+                              "template (strings)")
+    error_rate = getattr(demos, "ERROR_RATE", None)
+    if error_rate is not None and (isinstance(error_rate, bool) or not isinstance(error_rate, (int, float))
+                                   or not 0.0 <= error_rate <= 1.0):
+        raise EnvPackageError(f"{package}.demos.ERROR_RATE is {error_rate!r}: expected a number in [0, 1]")
     return EnvPackage(package=package, server_module=server_module, reason_hints=MappingProxyType(dict(hints)),
-                      **entries)
+                      error_rate=None if error_rate is None else float(error_rate), **entries)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from composer_diloco.rollout.episodes import Episode, Turn
+from composer_diloco.rollout.episodes import Episode
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict[str, Any]]) -> list
     """Token ids of tool replies (and the next assistant header) following an assistant turn that ended in EOS.
 
     The method of TRL ``GRPOTrainer._get_tool_suffix_ids`` (render a dummy conversation with and without the tool
-    messages, slice after the assistant's EOS), for code outside a trainer: tests, trace replay, benchmarks.
+    messages, slice after the assistant's EOS), for code outside a trainer: trace replay, tests, benchmarks.
     The trainer itself calls TRL's. Raises ValueError if the rendering is not prefix-stable.
     """
     from trl.chat_template_utils import get_training_chat_template
@@ -135,39 +135,3 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict[str, Any]]) -> list
     if full[: len(prefix)] != prefix:
         raise ValueError("chat template: the EOS-trimmed prefix is not a prefix of the rendering with tool replies")
     return full[len(prefix):]
-
-
-def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """An assistant turn's text for one tool call, in the Qwen/Hermes format the shipped template renders."""
-    import json
-
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-def scripted_episode(tokenizer: Any, *, seed: int, episode_id: str, question: str, tools: list[dict[str, Any]],
-                     steps: list[tuple[str, str, str | None, dict[str, Any]]], reward: float = 0.0) -> Episode:
-    """An `Episode` with the token ids `rollout.play_episodes` would produce had the policy written ``steps``.
-
-    Args:
-        steps: ``(assistant text, tool reply, error_kind, error_meta)`` per turn; the last reply may be "" to end
-            the episode on the assistant turn's tool call (no suffix rendered, as in a finished episode).
-    Used by tests, the trace-replay tests and ``bench/collator.py``.
-    """
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tools=tools,
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
-    ep = Episode(seed, episode_id, [Turn("user", question)], tools, list(prompt), reward=reward, end_reason="done")
-    eos = tokenizer.eos_token_id
-    for k, (text, reply, kind, meta) in enumerate(steps):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        ep.completion_ids += ids
-        ep.env_mask += [1] * len(ids)
-        ep.logprobs += [0.0] * len(ids)
-        ep.turns.append(Turn("assistant", tokenizer.decode(ids), None))
-        ep.turns.append(Turn("tool", reply, None, kind, dict(meta)))
-        if k == len(steps) - 1 and reply == "":
-            break
-        suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "tool", "content": reply}])
-        ep.completion_ids += suffix
-        ep.env_mask += [0] * len(suffix)
-        ep.logprobs += [0.0] * len(suffix)
-    return ep

@@ -9,6 +9,7 @@ environment tokens) for importance ratios.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,7 +108,8 @@ class Episode:
 
 
 class EnvSession:
-    """What the rollout needs from an environment session (OpenEnv's sync client fits via `OpenEnvSession`)."""
+    """What the rollout needs from an environment session: `OpenEnvSession` (typed tool-call envs) and
+    `composer_diloco.rollout.mcp.McpEnvSession` (OpenEnv MCP tool servers) implement it; tests use scripted ones."""
 
     def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:  # pragma: no cover - protocol
         """Start an episode; return (question, tool schemas)."""
@@ -118,44 +120,156 @@ class EnvSession:
         raise NotImplementedError
 
 
-class OpenEnvSession(EnvSession):
-    """A `envs.tool_env` WebSocket session (OpenEnv ``EnvClient.sync()``), one episode at a time.
+class EnvProtocolError(RuntimeError):
+    """A typed env answered outside the tool-call protocol (`OpenEnvSession`): a field is missing or of the wrong
+    type; the message names the URL, the field and what came instead."""
 
-    Any env speaking tool_env's typed actions (``tool``/``arguments``) works; the coding env does.
+
+def _protocol_field(observation: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], url: str,
+                    default: Any = None) -> Any:
+    """``observation[name]`` checked against ``kinds``; ``default`` when absent (None: required).
+
+    Raises:
+        EnvProtocolError: the field is absent without a default, or not of ``kinds``.
+    """
+    value = observation.get(name, default)
+    if not isinstance(value, kinds):
+        expected = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise EnvProtocolError(f"env server at {url}: observation field {name!r} should be {expected}, "
+                               f"got {value!r:.200}")
+    return value
+
+
+class OpenEnvSession(EnvSession):
+    """A WebSocket session (OpenEnv ``GenericEnvClient.sync()``) with any env speaking the typed tool-call protocol,
+    one episode at a time.
+
+    The protocol is JSON field names, not classes (``composer_diloco.rollout.env_package`` documents it): a step
+    sends ``{"tool": name, "arguments": {...}}``; the reset observation carries ``question`` (str) and ``tools``
+    (OpenAI function schemas); a step observation carries ``content`` (str), ``error_kind`` (str or null) and
+    ``error_meta`` (object), with OpenEnv's ``reward`` and ``done``. No env package is imported, so a node can play
+    a remote env fleet whose package it does not have.
 
     Args:
-        url: the server's base URL.
+        url: the server's base URL (``http(s)://`` or ``ws(s)://``; the client adds ``/ws``).
         max_tool_calls: the call budget per episode, passed to ``reset``.
         reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``, e.g. the coding env's ``source``).
 
     Raises:
-        EnvServerError (from `composer_diloco.rollout.env_process`) when the server cannot be reached.
+        EnvServerError (from `composer_diloco.rollout.env_process`): the server cannot be reached.
     """
 
     def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):
-        from envs.tool_env import ToolAction, ToolEnvClient
+        from openenv.core.generic_client import GenericEnvClient
 
-        self._action = ToolAction
-        self._client = ToolEnvClient(base_url=url).sync()
-        self._client.connect()
+        from composer_diloco.rollout.env_process import EnvServerError
+
         self.url, self.max_tool_calls = url, max_tool_calls
         self.reset_kwargs = dict(reset_kwargs or {})
+        self._client = GenericEnvClient(base_url=url).sync()
+        try:
+            self._client.connect()
+        except Exception as e:
+            self.close()
+            raise EnvServerError(f"env server at {url} not reachable: {e}") from e
 
     def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
+        """Start episode ``(seed, episode_id)``; return (question, tool schemas).
+
+        Raises:
+            EnvProtocolError: the observation lacks a string ``question`` or a list ``tools``.
+            RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's reset raised.
+        """
         obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
                                  **self.reset_kwargs).observation
-        return obs.question, list(obs.tools)
+        question = _protocol_field(obs, "question", str, self.url)
+        return question, list(_protocol_field(obs, "tools", list, self.url))
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
-        result = self._client.step(self._action(tool=tool, arguments=arguments))
+        """Run one tool call; return (content, error_kind, error_meta, reward, done); a None reward counts 0.0.
+
+        Raises:
+            EnvProtocolError: ``content`` is not a string, ``error_kind`` not a string or null, ``error_meta`` not an
+                object.
+            RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's step raised (e.g. a step
+                after the episode ended).
+        """
+        result = self._client.step({"tool": tool, "arguments": arguments})
         obs = result.observation
-        return obs.content, obs.error_kind, dict(obs.error_meta), float(result.reward or 0.0), bool(result.done)
+        content = _protocol_field(obs, "content", str, self.url, "")
+        kind = _protocol_field(obs, "error_kind", (str, type(None)), self.url)
+        meta = _protocol_field(obs, "error_meta", dict, self.url, {})
+        return content, kind, dict(meta), float(result.reward or 0.0), bool(result.done)
 
     def close(self) -> None:
+        """Close the WebSocket and the server-side session (idempotent; never raises)."""
         try:
             self._client.close()
         except Exception as e:  # closing a dead socket
             log.debug("closing env session %s: %r", self.url, e)
+
+
+class LocalEnvSession(EnvSession):
+    """An env's OpenEnv ``Environment`` run in this process (no server, no socket), read through the same tool-call
+    protocol fields as `OpenEnvSession`: for evaluation, and tests, of an env package (`EnvPackage.local_session`).
+
+    Each observation goes through JSON (``model_dump_json``) as on the wire, so the values are those a server sends.
+
+    Args:
+        environment: an instance of the env's ``Environment``; its ``step`` must annotate its ``action`` parameter
+            with the env's pydantic action class (``tool``, ``arguments``).
+        max_tool_calls: the call budget per episode, passed to ``reset``.
+        reset_kwargs: more keywords for every ``reset``.
+
+    Raises:
+        TypeError: ``environment.step`` has no pydantic action annotation (names the class).
+    """
+
+    def __init__(self, environment: Any, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):
+        import typing
+
+        action = typing.get_type_hints(type(environment).step).get("action")
+        if not (isinstance(action, type) and hasattr(action, "model_validate")):
+            raise TypeError(f"{type(environment).__name__}.step: expected its 'action' parameter annotated with a "
+                            f"pydantic action class, got {action!r}")
+        self._env, self._action = environment, action
+        self.url = f"local:{type(environment).__name__}"
+        self.max_tool_calls, self.reset_kwargs = max_tool_calls, dict(reset_kwargs or {})
+
+    @staticmethod
+    def _wire(observation: Any) -> dict[str, Any]:
+        return json.loads(observation.model_dump_json())
+
+    def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
+        """Start episode ``(seed, episode_id)``; return (question, tool schemas).
+
+        Raises:
+            EnvProtocolError: the observation lacks a string ``question`` or a list ``tools``.
+            ValueError, RuntimeError: what the environment's ``reset`` raises.
+        """
+        obs = self._wire(self._env.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                         **self.reset_kwargs))
+        return _protocol_field(obs, "question", str, self.url), list(_protocol_field(obs, "tools", list, self.url))
+
+    def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
+        """Run one tool call; return (content, error_kind, error_meta, reward, done), as `OpenEnvSession.call`.
+
+        Raises:
+            EnvProtocolError: as `OpenEnvSession.call`.
+            RuntimeError: what the environment's ``step`` raises (e.g. a step after the episode ended).
+        """
+        obs = self._wire(self._env.step(self._action(tool=tool, arguments=arguments)))
+        content = _protocol_field(obs, "content", str, self.url, "")
+        kind = _protocol_field(obs, "error_kind", (str, type(None)), self.url)
+        meta = _protocol_field(obs, "error_meta", dict, self.url, {})
+        return content, kind, dict(meta), float(obs.get("reward") or 0.0), bool(obs.get("done"))
+
+    def close(self) -> None:
+        """Close the environment (idempotent; never raises)."""
+        try:
+            self._env.close()
+        except Exception as e:
+            log.debug("closing local env session %s: %r", self.url, e)
 
 
 @torch.no_grad()

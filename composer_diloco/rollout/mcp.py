@@ -26,10 +26,10 @@ What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env
   kinds by `TOOL_ERROR_KINDS`. Note that OpenEnv 0.10.0's ``MCPEnvironment`` answers on the WebSocket with
   ``step_async``: a server that computes its reward in an override of ``step`` alone never sends it.
 
-`open_env_sessions` is what ``composer-node join --env-url URL`` uses: it detects each URL's protocol once, by
-sending ``ListToolsAction`` (an MCP server answers with its tools; this project's own typed environments,
-``envs.tool_env`` and ``envs.coding_env``, refuse the action as an invalid message) and opens `McpEnvSession` or
-`composer_diloco.rollout.episodes.OpenEnvSession` accordingly.
+`open_env_sessions` is what ``composer-node join`` uses: it detects each URL's protocol once, by sending
+``ListToolsAction`` (an MCP server answers with its tools; an env speaking the typed tool-call protocol of
+`composer_diloco.rollout.env_package`, such as this project's own, refuses the action as an invalid message) and opens
+`McpEnvSession` or `composer_diloco.rollout.episodes.OpenEnvSession` accordingly.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""WebSocket client of the coding environment.
+"""WebSocket client of the coding environment (the shared `envs.protocol.ToolCallEnvClient` on this env's models).
 
-OpenEnv's ``EnvClient`` is async; for synchronous code use its ``.sync()`` wrapper::
+For synchronous code use OpenEnv's ``.sync()`` wrapper::
 
     with CodingEnvClient(base_url="http://127.0.0.1:8001").sync() as env:
         obs = env.reset(seed=0, episode_id="7").observation          # .question, .tools
@@ -15,39 +15,15 @@ long as the sandbox run (up to the server's wall-clock limit, 10 s by default), 
 
 from __future__ import annotations
 
-from typing import Any
-
-from openenv.core.client_types import StepResult
-from openenv.core.env_client import EnvClient
+from envs.protocol import ToolCallEnvClient
 
 from .models import CodingAction, CodingObservation, CodingState
 
 __all__ = ["CodingEnvClient"]
 
 
-class CodingEnvClient(EnvClient[CodingAction, CodingObservation, CodingState]):
-    """Client for ``envs.coding_env.server``.
+class CodingEnvClient(ToolCallEnvClient[CodingAction, CodingObservation, CodingState]):
+    """Client for ``envs.coding_env.server``; ``base_url`` is http(s):// or ws(s):// (the client adds ``/ws``)."""
 
-    ``base_url`` is http(s):// or ws(s)://; the client adds the ``/ws`` path.
-    """
-
-    def _step_payload(self, action: CodingAction) -> dict[str, Any]:
-        """Serialize one tool call for the ``step`` message."""
-        return action.model_dump()
-
-    def _parse_result(self, payload: dict[str, Any]) -> StepResult[CodingObservation]:
-        """Build a ``StepResult`` from a reset/step response."""
-        fields = dict(payload.get("observation", {}))
-        fields["done"] = payload.get("done", False)
-        fields["reward"] = payload.get("reward")
-        observation = CodingObservation.model_validate(fields)
-        return StepResult(
-            observation=observation,
-            reward=observation.reward,
-            done=observation.done,
-            metadata=payload.get("metadata"),
-        )
-
-    def _parse_state(self, payload: dict[str, Any]) -> CodingState:
-        """Build a ``CodingState`` from a state response."""
-        return CodingState.model_validate(payload)
+    observation_type = CodingObservation
+    state_type = CodingState

@@ -1,20 +1,21 @@
-"""Wire models of the coding environment: one tool call in, one tool result out.
+"""Wire models of the coding environment: the shared tool-call protocol (`envs.protocol`) with this env's details.
 
-The field names are those of ``envs.tool_env.models`` (``tool``/``arguments`` in; ``content``, ``error_kind``,
-``error_meta``, ``question``, ``tools`` out), so a client of either environment parses the other's messages.
+The field names are the protocol's (``tool``/``arguments`` in; ``content``, ``error_kind``, ``error_meta``,
+``question``, ``tools`` out), so a client of either environment parses the other's messages.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
+
+from envs.protocol import ToolCallAction, ToolCallObservation, ToolCallState
 
 __all__ = ["CodingAction", "CodingObservation", "CodingState"]
 
 
-class CodingAction(Action):
+class CodingAction(ToolCallAction):
     """One tool call. Unknown fields are rejected (``extra="forbid"``, from OpenEnv's base)."""
 
     tool: str = Field(..., description="Tool name, e.g. 'read_file', 'run_tests', 'submit'.")
@@ -23,7 +24,7 @@ class CodingAction(Action):
     )
 
 
-class CodingObservation(Observation):
+class CodingObservation(ToolCallObservation):
     """What the agent sees after reset or after one tool call.
 
     Also carries the base's ``done``, ``reward`` and ``metadata``: after reset ``task_id``, ``family``, ``kind``
@@ -33,31 +34,18 @@ class CodingObservation(Observation):
     ``reward`` is None after reset, the fraction of hidden tests passed after ``submit``, else 0.0.
     """
 
-    content: str = Field(
-        default="", description="Text of the tool message: the result, or 'error: ...' on failure."
-    )
-    error_kind: Literal["tool_not_found", "invalid_args", "execution_error", "timeout"] | None = Field(
-        default=None, description="Why the call failed; None when it succeeded."
-    )
     error_meta: dict[str, Any] = Field(
         default_factory=dict,
         description="Failure details for hints: tool, message, and per kind available_tools, expected_schema, "
         "or reason with path/test/failed_tests/stderr_tail/timeout_s (see envs.coding_env.tools).",
     )
     question: str = Field(default="", description="The task and how to work on it; set on reset only.")
-    tools: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Tool schemas in OpenAI function format; set on reset only.",
-    )
 
 
-class CodingState(State):
+class CodingState(ToolCallState):
     """Server-side episode state (plus the base's episode_id and step_count)."""
 
-    seed: int = Field(default=0, description="Seed the task was drawn from.")
     task_id: str = Field(default="", description="The task, e.g. 'hw/slugify' or 'gen/clamp_fix/1a2b3c4d'.")
-    tool_calls: int = Field(default=0, ge=0, description="Tool calls made so far, failed ones included.")
     max_tool_calls: int = Field(default=12, ge=1, description="Call budget; the episode ends when it is spent.")
     hidden_passed: int | None = Field(default=None, description="Hidden tests passed at submit.")
     hidden_total: int | None = Field(default=None, description="Hidden tests run at submit.")
-    done: bool = Field(default=False, description="Whether the episode has ended.")
