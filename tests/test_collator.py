@@ -101,12 +101,13 @@ def test_raw_traces_under_two_chat_templates(template, qwen_tok, llama_tok):
     assert ids[: len(sites[0].student_ids)] == sites[0].student_ids
 
 
-def _trace_with_recovery(task, recovery: str) -> list[Turn]:
-    """user, a failed call, its tool error, then an assistant recovery turn with text ``recovery``, a tool reply."""
+def _trace_with_recovery(tok, task, recovery: str) -> list[Turn]:
+    """user, a failed call (as ``tok``'s template renders it), its tool error, then an assistant recovery turn with
+    text ``recovery``, a tool reply."""
     name, args = "sum", {"a": 1, "b": 2}
     content, kind, meta = execute(task, name, args)
     assert kind is not None
-    return [Turn("user", task.question), Turn("assistant", tool_call_text(name, args)),
+    return [Turn("user", task.question), Turn("assistant", tool_call_text(tok, name, args)),
             Turn("tool", content, None, kind, meta), Turn("assistant", recovery), Turn("tool", "ok")]
 
 
@@ -118,7 +119,7 @@ def test_raw_trace_empty_recovery_is_skipped_and_counted(template, recovery, qwe
     tok = qwen_tok if template == "qwen" else llama_tok
     stats = CollatorStats()
     ids, sites = ComposerCollator(tok, max_length=8192).sites_from_trace(
-        _trace_with_recovery(make_task(1, "empty"), recovery), TOOL_SCHEMAS, stats)
+        _trace_with_recovery(tok, make_task(1, "empty"), recovery), TOOL_SCHEMAS, stats)
     assert sites == [] and len(ids) > 0
     assert stats.sdpo_skipped_empty_recovery == 1 and stats.sdpo_sites == 0
 
@@ -130,7 +131,7 @@ def test_raw_trace_short_recovery_found_in_its_own_turn(template, recovery, qwen
     ``<|im_end|>``, ``assistant`` in the header) is located after the assistant header, in the turn itself."""
     tok = qwen_tok if template == "qwen" else llama_tok
     collator = ComposerCollator(tok, max_length=8192)
-    turns = _trace_with_recovery(make_task(1, "short"), recovery)
+    turns = _trace_with_recovery(tok, make_task(1, "short"), recovery)
     stats = CollatorStats()
     ids, sites = collator.sites_from_trace(turns, TOOL_SCHEMAS, stats)
     assert len(sites) == 1 and stats.sdpo_sites == 1
