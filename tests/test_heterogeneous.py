@@ -23,7 +23,6 @@ from composer_diloco.channels import dpo as dpo_channel
 from composer_diloco.channels import dpo_pairs as preference
 from composer_diloco.channels import sdpo as sdpo_channel
 from composer_diloco.rollout import episodes as rollout
-from composer_diloco.inner import trainer as trainer_mod
 from composer_diloco.config import LossConfig, RunConfig
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import EnvSession

@@ -375,9 +375,24 @@ def test_evaluation_loop_follows_the_env(tok, monkeypatch):
     assert stats["tool_error_rate"] == pytest.approx(3 / 5) and stats["by_family"]["all"]["episodes"] == 3
 
 
+@pytest.mark.timeout(60)
+def test_evaluate_policy_in_process_equals_served(tok, tool_env_url):
+    """The env package played in this process (`EnvPackage.local_session`, the CLI's default) scores a policy
+    exactly as its served env does."""
+    model = build_tiny_model(tok, seed=0)
+    for temperature in (0.0, 1.0):
+        served, local = (evaluate_policy(model, tok, 4, 3, **where, temperature=temperature, max_new_tokens=8,
+                                         batch_size=2)
+                         for where in ({"env_url": tool_env_url}, {"env": "envs.tool_env.server"}))
+        served.pop("seconds"), local.pop("seconds")
+        assert local == served
+
+
 def test_evaluate_policy_rejects_bad_arguments(tok):
     with pytest.raises(ValueError, match="n_episodes"):
         evaluate_policy(None, tok, 0, 0, env_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="exactly one of env_url"):
+        evaluate_policy(None, tok, 1, 0, env_url="http://127.0.0.1:1", env="envs.tool_env.server")
 
 
 # ------------------------------------------------------------------------------------------ layout and CLI

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -128,6 +128,28 @@ class ChannelPart:
     rows: Any = None
     count: int = 0
     weight: float = 0.0
+
+
+def split_rows(n: int, parts: int, cut: Callable[[torch.Tensor], Any],
+               weight: Callable[[torch.Tensor], float]) -> list[ChannelPart]:
+    """Deal ``n`` rows into ``parts`` contiguous, near-equal chunks (``torch.tensor_split``; a chunk may be empty),
+    one `ChannelPart` per micro-batch, in order.
+
+    Args:
+        n: rows of the step (S sites, P pairs, ...).
+        parts: K >= 1, micro-batches per optimizer step.
+        cut: row indices (long tensor) -> the chunk's row object (e.g. its tensors cut to its longest row).
+        weight: row indices -> the chunk's share of the channel's denominator; the shares of all chunks add up to 1.
+    Raises:
+        ValueError: ``parts`` below 1.
+    """
+    if parts < 1:
+        raise ValueError(f"parts {parts}: expected a number of micro-batches >= 1")
+    out = [ChannelPart() for _ in range(parts)]
+    for part, rows in zip(out, torch.arange(n).tensor_split(parts), strict=True):
+        if len(rows):
+            part.rows, part.count, part.weight = cut(rows), len(rows), weight(rows)
+    return out
 
 
 class LossChannel(ABC):

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
+from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel,
+                                           split_rows)
 from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
 from composer_diloco.channels.dpo_teachers import TeacherFn, make_teachers
@@ -92,14 +93,8 @@ def split_dpo(t: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
     Raises:
         ValueError: ``parts`` below 1.
     """
-    if parts < 1:
-        raise ValueError(f"parts {parts}: expected a number of micro-batches >= 1")
-    out = [ChannelPart() for _ in range(parts)]
     n = int(t["dpo_chosen_ids"].shape[0])
-    for part, rows in zip(out, torch.arange(n).tensor_split(parts), strict=True):
-        if len(rows):
-            part.rows, part.count, part.weight = _dpo_rows(t, rows), len(rows), len(rows) / n
-    return out
+    return split_rows(n, parts, lambda rows: _dpo_rows(t, rows), lambda rows: len(rows) / n)
 
 
 def _dpo_rows(t: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from composer_diloco.channels.base import ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel
+from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel,
+                                           split_rows)
 from composer_diloco.channels.losses import generalized_jsd
 from composer_diloco.inner.collator import ComposerCollator, SdpoStats
 from composer_diloco.rollout.episodes import Episode
@@ -78,16 +79,10 @@ def split_sdpo(t: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
     Raises:
         ValueError: ``parts`` below 1.
     """
-    if parts < 1:
-        raise ValueError(f"parts {parts}: expected a number of micro-batches >= 1")
-    out = [ChannelPart() for _ in range(parts)]
-    n = int(t["sdpo_student_ids"].shape[0])
     tokens = t["student_response_valid"].sum(dim=1)  # (S,) valid tokens per site
     total = max(int(tokens.sum()), 1)
-    for part, rows in zip(out, torch.arange(n).tensor_split(parts), strict=True):
-        if len(rows):
-            part.rows, part.count, part.weight = _sdpo_rows(t, rows), len(rows), int(tokens[rows].sum()) / total
-    return out
+    return split_rows(int(t["sdpo_student_ids"].shape[0]), parts, lambda rows: _sdpo_rows(t, rows),
+                      lambda rows: int(tokens[rows].sum()) / total)
 
 
 def _sdpo_rows(t: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -116,37 +116,32 @@ def evaluate(
     seed: Annotated[int, typer.Option(help="Episode and sampling seed.")] = 12345,
     temperature: Annotated[list[float], typer.Option(help="Temperature (repeat for several; 0 = greedy); default: "
                                                           "greedy, then 1.0.")] = [],
-    env: Annotated[str, typer.Option(help="Env server module to start (python -m MODULE).")] = DEFAULT_WARMSTART_ENV,
-    env_url: Annotated[str, typer.Option(help="A running env server instead of starting --env.")] = "",
+    env: Annotated[str, typer.Option(help="The env's server module; its package's environment is played in this "
+                                          "process (no server).")] = DEFAULT_WARMSTART_ENV,
+    env_url: Annotated[str, typer.Option(help="A running env server to play instead of --env in process.")] = "",
     reset_kwarg: Annotated[list[str], typer.Option(help="KEY=VALUE passed to every reset (repeatable), e.g. "
                                                         "source=generated for the coding env.")] = [],
     max_calls: Annotated[int, typer.Option(help="Tool calls per episode.")] = 8,
     max_turn_tokens: Annotated[int, typer.Option(help="Tokens generated per assistant turn.")] = 48,
     batch_size: Annotated[int, typer.Option(help="Episodes generated together.")] = 32,
-    startup_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started env server.")] = 60.0,
 ) -> None:
     """Play fixed fresh episodes with a saved policy; print one JSON line per temperature."""
     from composer_diloco.policy.evaluate import evaluate_policy
     from composer_diloco.policy.load import load_policy
-    from composer_diloco.rollout.env_process import EnvServerError, start_env_server
+    from composer_diloco.rollout.env_package import EnvPackageError
+    from composer_diloco.rollout.env_process import EnvServerError
     from composer_diloco.rollout.mcp import McpProtocolError
 
     kwargs = _reset_kwargs(reset_kwarg)
-    server = None
+    where = {"env_url": env_url} if env_url else {"env": env}
     try:
         model, tokenizer = load_policy(model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
-        if not env_url:
-            server = start_env_server(env, startup_timeout_s=startup_timeout)
         for temp in temperature or [0.0, 1.0]:
-            stats = evaluate_policy(model, tokenizer, episodes, seed, env_url=env_url or server.url, temperature=temp,
-                                    max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=batch_size,
-                                    reset_kwargs=kwargs)
+            stats = evaluate_policy(model, tokenizer, episodes, seed, **where, temperature=temp, max_calls=max_calls,
+                                    max_new_tokens=max_turn_tokens, batch_size=batch_size, reset_kwargs=kwargs)
             typer.echo(json.dumps({"temperature": temp, **stats}))
-    except (PolicyLoadError, EnvServerError, McpProtocolError, ValueError, OSError) as exc:
+    except (PolicyLoadError, EnvPackageError, EnvServerError, McpProtocolError, ValueError, OSError) as exc:
         raise _fail(exc) from None
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def main() -> int:

@@ -1,9 +1,10 @@
-"""Evaluation: play a fixed set of fresh episodes against a served env and report what the policy achieves.
+"""Evaluation: play a fixed set of fresh episodes against an env and report what the policy achieves.
 
 One loop for every env and every caller (``python -m composer_diloco.policy evaluate``, ``bench/coding_eval.py``):
 episode ``i`` is ``reset(seed, f"eval-{i}")`` on a session of the env server at ``env_url`` (any env this project
-plays: typed OpenEnv or MCP, see ``composer_diloco.rollout.mcp.open_env_sessions``), so every policy meets the same
-tasks. Each turn re-renders the episode so far with the chat template and the tools the env announced
+plays: typed OpenEnv or MCP, see ``composer_diloco.rollout.mcp.open_env_sessions``) or of an env package played in
+this process, without a server (``env``: the env contract's ``EnvPackage.local_session``), so every policy meets the
+same tasks. Each turn re-renders the episode so far with the chat template and the tools the env announced
 (``add_generation_prompt=True``), generates one assistant turn (``model.generate``, greedy or sampled, stopping at
 eos), parses it with ``composer_diloco.rollout.chat.parse_tool_call`` and sends the call to the env. An episode ends
 when the env says done (its reward is the episode's), at a turn with no parsable call (a format failure, reward 0),
@@ -117,6 +118,19 @@ def _summary(outcomes: list[_Outcome], keys: list[tuple[int, str]], family: Fami
     return stats
 
 
+def _open_sessions(env_url: str | None, env: str | None, count: int, max_calls: int,
+                   reset_kwargs: Mapping[str, Any] | None) -> list[EnvSession]:
+    """``count`` sessions of the served env at ``env_url``, or of ``env``'s package in this process."""
+    if env_url is not None:
+        from composer_diloco.rollout.mcp import open_env_sessions  # the env client stack, only when evaluating
+
+        return open_env_sessions([env_url], count, max_tool_calls=max_calls, reset_kwargs=reset_kwargs)
+    from composer_diloco.rollout.env_package import load_env_package
+
+    package = load_env_package(env)
+    return [package.local_session(max_tool_calls=max_calls, reset_kwargs=reset_kwargs) for _ in range(count)]
+
+
 @torch.no_grad()
 def evaluate_policy(
     model: PreTrainedModel,
@@ -124,7 +138,8 @@ def evaluate_policy(
     n_episodes: int,
     seed: int,
     *,
-    env_url: str,
+    env_url: str | None = None,
+    env: str | None = None,
     temperature: float = 0.0,
     max_calls: int = 8,
     max_new_tokens: int = 48,
@@ -132,7 +147,8 @@ def evaluate_policy(
     reset_kwargs: Mapping[str, Any] | None = None,
     family: FamilyFn | None = None,
 ) -> dict[str, Any]:
-    """Play ``n_episodes`` fixed fresh episodes against the env server at ``env_url`` (see the module docstring).
+    """Play ``n_episodes`` fixed fresh episodes against the env server at ``env_url``, or the env package ``env`` in
+    this process (see the module docstring).
 
     Episodes ``(seed, "eval-0") .. (seed, f"eval-{n_episodes - 1}")`` are played ``batch_size`` at a time (left
     padding; a batch of 1 generates exactly as one prompt alone), each on its own env session (opened once, reused).
@@ -145,6 +161,8 @@ def evaluate_policy(
         n_episodes: number of episodes (``>= 1``).
         seed: the episodes' seed; also the sampling seed.
         env_url: base URL of a running env server (``composer_diloco.rollout.env_process.start_env_server``).
+        env: instead of ``env_url``, an env's server module (``"envs.tool_env.server"``) whose package's
+            environment is played in this process (`composer_diloco.rollout.env_package.EnvPackage.local_session`).
         temperature: 0 for greedy decoding, else sampling at this temperature (no top-k/top-p filter).
         max_calls: tool calls allowed per episode (also the env's budget, ``max_tool_calls`` of ``reset``).
         max_new_tokens: generation budget per assistant turn, in tokens.
@@ -159,21 +177,23 @@ def evaluate_policy(
         ``family`` ``by_family``: ``{family: {"episodes", "mean_reward", "success_rate"}}``, sorted by name.
 
     Raises:
-        ValueError: ``n_episodes``, ``max_calls`` or ``batch_size`` below 1, or a negative ``temperature``.
+        ValueError: ``n_episodes``, ``max_calls`` or ``batch_size`` below 1, a negative ``temperature``, or not
+            exactly one of ``env_url`` and ``env``.
+        EnvPackageError: ``env``'s package has no playable environment (`EnvPackage.local_session`).
         EnvServerError, McpProtocolError: the env server cannot be reached or stops answering
             (from ``open_env_sessions`` and the sessions' calls); the sessions are closed.
     """
     if n_episodes < 1 or max_calls < 1 or batch_size < 1 or temperature < 0:
         raise ValueError(f"evaluate_policy: need n_episodes, max_calls, batch_size >= 1 and temperature >= 0; got "
                          f"{n_episodes}, {max_calls}, {batch_size}, {temperature}")
-    from composer_diloco.rollout.mcp import open_env_sessions  # the env client stack, only when evaluating
+    if (env_url is None) == (env is None):
+        raise ValueError(f"evaluate_policy: pass exactly one of env_url ({env_url!r}) and env ({env!r})")
 
     was_training = model.training
     model.eval()
     t0 = time.monotonic()
     keys = [(seed, f"{EVAL_EPISODE_PREFIX}-{i}") for i in range(n_episodes)]
-    sessions = open_env_sessions([env_url], min(batch_size, n_episodes), max_tool_calls=max_calls,
-                                 reset_kwargs=reset_kwargs)
+    sessions = _open_sessions(env_url, env, min(batch_size, n_episodes), max_calls, reset_kwargs)
     outcomes: list[_Outcome] = []
     try:
         with torch.random.fork_rng(devices=[]):
