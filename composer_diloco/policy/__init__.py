@@ -10,8 +10,8 @@ Modules, in the order a run uses them:
 * :mod:`~composer_diloco.policy.warmstart`: :func:`warm_start`, a short SFT pass with TRL's ``SFTTrainer`` on the run
   env's scripted demonstrations (taken through ``composer_diloco.rollout.env_package``).
 * :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project.
-* :mod:`~composer_diloco.policy.evaluate`: :func:`evaluate_policy`, fixed fresh episodes against a served env
-  (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
+* :mod:`~composer_diloco.policy.evaluate`: :func:`evaluate_policy`, fixed fresh episodes against a served env or
+  the env package in process (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
 * :mod:`~composer_diloco.policy.cli`: ``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``.
 
 No module here names a concrete env except :mod:`~composer_diloco.policy.tokenizer_recipe` (build time only).
