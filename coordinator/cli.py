@@ -51,8 +51,8 @@ def start(
 ) -> None:
     """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0.
 
-    Exits 1 with one line on an error, or when no node was alive for ``--max-idle`` seconds (``no node alive for S
-    s since round R: ...``); 130 when stopped by a signal."""
+    Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
+    since round R: ..."); 130 when stopped by a signal."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
     from coordinator.coordinator import Coordinator, CoordinatorOptions

@@ -44,7 +44,7 @@ def join(
     """Join a run, train until its last round, and exit 0.
 
     Exits 1 with one line on an error, or when no episode of any of its rounds produced a parsed tool call
-    (``trained on nothing: ...``; `nodes.node.ToolCallTally`); 130 when stopped by a signal."""
+    ("trained on nothing: ..."); 130 when stopped by a signal."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
     from nodes.node import Node, NodeOptions
