@@ -1,9 +1,10 @@
 """Per-round metrics: one JSON line per round in ``<run-dir>/<peer-name>/metrics.jsonl``, and the table of a run.
 
 Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
-``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``loss_grpo``, ``inner_seconds`` and
-each loss channel's keys (`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``,
-``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO and DPO channels).
+``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``episodes_without_tool_call``,
+``loss_grpo``, ``inner_seconds`` and each loss channel's keys (`composer_diloco.channels.base.LossChannel.round_record`:
+``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
+and DPO channels).
 
 The round table has a loss column and a count column per registered channel (`table_columns`): a run directory
 written before a channel existed shows 0 there.
@@ -77,7 +78,8 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
     and success rate weighted by samples, mean losses, summed channel counts (sites, pairs, ...), the slowest
-    node's inner and sync seconds, and the bytes all peers sent."""
+    node's inner and sync seconds, and the bytes all peers sent; ``samples`` and ``episodes_without_tool_call``
+    (summed over the nodes) are in every row but not in the table."""
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
@@ -101,12 +103,22 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "sync_seconds": max((r.get("sync_seconds", 0.0) for r in nodes), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),
             "sha_agree": len({r.get("global_sha256") for r in recs}) == 1,
+            # not columns (the table's format is fixed): `no_tool_call_rounds` reads them
+            "samples": sum(int(r.get("samples", 0)) for r in nodes),
+            "episodes_without_tool_call": sum(int(r.get("episodes_without_tool_call", 0)) for r in nodes),
         }
         for m in channels:
             row[m.loss_key] = _mean(r.get(m.loss_key, 0.0) for r in nodes)
             row[m.count_key] = sum(int(r.get(m.count_key, 0)) for r in nodes)
         rows.append(row)
     return rows
+
+
+def no_tool_call_rounds(rows: list[dict[str, Any]]) -> list[int]:
+    """The rounds of `round_table` rows whose nodes played episodes and not one with a parsed tool call (a run
+    directory written before ``episodes_without_tool_call`` existed has none)."""
+    return [row["round"] for row in rows
+            if row.get("samples", 0) > 0 and row.get("episodes_without_tool_call", 0) == row["samples"]]
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -41,9 +41,18 @@ def start(
     run_dir: RunDirOpt = Path("runs/default"),
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --run-dir.")] = False,
     secret_file: SecretFileOpt = None,
+    max_idle: Annotated[Optional[float], typer.Option(
+        "--max-idle", min=0.0, help="Seconds without a live node after which the run ends with exit code 1 "
+                                    "(default: wait for nodes forever).")] = None,
+    idle_log: Annotated[float, typer.Option(
+        "--idle-log", min=0.1, help="Seconds without a live node before logging what the coordinator waits for, "
+                                    "and between two such lines.")] = 60.0,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0."""
+    """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0.
+
+    Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
+    since round R: ..."); 130 when stopped by a signal."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
     from coordinator.coordinator import Coordinator, CoordinatorOptions
@@ -65,11 +74,15 @@ def start(
             except Exception:
                 raise SwarmError(f"--listen {listen!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)")
         coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume,
-                                                     secret_file=secret_file), stop)
+                                                     secret_file=secret_file, max_idle_s=max_idle,
+                                                     idle_log_s=idle_log), stop)
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)
         done = coordinator.serve()
-        if stop.event.is_set():
+        if coordinator.idle_error is not None:
+            typer.echo(f"composer-coordinator: error: {coordinator.idle_error}", err=True)
+            code = 1
+        elif stop.event.is_set():
             log.info("stopped by signal after %d round(s)", done)
             code = 130
         else:

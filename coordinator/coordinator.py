@@ -3,6 +3,11 @@
 Per round it joins the all-reduce with weight 0 (`DiLoCoPeer.sync(None, 0.0)`): it receives the nodes' mean
 pseudo-gradient without moving it and applies the same outer step, so its theta is the run's canonical one.
 
+Idle watch: while it serves, a thread (`IdleWatch`) looks at the live heartbeats once a second. Once no node has been
+alive for ``idle_log_s`` seconds it logs what it waits for (the live peers, its round, when a node was last alive),
+again every ``idle_log_s`` seconds; with ``max_idle_s`` set it ends the run after that many seconds without a node:
+`Coordinator.serve` returns and ``idle_error`` holds the one-line reason (`composer-coordinator start` exits 1 with it).
+
 Restarts: the nodes do not need the coordinator to go on averaging, so a coordinator that died comes back with
 the same command (or ``--resume``) and the same ``--run-dir``. It dials the nodes it last saw (``peers.json``),
 downloads their state when it is newer than its newest checkpoint, and checkpoints from there.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,10 @@ class CoordinatorOptions:
             changed config (e.g. more rounds); without it a run dir that holds checkpoints of the same config is
             continued, and one of another config is refused.
         secret_file: file holding the run secret that closes the run (None: ``$COMPOSER_DILOCO_SECRET``, else open).
+        max_idle_s: seconds without a live node (no node heartbeat) after which the run ends with an error; None =
+            wait for nodes forever.
+        idle_log_s: seconds without a live node before the coordinator logs what it waits for, and between two
+            such lines.
     """
 
     config: RunConfig
@@ -51,6 +61,78 @@ class CoordinatorOptions:
     announce: list[str] | None = None
     resume: bool = False
     secret_file: Path | None = None
+    max_idle_s: float | None = None
+    idle_log_s: float = 60.0
+
+
+class IdleWatch:
+    """Watches the swarm's heartbeats for live nodes while the coordinator serves (see module docstring).
+
+    Args:
+        swarm: the coordinator's swarm records (`Swarm.live_peers`).
+        current_round: returns the round the coordinator is in.
+        stop: set when ``max_idle_s`` passes without a live node (the serve loop's stop event).
+        max_idle_s: seconds without a live node before giving up; None = never.
+        idle_log_s: seconds without a live node before the first waiting line, and between two of them.
+        poll_s: seconds between two looks at the heartbeats.
+
+    Attributes:
+        error: None, or the one-line reason once it gave up (``"no node alive for S s since round R: ..."``).
+
+    A node counts as alive while its heartbeat has not expired, so a killed node is seen gone ``heartbeat_ttl_s``
+    after its death at most. A failed DHT read counts as "no change" (logged at debug), never as an idle second.
+    """
+
+    def __init__(self, swarm: Swarm, current_round, stop: threading.Event, *, max_idle_s: float | None,
+                 idle_log_s: float, poll_s: float = 1.0):
+        self.swarm, self.current_round, self.stop = swarm, current_round, stop
+        self.max_idle_s, self.idle_log_s, self.poll_s = max_idle_s, idle_log_s, poll_s
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_alive = time.monotonic()
+        self._last_seen = "no node was seen yet"
+
+    def start(self) -> IdleWatch:
+        """Start the watch thread (the idle clock starts now)."""
+        self._last_alive = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="idle-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the watch thread (idempotent)."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_log = self.idle_log_s
+        while not self._done.wait(self.poll_s) and not self.stop.is_set():
+            try:
+                peers = self.swarm.live_peers()
+            except Exception as e:  # the DHT is shutting down or slow: look again next time
+                log.debug("idle watch: reading heartbeats failed: %r", e)
+                continue
+            now = time.monotonic()
+            nodes = [p for p in peers if p.role == "node"]
+            if nodes:
+                self._last_alive, next_log = now, self.idle_log_s
+                self._last_seen = "last seen: " + ", ".join(f"{p.name} at round {p.round}" for p in nodes)
+                continue
+            idle_s = now - self._last_alive
+            names = ", ".join(sorted(p.name for p in peers)) or "none"
+            if self.max_idle_s is not None and idle_s >= self.max_idle_s:
+                self.error = (f"no node alive for {self.max_idle_s:g} s since round {self.current_round()}: "
+                              f"live peers {names}; {self._last_seen}; restart the nodes (`composer-node join "
+                              f"--peer ...`) and this coordinator with --resume, or raise --max-idle")
+                self.stop.set()
+                return
+            if idle_s >= next_log:
+                log.warning("waiting for nodes at round %d: no node alive for %.0f s (live peers: %s; %s)%s",
+                            self.current_round(), idle_s, names, self._last_seen,
+                            "" if self.max_idle_s is None else f"; giving up after {self.max_idle_s:g} s")
+                next_log += self.idle_log_s
 
 
 class Coordinator:
@@ -65,6 +147,7 @@ class Coordinator:
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
         self.secret: bytes | None = None  # the run secret (never logged or written); None = an open run
+        self.idle_error: str | None = None  # set when the run ended for want of nodes (`IdleWatch`)
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
@@ -169,9 +252,26 @@ class Coordinator:
                  self.peer.global_model.sha256()[:12])
 
     def serve(self) -> int:
-        """Take part in every round until the run's last; returns the rounds completed (stops on a signal)."""
-        config, peer = self.config, self.peer
+        """Take part in every round until the run's last; returns the rounds completed.
+
+        Stops early on a signal, or when no node was alive for ``max_idle_s`` seconds: then ``idle_error`` holds
+        the one-line reason (`IdleWatch`), and the stop event is set as a signal would.
+        """
+        peer = self.peer
         first = peer.round
+        watch = IdleWatch(self.swarm, lambda: peer.round, self.stop.event, max_idle_s=self.options.max_idle_s,
+                          idle_log_s=self.options.idle_log_s).start()
+        try:
+            self._serve_rounds()
+        finally:
+            watch.close()
+            self.idle_error = watch.error
+        if self.idle_error is None:
+            self._linger()
+        return peer.round - first
+
+    def _serve_rounds(self) -> None:
+        config, peer = self.config, self.peer
         while peer.round < config.rounds and not self.stop.event.is_set():
             result = peer.sync(None, 0.0, stop=self.stop.event)
             if result is None:
@@ -190,8 +290,6 @@ class Coordinator:
                 path = save_checkpoint(self.run_dir, peer.round, self.model, self.tokenizer, peer.global_model,
                                        config.to_json())
                 log.info("checkpoint %s", path)
-        self._linger()
-        return peer.round - first
 
     def _linger(self, max_s: float = 10.0) -> None:
         # A node whose last all-reduce failed resynchronises from us: stay while a live node is behind.

@@ -2,7 +2,8 @@
 
 It starts ``python -m coordinator start``, waits for its ``peer:`` line, starts N ``python -m nodes join``
 (each starts its own env server process), shows progress from the metrics files, waits for all, prints the
-per-round table, and returns 0 only if every process exited 0 and every round's ``global_sha256`` agreed.
+per-round table (with a WARNING line under it for each round in which no episode produced a parsed tool call),
+and returns 0 only if every process exited 0 and every round's ``global_sha256`` agreed.
 Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C stops them all (SIGTERM, then SIGKILL after 10 s).
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from composer_diloco.metrics import format_table, read_metrics, round_table
+from composer_diloco.metrics import format_table, no_tool_call_rounds, read_metrics, round_table
 
 
 class SimulationError(RuntimeError):
@@ -170,6 +171,9 @@ def run_simulation(sim: Simulation, total_rounds: int) -> int:
         sim.stop_all()
     rows = round_table(read_metrics(sim.run_dir))
     print(format_table(rows))
+    for rnd in no_tool_call_rounds(rows):
+        print(f"WARNING: round {rnd}: no episode produced a parsed tool call (it trained on nothing: check the chat "
+              "template / tools / --model)")
     failed = {n: c for n, c in codes.items() if c != 0}
     for name in failed:
         proc = next(p for p in sim.procs if p.name == name)

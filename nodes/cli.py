@@ -41,7 +41,10 @@ def join(
                                                      "a run whose published config differs.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Join a run, train until its last round, and exit 0."""
+    """Join a run, train until its last round, and exit 0.
+
+    Exits 1 with one line on an error, or when no episode of any of its rounds produced a parsed tool call
+    ("trained on nothing: ..."); 130 when stopped by a signal."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
     from nodes.node import Node, NodeOptions

@@ -29,6 +29,7 @@ from composer_diloco.metrics import MetricsWriter
 from composer_diloco.rollout.mcp import open_env_sessions
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.outer.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
+from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
 from nodes.device import NodeBatch, Placement
 
@@ -37,6 +38,53 @@ log = logging.getLogger(__name__)
 
 class NodeError(RuntimeError):
     """The node cannot take part in the run (bad peer, unreachable env, no global model ...)."""
+
+
+class TrainedOnNothing(NodeError):
+    """The node finished a run in which no episode of any round produced a parsed tool call."""
+
+
+@dataclass
+class ToolCallTally:
+    """Whether this node's episodes carried any signal: rounds played, and rounds with a parsed tool call.
+
+    An episode without a parsed tool call ends at its first turn with reward 0: a round of only such episodes
+    gives GRPO no advantage and the other channels no site, so the node averages a pseudo-gradient of nothing. The
+    choice: a WARNING per such round, an error at the run's end. A real model may need a few rounds before it
+    emits its first call in the env's format, so one empty round is not a failure; a whole run without one is a
+    run that trained on nothing (a wrong chat template, tools the template does not render, the wrong ``--model``),
+    and it must not exit 0 as if it had learned.
+
+    Attributes:
+        rounds: rounds this node played episodes in.
+        rounds_with_call: those of them with at least one parsed tool call.
+    """
+
+    rounds: int = 0
+    rounds_with_call: int = 0
+
+    def add(self, stats: RoundStats, round_: int, peer_name: str) -> None:
+        """Count one round's episodes; log a WARNING when the round had episodes and none with a tool call."""
+        if stats.samples == 0:
+            return
+        self.rounds += 1
+        if not stats.no_tool_call:
+            self.rounds_with_call += 1
+            return
+        log.warning("%s round %d: NO TOOL CALL in any of the %d episodes: the policy's turns never parsed as a tool "
+                    "call, so this round trains on nothing (check the chat template / tools / --model)",
+                    peer_name, round_, stats.samples)
+
+    def check(self) -> None:
+        """At the run's end: refuse a run in which no round had a parsed tool call.
+
+        Raises:
+            TrainedOnNothing: one line; rounds were played and none had a parsed tool call.
+        """
+        if self.rounds > 0 and self.rounds_with_call == 0:
+            raise TrainedOnNothing(
+                f"trained on nothing: no episode of {self.rounds} round(s) produced a parsed tool call; the policy "
+                "never called a tool: check the chat template / tools / --model")
 
 
 @dataclass
@@ -93,6 +141,7 @@ class Node:
         self.metrics = MetricsWriter(Path(options.run_dir) / options.name / "metrics.jsonl")
         self._round_started = time.monotonic()
         self._steps_in_round = 0
+        self.tool_calls = ToolCallTally()
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -154,7 +203,12 @@ class Node:
 
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:
-        """Train until the run's last round; returns the number of rounds this node took part in."""
+        """Train until the run's last round; returns the number of rounds this node took part in.
+
+        Raises:
+            TrainedOnNothing: the run ended and no episode of any of this node's rounds had a parsed tool call
+                (`ToolCallTally`; the final model is kept first, as on a normal end).
+        """
         config, peer = self.config, self.peer
         remaining = config.rounds - peer.round
         if remaining <= 0 or self.swarm_round >= config.rounds:
@@ -173,6 +227,7 @@ class Node:
         self.trainer.train()
         if peer.round >= config.rounds and not self.stop.event.is_set():
             self._keep_final_model()
+            self.tool_calls.check()
         return peer.round - first
 
     def _keep_final_model(self) -> None:
@@ -197,6 +252,7 @@ class Node:
         inner_seconds = time.monotonic() - self._round_started
         stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
         samples = stats.samples
+        self.tool_calls.add(stats, self.peer.round, self.options.name)
         result = self.peer.sync(model, float(samples), stop=self.stop.event)
         if result is None:
             return
@@ -259,4 +315,4 @@ def _policy_skeleton(config: RunConfig):
     return load_policy(config.model, run_dir=Path("."), seed=config.seed, warmstart_steps=0)
 
 
-__all__ = ["Node", "NodeError", "NodeOptions", "RoundCallback", "SwarmError"]
+__all__ = ["Node", "NodeError", "NodeOptions", "RoundCallback", "SwarmError", "ToolCallTally", "TrainedOnNothing"]

@@ -69,6 +69,8 @@ def test_coordinator_and_two_nodes_agree_every_round(run_dir):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
+    """A user's model directory loads and trains through a round; an untrained model never emits a parsed tool
+    call, so the node refuses the run at its end (``trained on nothing``, exit 1) and the table warns of the round."""
     from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 
     tokenizer = load_default_tokenizer()
@@ -79,7 +81,12 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
 
     run_dir = tmp_path / "run"
     result = simulate(run_dir, "--nodes", "1", "--rounds", "1", "--config", str(SMOKE), "--model", str(model_dir))
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "WARNING: round 0: no episode produced a parsed tool call" in result.stdout, result.stdout
+    node_log = " ".join((run_dir / "logs" / "node-0.log").read_text().split())
+    assert "NO TOOL CALL in any of the" in node_log, node_log[-3000:]
+    assert ("composer-node: error: trained on nothing: no episode of 1 round(s) produced a parsed tool call"
+            in node_log), node_log[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"] == str(model_dir)
     saved = json.loads((run_dir / "checkpoints" / "round-000001" / "config.json").read_text())

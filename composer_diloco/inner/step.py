@@ -122,6 +122,17 @@ class RoundStats:
         """Episodes played in the round (the node's all-reduce weight)."""
         return len(self.episodes)
 
+    @property
+    def episodes_without_tool_call(self) -> int:
+        """Episodes of the round in which the policy never produced a parsed tool call (`Episode.tool_calls` 0):
+        they end at the first turn with reward 0 and teach nothing about the env."""
+        return sum(1 for e in self.episodes if e.tool_calls == 0)
+
+    @property
+    def no_tool_call(self) -> bool:
+        """True when the round played episodes and not one of them had a parsed tool call."""
+        return self.samples > 0 and self.episodes_without_tool_call == self.samples
+
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
         """Keep one step's played episodes (in TRL's row order)."""
         self.episodes.extend(episodes)
@@ -139,8 +150,9 @@ class RoundStats:
 
     def record(self) -> dict[str, Any]:
         """The round's keys of a node's metrics line: ``samples``, ``mean_reward``, ``success_rate`` (reward >= 1),
-        ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``tool_errors_per_episode``, ``loss_grpo`` (mean
-        over steps) and every channel's `LossChannel.round_record` (its loss's mean over steps, its counts)."""
+        ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``tool_errors_per_episode``,
+        ``episodes_without_tool_call``, ``loss_grpo`` (mean over steps) and every channel's
+        `LossChannel.round_record` (its loss's mean over steps, its counts)."""
         episodes, samples = self.episodes, self.samples
         rewards = [e.reward for e in episodes]
         per_step = self.episodes_per_step  # episodes are kept in the order of the inner steps
@@ -151,6 +163,7 @@ class RoundStats:
             "step_rewards": [round(statistics.fmean(step), 4) for step in steps],
             "step_success": [round(sum(x >= 1.0 for x in step) / len(step), 4) for step in steps],
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
+            "episodes_without_tool_call": self.episodes_without_tool_call,
             "loss_grpo": _mean(s.loss_grpo for s in self.steps),
         }
         for channel in self.channels:

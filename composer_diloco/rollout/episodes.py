@@ -94,6 +94,11 @@ class Episode:
         return self.prompt_text + self.completion_text
 
     @property
+    def tool_calls(self) -> int:
+        """Number of assistant turns whose text parsed as a tool call (`Turn.tool_call` set)."""
+        return sum(1 for t in self.turns if t.role == "assistant" and t.tool_call is not None)
+
+    @property
     def tool_errors(self) -> int:
         """Number of tool calls that came back with an error."""
         return sum(1 for t in self.turns if t.role == "tool" and t.error_kind is not None)
