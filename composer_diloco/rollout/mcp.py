@@ -18,7 +18,8 @@ What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env
   DPO is on) and puts the task text in the reset observation: ``metadata["question"]`` (or ``"prompt"``, ``"task"``,
   ``"instruction"``; a string, or a list of chat messages whose user contents are joined), or an observation field of
   one of those names. The kwargs also hold ``max_tool_calls`` (OpenEnv drops it unless ``reset`` accepts it).
-- ``ListToolsAction`` lists at least one tool (listed once, when the session opens).
+- ``/mcp`` ``tools/list`` lists at least one tool (listed once, when the session opens, with OpenEnv's
+  ``MCPToolClient.list_tools()``).
 - A ``CallToolAction``'s observation carries ``reward`` (None counts as 0.0) and ``done``: the episode ends at the
   first ``done``, with that observation's reward as the episode's reward (e.g. 1.0 at a correct final ``submit``).
   The node also ends an episode after ``max_tool_calls`` calls, with reward 0.
@@ -45,7 +46,8 @@ Failure behaviour (each error is one line naming the URL, what the server answer
 - an MCP server listing zero tools: `McpProtocolError`;
 - with ``check_reset`` (the default), one reset per URL with the run's ``reset_kwargs`` before any episode: a reset
   without task text (`McpProtocolError`; `composer_diloco.rollout.episodes.EnvProtocolError` for a typed env, which
-  also refuses an empty ``tools`` list). Sessions opened so far are closed before the error propagates.
+  also refuses an empty ``tools`` list), or a reset that raises on the server (`EnvServerError`, naming the
+  ``reset_kwargs``). Sessions opened so far are closed before the error propagates.
 
 A node thus never plays an episode that cannot carry a learning signal (no question, or no tool to call).
 """
@@ -63,7 +65,7 @@ from types import MappingProxyType
 from typing import Any
 
 from composer_diloco.rollout.env_process import EnvServerError
-from composer_diloco.rollout.episodes import EnvSession, OpenEnvSession
+from composer_diloco.rollout.episodes import EnvProtocolError, EnvSession, OpenEnvSession
 
 __all__ = [
     "QUESTION_KEYS",
@@ -499,14 +501,15 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
 
     Each URL's protocol is taken from ``protocols`` or detected once (`detect_env_protocol`) and logged. With
     ``check_reset``, the first session of each URL resets once (seed 0, episode `CHECK_EPISODE_ID`, the run's
-    ``reset_kwargs``), so an env that gives no task text or no tools fails here, before any episode. Episodes are pure in
-    ``(seed, episode_id)``, so that reset changes none of them. On an error the sessions opened so far are closed
+    ``reset_kwargs``), so an env that gives no task text or no tools fails here, before any episode. Episodes are pure
+    in ``(seed, episode_id)``, so that reset changes none of them. On an error the sessions opened so far are closed
     before it propagates.
 
     Raises:
         ValueError: no URLs, or ``count < 1``.
         UnsupportedEnvServer, McpProtocolError, EnvServerError: as `open_env_session`.
-        EnvProtocolError (typed env), McpProtocolError (MCP), RuntimeError (``Server error: ...``): the check reset.
+        EnvProtocolError (typed env), McpProtocolError (MCP): the check reset gave no task text or no tools.
+        EnvServerError: the check reset raised on the server (e.g. a ``reset_kwargs`` key it does not take).
     """
     if not urls or count < 1:
         raise ValueError(f"need at least one URL and one session, got {len(urls)} URL(s) and count {count}")
@@ -522,7 +525,13 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
                                        reset_kwargs=reset_kwargs)
             sessions.append(session)
             if check_reset and url not in checked:
-                session.reset(0, CHECK_EPISODE_ID)  # raises on a reset without task text or tools
+                try:
+                    session.reset(0, CHECK_EPISODE_ID)  # raises on a reset without task text or tools
+                except (EnvProtocolError, McpProtocolError):
+                    raise
+                except RuntimeError as e:  # OpenEnv's "Server error: ...": the env's reset raised
+                    raise EnvServerError(f"env server at {url} failed a reset with reset_kwargs "
+                                         f"{dict(reset_kwargs or {})}: {_compact(str(e))}") from e
                 checked.add(url)
     except BaseException:
         for s in sessions:
