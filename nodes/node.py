@@ -154,7 +154,7 @@ class Node:
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
 
-        # starting env servers takes seconds: the swarm may have moved on since the state was loaded
+        # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
             join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)
         self.peer.global_model.load_into(model)

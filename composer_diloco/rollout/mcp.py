@@ -458,8 +458,7 @@ def detect_env_protocol(url: str, *, timeout_s: float = _HTTP_TIMEOUT_S) -> EnvS
     if schema_problem is not None:
         said = f"GET /schema answered {schema_problem}"
     else:
-        missing = [f for f in TYPED_OBSERVATION_FIELDS if f not in observation]
-        said = f"its action has fields {action}" + (f", its observation lacks {missing}" if missing else "")
+        said = f"its action has fields {action}, its observations {observation}"
     raise UnsupportedEnvServer(
         f"env server at {url} speaks neither OpenEnv's MCP tool protocol (/mcp tools/list answered {mcp_problem}) "
         f"nor the typed tool-call protocol ({said}): expected an MCP tool server, or an action with fields "
