@@ -68,6 +68,7 @@ from composer_diloco.rollout.env_process import EnvServerError
 from composer_diloco.rollout.episodes import EnvProtocolError, EnvSession, OpenEnvSession
 
 __all__ = [
+    "CHECK_EPISODE_ID",
     "QUESTION_KEYS",
     "TOOL_ERROR_KINDS",
     "TYPED_ACTION_FIELDS",
