@@ -116,6 +116,8 @@ class Node:
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
         protocols = {}
         for url in o.env_urls:
+            if not url.startswith(("http://", "https://")):
+                raise NodeError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
         from composer_diloco.outer.auth import load_secret

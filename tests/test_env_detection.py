@@ -153,3 +153,18 @@ def test_a_node_with_a_bad_env_url_fails_before_it_joins_the_dht(base, tmp_path)
     assert r.returncode == 1 and line.startswith(f"composer-node: error: env server at {url} speaks neither"), r.stderr
     assert "no peer answered" not in r.stderr, r.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.timeout(60)
+def test_an_env_url_that_is_not_a_url_is_refused_before_anything(tmp_path):
+    from composer_diloco.lifecycle import GracefulStop
+    from nodes.node import Node, NodeError, NodeOptions
+
+    node = Node(NodeOptions(peer=DEAD_PEER, device="cpu", env_urls=["localhost:8000"], run_dir=tmp_path),
+                GracefulStop())
+    try:
+        with pytest.raises(NodeError, match=r"^--env-url 'localhost:8000' is not a URL: expected http://HOST:PORT"):
+            node.join()
+        assert node.dht is None
+    finally:
+        node.close()
