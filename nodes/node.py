@@ -4,6 +4,10 @@ One round on a node, in order (the calls are in `RoundCallback.on_step_end` and 
     H x [rollouts against the env -> GRPO + loss channels -> AdamW step]   (TRL GRPOTrainer, `ComposerGRPOTrainer`)
     pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
     one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
+
+Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT starts (health, protocol, tools), one
+reset per env server with the run's ``reset_kwargs`` before the model is built or downloaded. A bad env fails the node
+with one line and exit code 1 in seconds, not after the model download.
 """
 
 from __future__ import annotations
