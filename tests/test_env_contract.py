@@ -133,7 +133,7 @@ def test_scripted_policy_plays_the_echo_env_through_the_core(echo_url, tok, monk
                 turn[e] += 1
             return ids, [[-0.5] * len(x) for x in ids]
 
-        monkeypatch.setattr(rollout, "_generate", scripted_generate)
+        monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
         episodes = rollout.play_episodes(None, tok, sessions, keys, tool_suffix_ids=lambda m: tool_suffix_ids(tok, m),
                                          max_tool_calls=3, max_turn_tokens=64, max_seq_len=4096, temperature=1.0)
         assert [(ep.end_reason, ep.reward) for ep in episodes] == [("done", 1.0)] * 3
