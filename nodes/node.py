@@ -6,7 +6,8 @@ One round on a node, in order (the calls are in `RoundCallback.on_step_end` and 
     one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
 
 Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT starts (health, protocol, tools), one
-reset per env server with the run's ``reset_kwargs`` before the model is built or downloaded. A bad env fails the node
+reset per ``--env-url`` with the run's ``reset_kwargs`` before the model is built or downloaded (a node's own env
+server: after the model skeleton, before the download). A bad env fails the node
 with one line and exit code 1 in seconds, not after the model download.
 """
 
@@ -141,20 +142,22 @@ class Node:
         self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
 
-        # the env sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
-        # that each env gives task text and tools, so a bad env costs seconds, not the model download. A local env
-        # server (no --env-url) is started here too: a broken env package fails as early; a later error stops it.
+        # --env-url sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
+        # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
+        # server starts after the model skeleton (an architecture mismatch fails before any process is started) but
+        # before the global model is downloaded; a later error stops it.
         urls = list(o.env_urls)
+        n_sessions, max_calls = self.batch.episodes_per_step, config.env.max_tool_calls
+        if urls:  # round-robin over the URLs; each URL's protocol was detected above
+            self.sessions = open_env_sessions(urls, n_sessions, max_tool_calls=max_calls,
+                                              reset_kwargs=config.env.reset_kwargs, protocols=protocols)
+        model, self.tokenizer = _policy_skeleton(config)
         if not urls:
             server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
-            urls = [server.url]
-        # round-robin over the URLs; each URL's protocol (OpenEnv MCP tools or our typed envs) is detected once
-        self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls,
-                                          reset_kwargs=config.env.reset_kwargs, protocols=protocols)
-
-        model, self.tokenizer = _policy_skeleton(config)
+            self.sessions = open_env_sessions([server.url], n_sessions, max_tool_calls=max_calls,
+                                              reset_kwargs=config.env.reset_kwargs)
         self.peer = DiLoCoPeer(model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
