@@ -4,6 +4,11 @@ One round on a node, in order (the calls are in `RoundCallback.on_step_end` and 
     H x [rollouts against the env -> GRPO + loss channels -> AdamW step]   (TRL GRPOTrainer, `ComposerGRPOTrainer`)
     pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
     one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
+
+Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT starts (health, protocol, tools), one
+reset per ``--env-url`` with the run's ``reset_kwargs`` before the model is built or downloaded (a node's own env
+server: after the model skeleton, before the download). A bad env fails the node
+with one line and exit code 1 in seconds, not after the model download.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.rollout.mcp import open_env_sessions
+from composer_diloco.rollout.mcp import detect_env_protocol, open_env_sessions
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.outer.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
 from composer_diloco.inner.step import RoundStats
@@ -102,7 +107,7 @@ class NodeOptions:
         run_dir: where ``<name>/metrics.jsonl`` goes.
         name: this peer's unique name (default ``node-<host>-<pid>``).
         run_name: which run of the DHT to join (needed only when several runs share it).
-        join_timeout_s: seconds to wait for the DHT and the run config.
+        join_timeout_s: seconds to wait for each ``--env-url``'s ``/health``, the DHT and the run config.
         secret_file: file holding a closed run's secret (None: ``$COMPOSER_DILOCO_SECRET``, else an open run).
         expected_config: a TOML run config; joining a run whose published config differs is refused.
     """
@@ -145,10 +150,16 @@ class Node:
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
-        """Join the DHT, read the config, start or reach the env servers, download the global model.
+        """Check the env servers, join the DHT, read the config, open the env sessions, download the global model.
+
+        Env failures come first: each ``--env-url`` is checked before the DHT is started (``/health``, then its
+        protocol from ``/schema`` and ``/mcp``: `composer_diloco.rollout.mcp.detect_env_protocol`), and one reset per
+        URL with the run's ``reset_kwargs`` runs right after the config is read, before the model is built or
+        downloaded (`composer_diloco.rollout.mcp.open_env_sessions`).
 
         Raises:
-            SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError, each with a one-line message.
+            SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError / UnsupportedEnvServer /
+            McpProtocolError / EnvProtocolError, each with a one-line message.
         """
         o = self.options
         # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
@@ -156,6 +167,13 @@ class Node:
         NodeBatch.check_options(o.batch_size, o.grad_accum)
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
+        # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
+        protocols = {}
+        for url in o.env_urls:
+            if not url.startswith(("http://", "https://")):
+                raise NodeError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
+            wait_for_env(url, timeout_s=o.join_timeout_s)
+            protocols[url] = detect_env_protocol(url).protocol
         from composer_diloco.outer.auth import load_secret
 
         secret = load_secret(o.secret_file)  # None: an open run
@@ -173,25 +191,28 @@ class Node:
         self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
 
-        # the model before the env servers: an architecture mismatch fails before any process is started
+        # --env-url sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
+        # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
+        # server starts after the model skeleton (an architecture mismatch fails before any process is started) but
+        # before the global model is downloaded; a later error stops it.
+        urls = list(o.env_urls)
+        n_sessions, max_calls = self.batch.episodes_per_step, config.env.max_tool_calls
+        if urls:  # round-robin over the URLs; each URL's protocol was detected above
+            self.sessions = open_env_sessions(urls, n_sessions, max_tool_calls=max_calls,
+                                              reset_kwargs=config.env.reset_kwargs, protocols=protocols)
         model, self.tokenizer = _policy_skeleton(config)
+        if not urls:
+            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
+            self.env_servers.append(server)
+            self.stop.add_cleanup(server.stop)
+            self.sessions = open_env_sessions([server.url], n_sessions, max_tool_calls=max_calls,
+                                              reset_kwargs=config.env.reset_kwargs)
         self.peer = DiLoCoPeer(model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
 
-        urls = list(o.env_urls)
-        for url in urls:
-            wait_for_env(url, timeout_s=config.env.connect_timeout_s)
-        if not urls:
-            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
-            self.env_servers.append(server)
-            self.stop.add_cleanup(server.stop)
-            urls = [server.url]
-        # round-robin over the URLs; each URL's protocol (OpenEnv MCP tools or our typed envs) is detected once
-        self.sessions = open_env_sessions(urls, self.batch.episodes_per_step, max_tool_calls=config.env.max_tool_calls,
-                                          reset_kwargs=config.env.reset_kwargs)
-        # starting env servers takes seconds: the swarm may have moved on since the state was loaded
+        # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
             join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)
         self.peer.global_model.load_into(model)

@@ -36,7 +36,7 @@ def refusal(proc: subprocess.Popen) -> str:
 def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
     model_dir = tmp_path / "model"
     build_model(model_dir, hidden_size=32)
-    env = "[env]\nconnect_timeout_s = 10.0\n"  # a node gives up on an unreachable env server after 10 s
+    env = "[env]\nconnect_timeout_s = 10.0\n"  # a node gives up on its own env server's start after 10 s
     config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n{env}')
     run = LocalRun(tmp_path / "run", config)
     try:
@@ -45,7 +45,7 @@ def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
         other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n{env}')
         # three independent refusals at once (each node is its own process and DHT peer)
         nodes = [join(run, "--config", str(other)),
-                 join(run, "--env-url", "http://127.0.0.1:9"),  # nothing listens there
+                 join(run, "--env-url", "http://127.0.0.1:9"),  # nothing listens there: --join-timeout bounds the wait
                  join(run, "--batch-size", "3")]  # G = 4: 3 episodes per step cannot hold whole GRPO groups
         other_config, unreachable, split = (refusal(p) for p in nodes)
         assert other_config.startswith("composer-node: error: run 'composer' has another config")

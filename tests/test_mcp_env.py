@@ -1,10 +1,11 @@
 """Any OpenEnv MCP tool server: `composer_diloco.rollout.mcp` against `tests/mcp_env_server.py`, an `MCPEnvironment`
 with FastMCP tools served by OpenEnv as its own process.
 
-The session lists the tools (``ListToolsAction``), renders them into the chat template, calls them
-(``CallToolAction``), maps OpenEnv's typed ``ToolError``s to the hint kinds, takes reward and done from the
+The session lists the tools (``MCPToolClient.list_tools()``, over ``/mcp``), renders them into the chat template,
+calls them (``CallToolAction``), maps OpenEnv's typed ``ToolError``s to the hint kinds, takes reward and done from the
 observations; `play_episodes` plays episodes with the embedded tiny policy; `open_env_sessions` tells an MCP server
-from this project's typed environments; and a node trains a round against the MCP server through ``--env-url``.
+from this project's typed environments (from their ``/schema`` and ``/mcp``); and a node trains a round against the
+MCP server through ``--env-url``.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def test_open_env_sessions_detects_mcp_and_keeps_typed_envs_on_openenv_session(m
         assert [type(s) for s in sessions] == [McpEnvSession, OpenEnvSession] * 2
         question, tools = sessions[1].reset(SEED, "x")  # the typed env plays as before
         assert tools[0]["function"]["name"] == "lookup" and question.startswith("What is the price of")
-        with pytest.raises(NotAnMcpServer, match="refused ListToolsAction"):
+        with pytest.raises(NotAnMcpServer, match=r"is not an OpenEnv MCP tool server: /mcp tools/list answered error "
+                                                 r"'Environment does not support MCP'"):
             open_env_session(tool_env.url, max_tool_calls=6, protocol="mcp")
     finally:
         for s in sessions:

@@ -130,7 +130,8 @@ def evaluate(
     from composer_diloco.policy.load import load_policy
     from composer_diloco.rollout.env_package import EnvPackageError
     from composer_diloco.rollout.env_process import EnvServerError
-    from composer_diloco.rollout.mcp import McpProtocolError
+    from composer_diloco.rollout.episodes import EnvProtocolError
+    from composer_diloco.rollout.mcp import McpProtocolError, NotAnMcpServer, UnsupportedEnvServer
 
     kwargs = _reset_kwargs(reset_kwarg)
     where = {"env_url": env_url} if env_url else {"env": env}
@@ -140,7 +141,8 @@ def evaluate(
             stats = evaluate_policy(model, tokenizer, episodes, seed, **where, temperature=temp, max_calls=max_calls,
                                     max_new_tokens=max_turn_tokens, batch_size=batch_size, reset_kwargs=kwargs)
             typer.echo(json.dumps({"temperature": temp, **stats}))
-    except (PolicyLoadError, EnvPackageError, EnvServerError, McpProtocolError, ValueError, OSError) as exc:
+    except (PolicyLoadError, EnvPackageError, EnvServerError, McpProtocolError, NotAnMcpServer, UnsupportedEnvServer,
+            EnvProtocolError, ValueError, OSError) as exc:
         raise _fail(exc) from None
 
 

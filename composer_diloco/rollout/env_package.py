@@ -24,8 +24,10 @@ episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already 
     ``"execution_error"`` or ``"timeout"``: the keys of the SDPO hints) and ``error_meta`` (object: ``tool``,
     ``message`` and per kind ``available_tools``, ``expected_schema``, ``reason``, ``timeout_s``), plus OpenEnv's
     ``reward`` (null counts 0.0) and ``done`` (the episode's reward is that of its first ``done`` step);
-  - an unknown action (OpenEnv's ``ListToolsAction``) is refused with an error frame: that is how it is told apart
-    from an MCP server;
+  - the server's ``GET /schema`` (every OpenEnv app serves it) shows an action with ``tool`` and ``arguments`` and
+    observations with the five fields above: that is how it is told apart from an MCP server and from envs of other
+    protocols, which are refused with one line (`composer_diloco.rollout.mcp.detect_env_protocol`); a reset with an
+    empty ``question`` or ``tools`` is an error too;
 
 - OpenEnv's MCP tool protocol (``ListToolsAction`` / ``CallToolAction``), played by
   `composer_diloco.rollout.mcp.McpEnvSession` (its module docstring lists what it expects).

@@ -145,6 +145,24 @@ def _protocol_field(observation: Mapping[str, Any], name: str, kinds: type | tup
     return value
 
 
+def _reset_task(observation: Mapping[str, Any], url: str) -> tuple[str, list[dict]]:
+    """(question, tools) of a typed env's reset observation.
+
+    Raises:
+        EnvProtocolError: ``question`` is not a string or is blank, or ``tools`` is not a list or is empty: such an
+            episode cannot carry a learning signal (one line naming the URL and what was missing).
+    """
+    question = _protocol_field(observation, "question", str, url)
+    tools = list(_protocol_field(observation, "tools", list, url))
+    if not question.strip():
+        raise EnvProtocolError(f"env server at {url}: the reset observation's 'question' is empty: expected the "
+                               f"task text")
+    if not tools:
+        raise EnvProtocolError(f"env server at {url}: the reset observation lists no tools ('tools' is []): "
+                               f"expected at least one tool schema")
+    return question, tools
+
+
 class OpenEnvSession(EnvSession):
     """A WebSocket session (OpenEnv ``GenericEnvClient.sync()``) with any env speaking the typed tool-call protocol,
     one episode at a time.
@@ -182,13 +200,12 @@ class OpenEnvSession(EnvSession):
         """Start episode ``(seed, episode_id)``; return (question, tool schemas).
 
         Raises:
-            EnvProtocolError: the observation lacks a string ``question`` or a list ``tools``.
+            EnvProtocolError: the observation lacks a non-empty string ``question`` or a non-empty list ``tools``.
             RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's reset raised.
         """
         obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
                                  **self.reset_kwargs).observation
-        question = _protocol_field(obs, "question", str, self.url)
-        return question, list(_protocol_field(obs, "tools", list, self.url))
+        return _reset_task(obs, self.url)
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
         """Run one tool call; return (content, error_kind, error_meta, reward, done); a None reward counts 0.0.
@@ -249,12 +266,12 @@ class LocalEnvSession(EnvSession):
         """Start episode ``(seed, episode_id)``; return (question, tool schemas).
 
         Raises:
-            EnvProtocolError: the observation lacks a string ``question`` or a list ``tools``.
+            EnvProtocolError: the observation lacks a non-empty string ``question`` or a non-empty list ``tools``.
             ValueError, RuntimeError: what the environment's ``reset`` raises.
         """
         obs = self._wire(self._env.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
                                          **self.reset_kwargs))
-        return _protocol_field(obs, "question", str, self.url), list(_protocol_field(obs, "tools", list, self.url))
+        return _reset_task(obs, self.url)
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
         """Run one tool call; return (content, error_kind, error_meta, reward, done), as `OpenEnvSession.call`.

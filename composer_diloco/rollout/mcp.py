@@ -18,7 +18,8 @@ What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env
   DPO is on) and puts the task text in the reset observation: ``metadata["question"]`` (or ``"prompt"``, ``"task"``,
   ``"instruction"``; a string, or a list of chat messages whose user contents are joined), or an observation field of
   one of those names. The kwargs also hold ``max_tool_calls`` (OpenEnv drops it unless ``reset`` accepts it).
-- ``ListToolsAction`` lists at least one tool (listed once, when the session opens).
+- ``/mcp`` ``tools/list`` lists at least one tool (listed once, when the session opens, with OpenEnv's
+  ``MCPToolClient.list_tools()``).
 - A ``CallToolAction``'s observation carries ``reward`` (None counts as 0.0) and ``done``: the episode ends at the
   first ``done``, with that observation's reward as the episode's reward (e.g. 1.0 at a correct final ``submit``).
   The node also ends an episode after ``max_tool_calls`` calls, with reward 0.
@@ -26,10 +27,29 @@ What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env
   kinds by `TOOL_ERROR_KINDS`. Note that OpenEnv 0.10.0's ``MCPEnvironment`` answers on the WebSocket with
   ``step_async``: a server that computes its reward in an override of ``step`` alone never sends it.
 
-`open_env_sessions` is what ``composer-node join`` uses: it detects each URL's protocol once, by sending
-``ListToolsAction`` (an MCP server answers with its tools; an env speaking the typed tool-call protocol of
-`composer_diloco.rollout.env_package`, such as this project's own, refuses the action as an invalid message) and opens
-`McpEnvSession` or `composer_diloco.rollout.episodes.OpenEnvSession` accordingly.
+`open_env_sessions` is what ``composer-node join`` uses. It decides each URL's protocol once, from what the server
+says it is (`detect_env_protocol`), never from how a probe fails (a ``ListToolsAction`` sent to an app created with a
+*subclass* of ``CallToolAction`` fails with ``VALIDATION_ERROR`` although the app is an MCP tool server):
+
+1. ``GET /schema`` (every OpenEnv app serves its action and observation JSON schemas): an action with ``tool`` and
+   ``arguments`` fields and observations with `TYPED_OBSERVATION_FIELDS` is an env of the typed tool-call protocol of
+   `composer_diloco.rollout.env_package` (this project's own envs), played by
+   `composer_diloco.rollout.episodes.OpenEnvSession`;
+2. else ``POST /mcp`` JSON-RPC ``tools/list`` (OpenEnv's MCP endpoint, whatever the action class): a tool list makes it
+   an MCP tool server, played by `McpEnvSession`.
+
+Failure behaviour (each error is one line naming the URL, what the server answered and what the node expected):
+
+- nothing answers: `EnvServerError` (``env server at URL not reachable: ...``);
+- neither protocol (e.g. a typed env with its own action, ``{"code": ...}``): `UnsupportedEnvServer`, naming the
+  action's and the observation's fields and the ``/mcp`` answer;
+- an MCP server listing zero tools: `McpProtocolError`;
+- with ``check_reset`` (the default), one reset per URL with the run's ``reset_kwargs`` before any episode: a reset
+  without task text (`McpProtocolError`; `composer_diloco.rollout.episodes.EnvProtocolError` for a typed env, which
+  also refuses an empty ``tools`` list), or a reset that raises on the server (`EnvServerError`, naming the
+  ``reset_kwargs``). Sessions opened so far are closed before the error propagates.
+
+A node thus never plays an episode that cannot carry a learning signal (no question, or no tool to call).
 """
 
 from __future__ import annotations
@@ -37,19 +57,28 @@ from __future__ import annotations
 import json
 import logging
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from composer_diloco.rollout.env_process import EnvServerError
-from composer_diloco.rollout.episodes import EnvSession, OpenEnvSession
+from composer_diloco.rollout.episodes import EnvProtocolError, EnvSession, OpenEnvSession
 
 __all__ = [
+    "CHECK_EPISODE_ID",
     "QUESTION_KEYS",
     "TOOL_ERROR_KINDS",
+    "TYPED_ACTION_FIELDS",
+    "TYPED_OBSERVATION_FIELDS",
+    "EnvServerInfo",
     "McpEnvSession",
     "McpProtocolError",
     "NotAnMcpServer",
+    "UnsupportedEnvServer",
+    "detect_env_protocol",
     "open_env_session",
     "open_env_sessions",
     "tool_error_kind",
@@ -76,8 +105,22 @@ QUESTION_KEYS: tuple[str, ...] = ("question", "prompt", "task", "instruction")
 _TIMEOUT_S = re.compile(r"after ([0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?) s(?:econds)?\b")
 
 
+TYPED_ACTION_FIELDS: tuple[str, ...] = ("tool", "arguments")
+"""The action fields (``GET /schema``'s ``action``) of an env of the typed tool-call protocol."""
+
+TYPED_OBSERVATION_FIELDS: tuple[str, ...] = ("question", "tools", "content", "error_kind", "error_meta")
+"""The observation fields (``GET /schema``'s ``observation`` and ``reset_observation`` together) of such an env."""
+
+_HTTP_TIMEOUT_S = 10.0
+
+
 class NotAnMcpServer(RuntimeError):
-    """The server refused ``ListToolsAction``: it does not speak OpenEnv's MCP tool protocol."""
+    """A session was asked to play a server as MCP, and its ``/mcp`` endpoint does not list tools."""
+
+
+class UnsupportedEnvServer(RuntimeError):
+    """The server is neither an OpenEnv MCP tool server nor an env of the typed tool-call protocol (one line: the URL,
+    what it answered, what the node expected)."""
 
 
 class McpProtocolError(RuntimeError):
@@ -190,7 +233,9 @@ def _question(observation: Any, url: str) -> str:
 class McpEnvSession(EnvSession):
     """One episode at a time against an OpenEnv MCP tool server (see the module docstring for the protocol).
 
-    Opening the session connects OpenEnv's ``MCPToolClient`` (sync) and lists the tools with ``ListToolsAction``.
+    Opening the session connects OpenEnv's ``MCPToolClient`` (sync) and lists the tools with its ``list_tools()``
+    (JSON-RPC ``tools/list`` on ``/mcp``, in this session): unlike a ``ListToolsAction`` step, that works for an app
+    created with a subclass of ``CallToolAction``.
 
     Args:
         url: the server's base URL, ``http(s)://host:port`` or ``ws(s)://...`` (the client adds ``/ws``).
@@ -201,8 +246,9 @@ class McpEnvSession(EnvSession):
         message_timeout_s: seconds to wait for any one answer (a tool call included).
 
     Raises:
-        NotAnMcpServer: the server refused ``ListToolsAction`` (e.g. one of this project's typed environments).
-        McpProtocolError: the server lists no tools.
+        NotAnMcpServer: the server's ``/mcp`` lists no tools and answers an error instead (e.g. one of this
+            project's typed environments: ``Environment does not support MCP``).
+        McpProtocolError: the server lists zero tools.
         EnvServerError: the server cannot be reached.
 
     Attributes:
@@ -213,7 +259,7 @@ class McpEnvSession(EnvSession):
 
     def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None,
                  connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0):
-        from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction, ListToolsObservation
+        from openenv.core.env_server.mcp_types import CallToolAction
         from openenv.core.mcp_client import MCPToolClient
 
         self._call_action = CallToolAction
@@ -226,25 +272,22 @@ class McpEnvSession(EnvSession):
         except Exception as e:
             self.close()
             raise EnvServerError(f"env server at {url} not reachable: {e}") from e
-        try:
-            listed = self._client.step(ListToolsAction())
-        except RuntimeError as e:  # the server's error frame: it cannot parse the action
-            self.close()
-            raise NotAnMcpServer(f"{url} refused ListToolsAction: {e}") from e
+        try:  # over /mcp with this session's id: works whatever the app's action class (see the module docstring)
+            tools = self._client.list_tools(use_cache=False)
         except Exception:
             self.close()
             raise
-        obs = listed.observation
-        if not isinstance(obs, ListToolsObservation):
+        if not tools:  # OpenEnv's list_tools() answers [] for errors too: ask /mcp once more, for the reason
             self.close()
-            raise NotAnMcpServer(f"{url} answered ListToolsAction with a {type(obs).__name__}")
-        if not obs.tools:
-            self.close()
-            why = (obs.metadata or {}).get("error")
-            raise McpProtocolError(f"the MCP server at {url} lists no tools" + (f" ({why})" if why else ""))
-        self._schemas = {t.name: dict(t.input_schema or {}) for t in obs.tools}
-        self.tools = [tool_schema(t) for t in obs.tools]
-        self.tool_names = [t.name for t in obs.tools]
+            listed, problem = _mcp_tools_list(_http_base(url), connect_timeout_s)
+            if listed is None:
+                raise NotAnMcpServer(f"env server at {url} is not an OpenEnv MCP tool server: /mcp tools/list "
+                                     f"answered {problem}")
+            raise McpProtocolError(f"the MCP server at {url} lists no tools (/mcp tools/list answered an empty "
+                                   f"list): expected at least one tool")
+        self._schemas = {t.name: dict(t.input_schema or {}) for t in tools}
+        self.tools = [tool_schema(t) for t in tools]
+        self.tool_names = [t.name for t in tools]
 
     def reset(self, seed: int, episode_id: str) -> tuple[str, list[dict]]:
         """Start episode ``(seed, episode_id)``; return (the task text, the tool schemas).
@@ -312,59 +355,184 @@ class McpEnvSession(EnvSession):
             log.debug("closing MCP env session %s: %r", self.url, e)
 
 
+@dataclass(frozen=True)
+class EnvServerInfo:
+    """What `detect_env_protocol` found at a URL.
+
+    Attributes:
+        url: the server's base URL.
+        protocol: ``"mcp"`` (OpenEnv's MCP tool protocol) or ``"openenv"`` (the typed tool-call protocol).
+        tool_names: the tools an MCP server lists (a typed env lists its tools at reset: empty).
+        action_fields: the field names of the server's action schema (``GET /schema``).
+    """
+
+    url: str
+    protocol: str
+    tool_names: tuple[str, ...]
+    action_fields: tuple[str, ...]
+
+
+def _http_base(url: str) -> str:
+    """``url`` without a trailing slash, ``ws(s)://`` read as ``http(s)://``."""
+    base = url.rstrip("/")
+    return "http" + base[2:] if base.startswith(("ws://", "wss://")) else base
+
+
+def _fields(schema: Any) -> list[str]:
+    """The property names of a JSON schema (``[]`` when it has none)."""
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    return list(props) if isinstance(props, Mapping) else []
+
+
+def _http_json(url: str, body: Mapping[str, Any] | None, timeout_s: float) -> tuple[Any, str | None]:
+    """GET (``body`` None) or POST JSON to ``url``; (the parsed JSON answer, None) or (None, why not, one line).
+
+    Raises:
+        EnvServerError: nothing answers at ``url`` (connection refused, timeout, DNS).
+    """
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as e:
+        return None, f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        reason = str(getattr(e, "reason", e)).replace("\n", " ")
+        raise EnvServerError(f"env server at {url.rsplit('/', 1)[0]} not reachable: {reason}") from e
+    try:
+        return json.loads(raw), None
+    except ValueError:
+        return None, f"not JSON ({raw[:60]!r})"
+
+
+def _mcp_tools_list(url: str, timeout_s: float) -> tuple[list[dict] | None, str | None]:
+    """OpenEnv's ``POST /mcp`` JSON-RPC ``tools/list``: (the tool payloads, None), or (None, why not, one line)."""
+    answer, problem = _http_json(f"{url}/mcp", {"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 1},
+                                 timeout_s)
+    if problem is not None:
+        return None, problem
+    if isinstance(answer, Mapping) and isinstance(answer.get("result"), Mapping) \
+            and isinstance(answer["result"].get("tools"), list):
+        return [dict(t) for t in answer["result"]["tools"] if isinstance(t, Mapping)], None
+    error = answer.get("error") if isinstance(answer, Mapping) else None
+    if isinstance(error, Mapping):
+        return None, f"error {_compact(str(error.get('message', error)))!r}"
+    return None, f"{_compact(json.dumps(answer, default=str))[:120]}"
+
+
+def detect_env_protocol(url: str, *, timeout_s: float = _HTTP_TIMEOUT_S) -> EnvServerInfo:
+    """Which protocol the env server at ``url`` speaks, from what it says it is (see the module docstring).
+
+    ``GET /schema`` first: an action with `TYPED_ACTION_FIELDS` and observations with `TYPED_OBSERVATION_FIELDS` make a
+    typed env (no ``/mcp`` request, which builds a throwaway environment on the server). Otherwise ``POST /mcp``
+    ``tools/list``: a non-empty tool list makes an MCP tool server, whatever its action class.
+
+    Args:
+        url: the server's base URL (``http(s)://host:port``; ``ws(s)://`` is read as ``http(s)://``).
+        timeout_s: seconds for each of the (at most two) HTTP requests.
+
+    Raises:
+        EnvServerError: nothing answers at ``url``.
+        McpProtocolError: an MCP tool server that lists zero tools.
+        UnsupportedEnvServer: neither protocol; the one-line message names the URL, the action's and observation's
+            fields, the ``/mcp`` answer, and what was expected.
+    """
+    base = _http_base(url)
+    schema, schema_problem = _http_json(f"{base}/schema", None, timeout_s)
+    action = _fields(schema.get("action")) if isinstance(schema, Mapping) else []
+    observation = []
+    if isinstance(schema, Mapping):
+        for key in ("observation", "reset_observation"):
+            observation += [f for f in _fields(schema.get(key)) if f not in observation]
+    if all(f in action for f in TYPED_ACTION_FIELDS) and all(f in observation for f in TYPED_OBSERVATION_FIELDS):
+        log.info("env server %s is a typed OpenEnv environment (tool/arguments actions)", url)
+        return EnvServerInfo(url, "openenv", (), tuple(action))
+    tools, mcp_problem = _mcp_tools_list(base, timeout_s)
+    if tools is not None:
+        if not tools:
+            raise McpProtocolError(f"the MCP server at {url} lists no tools (/mcp tools/list answered an empty list): "
+                                   f"expected at least one tool")
+        names = tuple(str(t.get("name", "")) for t in tools)
+        log.info("env server %s speaks OpenEnv's MCP tool protocol: tools %s", url, list(names))
+        return EnvServerInfo(url, "mcp", names, tuple(action))
+    if schema_problem is not None:
+        said = f"GET /schema answered {schema_problem}"
+    else:
+        said = f"its action has fields {action}, its observations {observation}"
+    raise UnsupportedEnvServer(
+        f"env server at {url} speaks neither OpenEnv's MCP tool protocol (/mcp tools/list answered {mcp_problem}) "
+        f"nor the typed tool-call protocol ({said}): expected an MCP tool server, or an action with fields "
+        f"{list(TYPED_ACTION_FIELDS)} and observations with {list(TYPED_OBSERVATION_FIELDS)}")
+
+
 def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = None,
                      reset_kwargs: Mapping[str, Any] | None = None) -> EnvSession:
-    """One env session for ``url``: `McpEnvSession` for an OpenEnv MCP server, else `OpenEnvSession`.
+    """One env session for ``url``: `McpEnvSession` for an OpenEnv MCP server, `OpenEnvSession` for a typed env.
 
     Args:
         url: the env server's base URL.
         max_tool_calls: the call budget per episode.
-        protocol: ``"mcp"`` or ``"openenv"`` when already known (no probe); None detects it by sending
-            ``ListToolsAction`` (see the module docstring).
+        protocol: ``"mcp"`` or ``"openenv"`` when already known; None detects it (`detect_env_protocol`).
         reset_kwargs: more keywords for every episode's ``reset`` (``[env] reset_kwargs``).
 
     Raises:
         ValueError: an unknown ``protocol``.
-        McpProtocolError, EnvServerError: from `McpEnvSession`; errors of `OpenEnvSession` propagate.
+        UnsupportedEnvServer, McpProtocolError, EnvServerError: from `detect_env_protocol` and `McpEnvSession`;
+        errors of `OpenEnvSession` propagate.
     """
     if protocol not in (None, "mcp", "openenv"):
         raise ValueError(f"protocol must be 'mcp', 'openenv' or None, got {protocol!r}")
-    if protocol != "openenv":
-        try:
-            return McpEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
-        except NotAnMcpServer:
-            if protocol == "mcp":
-                raise
+    if protocol is None:
+        protocol = detect_env_protocol(url).protocol
+    if protocol == "mcp":
+        return McpEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
     return OpenEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
 
 
+CHECK_EPISODE_ID = "composer-env-check"
+"""The ``episode_id`` of the one reset `open_env_sessions` makes per URL before any episode (``check_reset``)."""
+
+
 def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
-                      reset_kwargs: Mapping[str, Any] | None = None) -> list[EnvSession]:
+                      reset_kwargs: Mapping[str, Any] | None = None,
+                      protocols: Mapping[str, str] | None = None, check_reset: bool = True) -> list[EnvSession]:
     """``count`` env sessions over ``urls`` round-robin (session i on ``urls[i % len(urls)]``).
 
-    Each URL's protocol is detected once, with its first session (`open_env_session`), and logged. On an error the
-    sessions opened so far are closed before it propagates.
+    Each URL's protocol is taken from ``protocols`` or detected once (`detect_env_protocol`) and logged. With
+    ``check_reset``, the first session of each URL resets once (seed 0, episode `CHECK_EPISODE_ID`, the run's
+    ``reset_kwargs``), so an env that gives no task text or no tools fails here, before any episode. Episodes are pure
+    in ``(seed, episode_id)``, so that reset changes none of them. On an error the sessions opened so far are closed
+    before it propagates.
 
     Raises:
         ValueError: no URLs, or ``count < 1``.
-        McpProtocolError, EnvServerError, ...: as `open_env_session`.
+        UnsupportedEnvServer, McpProtocolError, EnvServerError: as `open_env_session`.
+        EnvProtocolError (typed env), McpProtocolError (MCP): the check reset gave no task text or no tools.
+        EnvServerError: the check reset raised on the server (e.g. a ``reset_kwargs`` key it does not take).
     """
     if not urls or count < 1:
         raise ValueError(f"need at least one URL and one session, got {len(urls)} URL(s) and count {count}")
-    protocols: dict[str, str] = {}
+    known: dict[str, str] = dict(protocols or {})
     sessions: list[EnvSession] = []
+    checked: set[str] = set()
     try:
         for i in range(count):
             url = urls[i % len(urls)]
-            session = open_env_session(url, max_tool_calls=max_tool_calls, protocol=protocols.get(url),
+            if url not in known:
+                known[url] = detect_env_protocol(url).protocol
+            session = open_env_session(url, max_tool_calls=max_tool_calls, protocol=known[url],
                                        reset_kwargs=reset_kwargs)
-            if url not in protocols:
-                protocols[url] = "mcp" if isinstance(session, McpEnvSession) else "openenv"
-                if isinstance(session, McpEnvSession):
-                    log.info("env server %s speaks OpenEnv's MCP tool protocol: tools %s", url, session.tool_names)
-                else:
-                    log.info("env server %s is a typed OpenEnv environment (tool/arguments actions)", url)
             sessions.append(session)
+            if check_reset and url not in checked:
+                try:
+                    session.reset(0, CHECK_EPISODE_ID)  # raises on a reset without task text or tools
+                except (EnvProtocolError, McpProtocolError):
+                    raise
+                except RuntimeError as e:  # OpenEnv's "Server error: ...": the env's reset raised
+                    raise EnvServerError(f"env server at {url} failed a reset with reset_kwargs "
+                                         f"{dict(reset_kwargs or {})}: {_compact(str(e))}") from e
+                checked.add(url)
     except BaseException:
         for s in sessions:
             s.close()
