@@ -55,7 +55,7 @@ from trl.chat_template_utils import get_training_chat_template, is_chat_template
 
 from composer_diloco.config import RunConfig
 from composer_diloco.rollout.env_process import start_env_server
-from composer_diloco.rollout.mcp import open_env_sessions
+from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.policy import load_policy
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, env_reward, episode_dataset, grpo_args, play_rollout
 

@@ -2,8 +2,8 @@
 
 Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
 ``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``episodes_without_tool_call``,
-``loss_grpo``, ``inner_seconds`` and each loss channel's keys (`composer_diloco.channels.base.LossChannel.round_record`:
-``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
+``episodes_env_error``, ``loss_grpo``, ``inner_seconds`` and each loss channel's keys
+(`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
 and DPO channels).
 
 The round table has a loss column and a count column per registered channel (`table_columns`): a run directory
@@ -78,8 +78,8 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
     and success rate weighted by samples, mean losses, summed channel counts (sites, pairs, ...), the slowest
-    node's inner and sync seconds, and the bytes all peers sent; ``samples`` and ``episodes_without_tool_call``
-    (summed over the nodes) are in every row but not in the table."""
+    node's inner and sync seconds, and the bytes all peers sent; ``samples``, ``episodes_without_tool_call`` and
+    ``episodes_env_error`` (summed over the nodes) are in every row but not in the table."""
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
@@ -106,6 +106,7 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             # not columns (the table's format is fixed): `no_tool_call_rounds` reads them
             "samples": sum(int(r.get("samples", 0)) for r in nodes),
             "episodes_without_tool_call": sum(int(r.get("episodes_without_tool_call", 0)) for r in nodes),
+            "episodes_env_error": sum(int(r.get("episodes_env_error", 0)) for r in nodes),
         }
         for m in channels:
             row[m.loss_key] = _mean(r.get(m.loss_key, 0.0) for r in nodes)

@@ -17,7 +17,7 @@ from composer_diloco.rollout.env_package import EnvPackageError, load_env_packag
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.episodes import OpenEnvSession
-from composer_diloco.rollout.mcp import open_env_sessions
+from composer_diloco.rollout.sessions import open_env_sessions
 from episode_support import tool_call_ids
 
 ROOT = Path(__file__).resolve().parents[1]

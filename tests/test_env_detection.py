@@ -22,8 +22,8 @@ from composer_diloco.rollout.mcp import (
     McpProtocolError,
     UnsupportedEnvServer,
     detect_env_protocol,
-    open_env_sessions,
 )
+from composer_diloco.rollout.sessions import open_env_sessions
 from mcp_env_server import answer_of, question_of
 from tests_support import error_line, stop_processes
 

@@ -29,12 +29,11 @@ from composer_diloco.rollout.mcp import (
     TOOL_ERROR_KINDS,
     McpEnvSession,
     NotAnMcpServer,
-    open_env_session,
-    open_env_sessions,
     tool_error_kind,
     tool_result_text,
     tool_schema,
 )
+from composer_diloco.rollout.sessions import open_env_session, open_env_sessions
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import OpenEnvSession
 from envs.tool_env.tasks import TOOL_SCHEMAS

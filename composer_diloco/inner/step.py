@@ -129,6 +129,11 @@ class RoundStats:
         return sum(1 for e in self.episodes if e.tool_calls == 0)
 
     @property
+    def episodes_env_error(self) -> int:
+        """Episodes of the round that the env ended by failing a call (end reason ``"env_error"``, reward 0)."""
+        return sum(1 for e in self.episodes if e.end_reason == "env_error")
+
+    @property
     def no_tool_call(self) -> bool:
         """True when the round played episodes and not one of them had a parsed tool call."""
         return self.samples > 0 and self.episodes_without_tool_call == self.samples
@@ -151,7 +156,7 @@ class RoundStats:
     def record(self) -> dict[str, Any]:
         """The round's keys of a node's metrics line: ``samples``, ``mean_reward``, ``success_rate`` (reward >= 1),
         ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``tool_errors_per_episode``,
-        ``episodes_without_tool_call``, ``loss_grpo`` (mean over steps) and every channel's
+        ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over steps) and every channel's
         `LossChannel.round_record` (its loss's mean over steps, its counts)."""
         episodes, samples = self.episodes, self.samples
         rewards = [e.reward for e in episodes]
@@ -164,6 +169,7 @@ class RoundStats:
             "step_success": [round(sum(x >= 1.0 for x in step) / len(step), 4) for step in steps],
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
             "episodes_without_tool_call": self.episodes_without_tool_call,
+            "episodes_env_error": self.episodes_env_error,
             "loss_grpo": _mean(s.loss_grpo for s in self.steps),
         }
         for channel in self.channels:

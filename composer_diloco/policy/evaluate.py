@@ -2,7 +2,7 @@
 
 One loop for every env and every caller (``python -m composer_diloco.policy evaluate``, ``bench/coding_eval.py``):
 episode ``i`` is ``reset(seed, f"eval-{i}")`` on a session of the env server at ``env_url`` (any env this project
-plays: typed OpenEnv or MCP, see ``composer_diloco.rollout.mcp.open_env_sessions``) or of an env package played in
+plays: typed OpenEnv or MCP, see ``composer_diloco.rollout.sessions.open_env_sessions``) or of an env package played in
 this process, without a server (``env``: the env contract's ``EnvPackage.local_session``), so every policy meets the
 same tasks. Each turn re-renders the episode so far with the chat template and the tools the env announced
 (``add_generation_prompt=True``), generates one assistant turn (``model.generate``, greedy or sampled, stopping at
@@ -122,7 +122,7 @@ def _open_sessions(env_url: str | None, env: str | None, count: int, max_calls: 
                    reset_kwargs: Mapping[str, Any] | None) -> list[EnvSession]:
     """``count`` sessions of the served env at ``env_url``, or of ``env``'s package in this process."""
     if env_url is not None:
-        from composer_diloco.rollout.mcp import open_env_sessions  # the env client stack, only when evaluating
+        from composer_diloco.rollout.sessions import open_env_sessions  # the env client stack, only when evaluating
 
         return open_env_sessions([env_url], count, max_tool_calls=max_calls, reset_kwargs=reset_kwargs)
     from composer_diloco.rollout.env_package import load_env_package

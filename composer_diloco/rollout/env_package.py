@@ -9,7 +9,7 @@ The core names no concrete env: it imports nothing from ``envs`` and finds every
 --port N`` (`composer_diloco.rollout.env_process.start_env_server`), which must answer ``GET /health`` and play
 episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already running one (``--env-url``).
 
-**The session: one of two wire protocols**, detected per URL by `composer_diloco.rollout.mcp.open_env_sessions`
+**The session: one of two wire protocols**, detected per URL by `composer_diloco.rollout.sessions.open_env_sessions`
 (no package import, so a node can play a remote fleet whose package it lacks):
 
 - the typed tool-call protocol, played by `composer_diloco.rollout.episodes.OpenEnvSession` over OpenEnv's

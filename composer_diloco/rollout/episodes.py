@@ -59,7 +59,7 @@ class Episode:
         logprobs: (C,) float sampler log-probs of generated tokens, 0.0 on tool-reply tokens.
         reward: the env's final reward (0.0 if the episode never submitted).
         end_reason: "done" (env ended it), "no_tool_call", "truncated" (turn hit max tokens),
-            "max_tool_calls" or "max_seq_len".
+            "max_tool_calls", "max_seq_len" or "env_error" (the env failed a call: the episode ended with reward 0).
         prompt_text, completion_text: the decoded ids (special tokens kept), set by `play_episodes`.
 
     The full sequence is ``full_ids = prompt_ids + completion_ids`` with ``full_mask`` (0 on the prompt, then
@@ -145,16 +145,20 @@ def _protocol_field(observation: Mapping[str, Any], name: str, kinds: type | tup
     return value
 
 
-def _reset_task(observation: Mapping[str, Any], url: str) -> tuple[str, list[dict]]:
+def _reset_task(observation: Mapping[str, Any], url: str, *, need_question: bool = True) -> tuple[str, list[dict]]:
     """(question, tools) of a typed env's reset observation.
 
+    Args:
+        need_question: refuse a blank ``question`` (False when the task comes from a dataset row: `start`).
+
     Raises:
-        EnvProtocolError: ``question`` is not a string or is blank, or ``tools`` is not a list or is empty: such an
-            episode cannot carry a learning signal (one line naming the URL and what was missing).
+        EnvProtocolError: ``question`` is not a string (or, with ``need_question``, is blank), or ``tools`` is not a
+            list or is empty: such an episode cannot carry a learning signal (one line naming the URL and what was
+            missing).
     """
-    question = _protocol_field(observation, "question", str, url)
+    question = _protocol_field(observation, "question", str, url, "" if not need_question else None)
     tools = list(_protocol_field(observation, "tools", list, url))
-    if not question.strip():
+    if need_question and not question.strip():
         raise EnvProtocolError(f"env server at {url}: the reset observation's 'question' is empty: expected the "
                                f"task text")
     if not tools:
@@ -206,6 +210,28 @@ class OpenEnvSession(EnvSession):
         obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
                                  **self.reset_kwargs).observation
         return _reset_task(obs, self.url)
+
+    def start(self, seed: int, episode_id: str, task_kwargs: Mapping[str, Any]) -> tuple[str, list[dict]]:
+        """Start episode ``(seed, episode_id)`` of a dataset task (`composer_diloco.rollout.tasks.TaskEnvSession`):
+        reset with ``task_kwargs`` (a row's columns) over the run's ``reset_kwargs``; return (the observation's
+        ``question``, ``""`` when it has none, and the tool schemas).
+
+        Raises:
+            EnvProtocolError: the observation lists no tools, or a ``question`` that is not a string.
+            RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's reset raised.
+        """
+        obs = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                 **{**self.reset_kwargs, **task_kwargs}).observation
+        return _reset_task(obs, self.url, need_question=False)
+
+    def probe(self) -> None:
+        """Ask the server for the session's state: OpenEnv creates the server-side session when the WebSocket opens and
+        refuses it (``Server at capacity: n/n``) at the first message, so opening a session sends this one.
+
+        Raises:
+            RuntimeError: ``"Server error: ..."`` from OpenEnv's client (e.g. ``CAPACITY_REACHED``).
+        """
+        self._client.state()
 
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
         """Run one tool call; return (content, error_kind, error_meta, reward, done); a None reward counts 0.0.
@@ -273,6 +299,12 @@ class LocalEnvSession(EnvSession):
                                          **self.reset_kwargs))
         return _reset_task(obs, self.url)
 
+    def start(self, seed: int, episode_id: str, task_kwargs: Mapping[str, Any]) -> tuple[str, list[dict]]:
+        """As `OpenEnvSession.start`, in this process."""
+        obs = self._wire(self._env.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                         **{**self.reset_kwargs, **task_kwargs}))
+        return _reset_task(obs, self.url, need_question=False)
+
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
         """Run one tool call; return (content, error_kind, error_meta, reward, done), as `OpenEnvSession.call`.
 
@@ -307,12 +339,21 @@ def play_episodes(
     max_seq_len: int,
     temperature: float,
 ) -> list[Episode]:
-    """Play ``len(keys)`` episodes in lock-step, one batched ``generate`` per assistant turn.
+    """Play ``len(keys)`` episodes, ``len(sessions)`` at a time in lock-step, one batched ``generate`` per assistant
+    turn of each wave.
+
+    With fewer sessions than keys (an env server that holds fewer sessions than a step has episodes:
+    `composer_diloco.rollout.sessions.open_env_sessions`), the keys are played in waves of ``len(sessions)``, in order;
+    the other episodes of the step wait for a free session.
+
+    An env failure on one episode (a ``call`` that raises: OpenEnv's ``"Server error: ..."``, a dropped connection,
+    a malformed observation) ends that episode, with reward 0 and end reason ``"env_error"`` (logged, and counted by
+    `composer_diloco.inner.step.RoundStats`), never the step.
 
     Args:
         model: causal LM; generation runs on its device.
         tokenizer: its tokenizer, with a chat template that renders ``tools`` and tool calls.
-        sessions: one env session per episode (``len(sessions) >= len(keys)``).
+        sessions: the env sessions (at least one); episode ``k`` of a wave plays on ``sessions[k]``.
         keys: ``(seed, episode_id)`` of each episode.
         tool_suffix_ids: token ids of the template's rendering of tool replies that follow an assistant turn
             ending in EOS (TRL ``GRPOTrainer._get_tool_suffix_ids``).
@@ -322,9 +363,25 @@ def play_episodes(
         temperature: sampling temperature (1.0 = the policy's distribution).
     Returns:
         The episodes, in the order of ``keys``.
+    Raises:
+        ValueError: no sessions.
+        What a session's ``reset`` raises (a reset that fails is the env's contract broken, checked at join).
     """
-    if len(sessions) < len(keys):
-        raise ValueError(f"{len(keys)} episodes need as many env sessions, got {len(sessions)}")
+    if not sessions:
+        raise ValueError(f"{len(keys)} episodes need at least one env session, got none")
+    wave = len(sessions)
+    episodes: list[Episode] = []
+    for first in range(0, len(keys), wave):
+        episodes += _play_wave(model, tokenizer, sessions, keys[first:first + wave], tool_suffix_ids=tool_suffix_ids,
+                               max_tool_calls=max_tool_calls, max_turn_tokens=max_turn_tokens,
+                               max_seq_len=max_seq_len, temperature=temperature)
+    return episodes
+
+
+def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession], keys: Sequence[tuple[int, str]], *,
+               tool_suffix_ids: ToolSuffix, max_tool_calls: int, max_turn_tokens: int, max_seq_len: int,
+               temperature: float) -> list[Episode]:
+    """`play_episodes` of at most ``len(sessions)`` keys, all at once."""
     episodes: list[Episode] = []
     for session, (seed, episode_id) in zip(sessions, keys):
         question, tools = session.reset(seed, episode_id)
@@ -356,7 +413,15 @@ def play_episodes(
             if not call.ok:
                 ep.end_reason = "no_tool_call"
                 continue
-            content, kind, meta, reward, done = sessions[i].call(call.name, call.arguments)
+            try:
+                content, kind, meta, reward, done = sessions[i].call(call.name, call.arguments)
+            except Exception as e:  # the env failed this episode: end it, keep the step
+                reason = " ".join(str(e).split())[:300]
+                log.warning("episode %s (seed %d): env %s failed the call %s: %s: %s; the episode ends with reward 0",
+                            ep.episode_id, ep.seed, getattr(sessions[i], "url", "?"), call.name, type(e).__name__,
+                            reason)
+                ep.reward, ep.end_reason = 0.0, "env_error"  # no tool turn: the policy made no mistake here
+                continue
             ep.turns.append(Turn("tool", content, None, kind, meta))
             if done:
                 ep.reward, ep.end_reason = reward, "done"

@@ -15,7 +15,9 @@ that the observations carry the reward and the done flag.
 What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env_server.py`` is a complete example):
 
 - ``reset(seed, episode_id, **kwargs)`` starts the episode ``(seed, episode_id)`` (deterministically, if trace-replay
-  DPO is on) and puts the task text in the reset observation: ``metadata["question"]`` (or ``"prompt"``, ``"task"``,
+  DPO is on). Either the run takes its tasks from a dataset (``[tasks]``: the kwargs hold the row's columns, TRL's
+  ``reset(**row)``; `composer_diloco.rollout.tasks`), or the env owns its tasks and puts the task text in the reset
+  observation: ``metadata["question"]`` (or ``"prompt"``, ``"task"``,
   ``"instruction"``; a string, or a list of chat messages whose user contents are joined), or an observation field of
   one of those names. The kwargs also hold ``max_tool_calls`` (OpenEnv drops it unless ``reset`` accepts it).
 - ``/mcp`` ``tools/list`` lists at least one tool (listed once, when the session opens, with OpenEnv's
@@ -27,9 +29,9 @@ What the node expects from an MCP server (OpenEnv's conventions; ``tests/mcp_env
   kinds by `TOOL_ERROR_KINDS`. Note that OpenEnv 0.10.0's ``MCPEnvironment`` answers on the WebSocket with
   ``step_async``: a server that computes its reward in an override of ``step`` alone never sends it.
 
-`open_env_sessions` is what ``composer-node join`` uses. It decides each URL's protocol once, from what the server
-says it is (`detect_env_protocol`), never from how a probe fails (a ``ListToolsAction`` sent to an app created with a
-*subclass* of ``CallToolAction`` fails with ``VALIDATION_ERROR`` although the app is an MCP tool server):
+`detect_env_protocol` decides each URL's protocol once, from what the server says it is, never from how a probe fails
+(a ``ListToolsAction`` sent to an app created with a *subclass* of ``CallToolAction`` fails with ``VALIDATION_ERROR``
+although the app is an MCP tool server):
 
 1. ``GET /schema`` (every OpenEnv app serves its action and observation JSON schemas): an action with ``tool`` and
    ``arguments`` fields and observations with `TYPED_OBSERVATION_FIELDS` is an env of the typed tool-call protocol of
@@ -44,12 +46,11 @@ Failure behaviour (each error is one line naming the URL, what the server answer
 - neither protocol (e.g. a typed env with its own action, ``{"code": ...}``): `UnsupportedEnvServer`, naming the
   action's and the observation's fields and the ``/mcp`` answer;
 - an MCP server listing zero tools: `McpProtocolError`;
-- with ``check_reset`` (the default), one reset per URL with the run's ``reset_kwargs`` before any episode: a reset
-  without task text (`McpProtocolError`; `composer_diloco.rollout.episodes.EnvProtocolError` for a typed env, which
-  also refuses an empty ``tools`` list), or a reset that raises on the server (`EnvServerError`, naming the
-  ``reset_kwargs``). Sessions opened so far are closed before the error propagates.
+- a reset without task text (when no ``[tasks]`` dataset gives the tasks): `McpProtocolError`.
 
-A node thus never plays an episode that cannot carry a learning signal (no question, or no tool to call).
+`composer_diloco.rollout.sessions.open_env_sessions` opens a node's sessions with these (session capacity, the
+check reset, tasks from a dataset). A node thus never plays an episode that cannot carry a learning signal (no
+question, or no tool to call).
 """
 
 from __future__ import annotations
@@ -59,16 +60,15 @@ import logging
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from composer_diloco.rollout.env_process import EnvServerError
-from composer_diloco.rollout.episodes import EnvProtocolError, EnvSession, OpenEnvSession
+from composer_diloco.rollout.episodes import EnvSession
 
 __all__ = [
-    "CHECK_EPISODE_ID",
     "QUESTION_KEYS",
     "TOOL_ERROR_KINDS",
     "TYPED_ACTION_FIELDS",
@@ -79,8 +79,6 @@ __all__ = [
     "NotAnMcpServer",
     "UnsupportedEnvServer",
     "detect_env_protocol",
-    "open_env_session",
-    "open_env_sessions",
     "tool_error_kind",
     "tool_result_text",
     "tool_schema",
@@ -300,6 +298,22 @@ class McpEnvSession(EnvSession):
                                     **self.reset_kwargs)
         return _question(result.observation, self.url), [dict(t) for t in self.tools]
 
+    def start(self, seed: int, episode_id: str, task_kwargs: Mapping[str, Any]) -> tuple[str, list[dict]]:
+        """Start episode ``(seed, episode_id)`` of a dataset task (`composer_diloco.rollout.tasks.TaskEnvSession`):
+        reset with ``task_kwargs`` (a row's columns) over the run's ``reset_kwargs``; return (the observation's task
+        text, ``""`` when it has none, and the tool schemas).
+
+        Raises:
+            RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's reset raised.
+        """
+        result = self._client.reset(seed=seed, episode_id=episode_id, max_tool_calls=self.max_tool_calls,
+                                    **{**self.reset_kwargs, **task_kwargs})
+        try:
+            text = _question(result.observation, self.url)
+        except McpProtocolError:  # the task is the row's: a reset without task text is what such an env does
+            text = ""
+        return text, [dict(t) for t in self.tools]
+
     def call(self, tool: str, arguments: dict) -> tuple[str, str | None, dict, float, bool]:
         """Run one tool call with ``CallToolAction``; return (content, error_kind, error_meta, reward, done).
 
@@ -464,77 +478,3 @@ def detect_env_protocol(url: str, *, timeout_s: float = _HTTP_TIMEOUT_S) -> EnvS
         f"env server at {url} speaks neither OpenEnv's MCP tool protocol (/mcp tools/list answered {mcp_problem}) "
         f"nor the typed tool-call protocol ({said}): expected an MCP tool server, or an action with fields "
         f"{list(TYPED_ACTION_FIELDS)} and observations with {list(TYPED_OBSERVATION_FIELDS)}")
-
-
-def open_env_session(url: str, *, max_tool_calls: int, protocol: str | None = None,
-                     reset_kwargs: Mapping[str, Any] | None = None) -> EnvSession:
-    """One env session for ``url``: `McpEnvSession` for an OpenEnv MCP server, `OpenEnvSession` for a typed env.
-
-    Args:
-        url: the env server's base URL.
-        max_tool_calls: the call budget per episode.
-        protocol: ``"mcp"`` or ``"openenv"`` when already known; None detects it (`detect_env_protocol`).
-        reset_kwargs: more keywords for every episode's ``reset`` (``[env] reset_kwargs``).
-
-    Raises:
-        ValueError: an unknown ``protocol``.
-        UnsupportedEnvServer, McpProtocolError, EnvServerError: from `detect_env_protocol` and `McpEnvSession`;
-        errors of `OpenEnvSession` propagate.
-    """
-    if protocol not in (None, "mcp", "openenv"):
-        raise ValueError(f"protocol must be 'mcp', 'openenv' or None, got {protocol!r}")
-    if protocol is None:
-        protocol = detect_env_protocol(url).protocol
-    if protocol == "mcp":
-        return McpEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
-    return OpenEnvSession(url, max_tool_calls=max_tool_calls, reset_kwargs=reset_kwargs)
-
-
-CHECK_EPISODE_ID = "composer-env-check"
-"""The ``episode_id`` of the one reset `open_env_sessions` makes per URL before any episode (``check_reset``)."""
-
-
-def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
-                      reset_kwargs: Mapping[str, Any] | None = None,
-                      protocols: Mapping[str, str] | None = None, check_reset: bool = True) -> list[EnvSession]:
-    """``count`` env sessions over ``urls`` round-robin (session i on ``urls[i % len(urls)]``).
-
-    Each URL's protocol is taken from ``protocols`` or detected once (`detect_env_protocol`) and logged. With
-    ``check_reset``, the first session of each URL resets once (seed 0, episode `CHECK_EPISODE_ID`, the run's
-    ``reset_kwargs``), so an env that gives no task text or no tools fails here, before any episode. Episodes are pure
-    in ``(seed, episode_id)``, so that reset changes none of them. On an error the sessions opened so far are closed
-    before it propagates.
-
-    Raises:
-        ValueError: no URLs, or ``count < 1``.
-        UnsupportedEnvServer, McpProtocolError, EnvServerError: as `open_env_session`.
-        EnvProtocolError (typed env), McpProtocolError (MCP): the check reset gave no task text or no tools.
-        EnvServerError: the check reset raised on the server (e.g. a ``reset_kwargs`` key it does not take).
-    """
-    if not urls or count < 1:
-        raise ValueError(f"need at least one URL and one session, got {len(urls)} URL(s) and count {count}")
-    known: dict[str, str] = dict(protocols or {})
-    sessions: list[EnvSession] = []
-    checked: set[str] = set()
-    try:
-        for i in range(count):
-            url = urls[i % len(urls)]
-            if url not in known:
-                known[url] = detect_env_protocol(url).protocol
-            session = open_env_session(url, max_tool_calls=max_tool_calls, protocol=known[url],
-                                       reset_kwargs=reset_kwargs)
-            sessions.append(session)
-            if check_reset and url not in checked:
-                try:
-                    session.reset(0, CHECK_EPISODE_ID)  # raises on a reset without task text or tools
-                except (EnvProtocolError, McpProtocolError):
-                    raise
-                except RuntimeError as e:  # OpenEnv's "Server error: ...": the env's reset raised
-                    raise EnvServerError(f"env server at {url} failed a reset with reset_kwargs "
-                                         f"{dict(reset_kwargs or {})}: {_compact(str(e))}") from e
-                checked.add(url)
-    except BaseException:
-        for s in sessions:
-            s.close()
-        raise
-    return sessions
