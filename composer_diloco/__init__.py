@@ -2,8 +2,9 @@
 
 One round, and where each step lives:
 
-    rollout/   multi-turn tool episodes against OpenEnv servers (`rollout.episodes`, `rollout.mcp`); what the core
-               takes from an env package (`rollout.env_package`)
+    rollout/   multi-turn tool episodes against OpenEnv servers (`rollout.episodes`, `rollout.mcp`), on a node's
+               sessions (`rollout.sessions`) and tasks (`rollout.tasks`); what the core takes from an env package
+               (`rollout.env_package`)
     inner/     H inner AdamW steps: TRL's GRPOTrainer (`inner.trainer`) on one step's data (`inner.step`), the
                composite loss = GRPO + the registered loss channels (`channels.sdpo`, `channels.dpo`, ...)
     outer/     pseudo-gradient -> barrier -> all-reduce -> outer step -> load theta (`outer.peer.DiLoCoPeer.sync`),

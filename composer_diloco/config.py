@@ -40,12 +40,39 @@ class EnvConfig(_Section):
         "coding env (OpenEnv's reset(**kwargs)); seed, episode_id and max_tool_calls are the node's own.",
     )
 
+    sessions_per_url: int | None = Field(
+        None, ge=1,
+        description="Most env sessions (episodes at once) a node opens on each env server; the other episodes of an "
+                    "inner step wait for a free session. None: as many as an inner step has episodes, fewer if the "
+                    "server answers 'Server at capacity: n/n' (OpenEnv's MAX_CONCURRENT_ENVS). `--env-sessions` "
+                    "overrides it per node.",
+    )
+
     @model_validator(mode="after")
     def _own_reset_keys(self) -> "EnvConfig":
         taken = sorted({"seed", "episode_id", "max_tool_calls"} & set(self.reset_kwargs))
         if taken:
             raise ValueError(f"reset_kwargs must not set {', '.join(taken)}: the node sets them per episode")
         return self
+
+
+class TasksConfig(_Section):
+    """Tasks from a dataset instead of the env's reset: TRL's ``environment_factory`` convention (each episode's prompt
+    is its row's prompt column; the env's ``reset(**row)`` gets the row's columns and supplies tools and reward).
+    `composer_diloco.rollout.tasks` loads and splits it."""
+
+    path: str | None = Field(
+        None, description="A JSONL/JSON/Parquet/CSV file, a `save_to_disk` folder, or a `datasets` hub id; None: the "
+                          "env's reset gives each episode's task text.",
+    )
+    split: str = Field("train", min_length=1, description="The split to read (`datasets.load_dataset(split=...)`).")
+    prompt_column: str = Field(
+        "prompt", min_length=1, description="Column of the task text: a string, or chat messages whose user "
+                                            "contents are joined.",
+    )
+    reset_columns: list[str] | None = Field(
+        None, description="Columns passed to the env's reset(**row); None: every column (TRL's reset(**row)), [] none.",
+    )
 
 
 class GRPOSettings(_Section):
@@ -228,6 +255,7 @@ class RunConfig(_Section):
         "none", description="hivemind codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform."
     )
     env: EnvConfig = EnvConfig()
+    tasks: TasksConfig = TasksConfig()
     grpo: GRPOSettings = GRPOSettings()
     inner: InnerOptimizer = InnerOptimizer()
     outer: OuterOptimizer = OuterOptimizer()

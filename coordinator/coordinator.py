@@ -156,6 +156,10 @@ class Coordinator:
 
         self.secret = load_secret(self.options.secret_file)  # a bad secret fails before any work
         config = self.config
+        if config.tasks.path is not None:  # a [tasks] dataset that cannot serve the nodes fails before the model
+            from composer_diloco.rollout.tasks import TaskSet
+
+            TaskSet.load(config.tasks)
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None:

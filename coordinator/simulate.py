@@ -106,7 +106,7 @@ class Simulation:
     def start_nodes(self, peer: str) -> None:
         for i in range(self.nodes):
             args = ["-m", "nodes", "join", "--peer", peer, "--run-dir", str(self.run_dir), "--name", f"node-{i}",
-                    "--device", self.device]
+                    "--device", self.device, "--task-shard", f"{i}/{self.nodes}"]
             if self.verbose:
                 args.append("--verbose")
             self._spawn(f"node-{i}", args)

@@ -39,6 +39,13 @@ def join(
                                                           "$COMPOSER_DILOCO_SECRET; neither: an open run).")] = None,
     config: Annotated[Path | None, typer.Option(help="The run config (TOML) this node agreed to: it refuses to join "
                                                      "a run whose published config differs.")] = None,
+    env_sessions: Annotated[int | None, typer.Option(
+        help="Most env sessions (episodes at once) per --env-url; the step's other episodes wait for a free one. "
+             "Default: the run's [env] sessions_per_url, else one per episode of a step within each server's "
+             "capacity (learnt from OpenEnv's 'Server at capacity: n/n').")] = None,
+    task_shard: Annotated[str | None, typer.Option(
+        help="K/N: take shard K of N of the run's [tasks] rows (0 <= K < N), like a rank and world size. "
+             "Default: the node's own seeded order of all rows (rows may repeat across nodes).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -52,7 +59,7 @@ def join(
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
-                          expected_config=config)
+                          expected_config=config, env_sessions=env_sessions, task_shard=task_shard)
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)

@@ -31,7 +31,9 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.rollout.mcp import detect_env_protocol, open_env_sessions
+from composer_diloco.rollout.mcp import detect_env_protocol
+from composer_diloco.rollout.sessions import open_env_sessions
+from composer_diloco.rollout.tasks import TaskSet, TaskShard
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.outer.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
 from composer_diloco.inner.step import RoundStats
@@ -110,6 +112,10 @@ class NodeOptions:
         join_timeout_s: seconds to wait for each ``--env-url``'s ``/health``, the DHT and the run config.
         secret_file: file holding a closed run's secret (None: ``$COMPOSER_DILOCO_SECRET``, else an open run).
         expected_config: a TOML run config; joining a run whose published config differs is refused.
+        env_sessions: most env sessions (episodes at once) per ``--env-url``; None = the run's
+            ``[env] sessions_per_url``, else as many as a step has episodes within each server's capacity.
+        task_shard: ``"K/N"``: this node takes shard K of N of the run's ``[tasks]`` rows (`TaskShard`); None = its own
+            seeded order of all rows.
     """
 
     peer: str
@@ -124,6 +130,8 @@ class NodeOptions:
     join_timeout_s: float = 30.0
     secret_file: Path | None = None
     expected_config: Path | None = None
+    env_sessions: int | None = None
+    task_shard: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -137,6 +145,8 @@ class Node:
         self.options, self.stop = options, stop
         self.env_servers: list[EnvServer] = []
         self.sessions: list[EnvSession] = []
+        self.tasks: TaskSet | None = None
+        self.task_shard: TaskShard | None = None
         self.dht = None
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
@@ -155,7 +165,7 @@ class Node:
         Env failures come first: each ``--env-url`` is checked before the DHT is started (``/health``, then its
         protocol from ``/schema`` and ``/mcp``: `composer_diloco.rollout.mcp.detect_env_protocol`), and one reset per
         URL with the run's ``reset_kwargs`` runs right after the config is read, before the model is built or
-        downloaded (`composer_diloco.rollout.mcp.open_env_sessions`).
+        downloaded (`composer_diloco.rollout.sessions.open_env_sessions`).
 
         Raises:
             SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError / UnsupportedEnvServer /
@@ -165,6 +175,9 @@ class Node:
         # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
         self.placement = Placement.resolve(o.device, o.dtype)
         NodeBatch.check_options(o.batch_size, o.grad_accum)
+        if o.env_sessions is not None and o.env_sessions < 1:
+            raise NodeError(f"--env-sessions {o.env_sessions}: expected at least 1 session per env URL")
+        shard = TaskShard.parse(o.task_shard) if o.task_shard else None
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
@@ -195,18 +208,23 @@ class Node:
         # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
         # server starts after the model skeleton (an architecture mismatch fails before any process is started) but
         # before the global model is downloaded; a later error stops it.
+        self.tasks = TaskSet.load(config.tasks)  # a bad [tasks] dataset fails here, before any env or model
+        self.task_shard = shard
+        first_row = self.tasks.order(1, seed=config.seed, shard=shard, peer_name=o.name)[0] if self.tasks else 0
+        if self.tasks is not None and shard is not None:
+            log.info("tasks: shard %s of %d rows", shard, len(self.tasks))
         urls = list(o.env_urls)
-        n_sessions, max_calls = self.batch.episodes_per_step, config.env.max_tool_calls
+        opening = dict(max_tool_calls=config.env.max_tool_calls, reset_kwargs=config.env.reset_kwargs,
+                       per_url=o.env_sessions or config.env.sessions_per_url, tasks=self.tasks, check_row=first_row)
+        n_sessions = self.batch.episodes_per_step
         if urls:  # round-robin over the URLs; each URL's protocol was detected above
-            self.sessions = open_env_sessions(urls, n_sessions, max_tool_calls=max_calls,
-                                              reset_kwargs=config.env.reset_kwargs, protocols=protocols)
+            self.sessions = open_env_sessions(urls, n_sessions, protocols=protocols, **opening)
         model, self.tokenizer = _policy_skeleton(config)
         if not urls:
             server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
-            self.sessions = open_env_sessions([server.url], n_sessions, max_tool_calls=max_calls,
-                                              reset_kwargs=config.env.reset_kwargs)
+            self.sessions = open_env_sessions([server.url], n_sessions, **opening)
         self.peer = DiLoCoPeer(model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
@@ -241,7 +259,8 @@ class Node:
                          micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
-            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)],
+            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)], tasks=self.tasks,
+            task_shard=self.task_shard,
         )
         first = peer.round
         self._round_started = time.monotonic()
@@ -274,6 +293,9 @@ class Node:
         stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
         samples = stats.samples
         self.tool_calls.add(stats, self.peer.round, self.options.name)
+        if stats.episodes_env_error:
+            log.warning("round %d: the env failed %d of the %d episodes (ended with reward 0, see the warnings above)",
+                        self.peer.round, stats.episodes_env_error, samples)
         result = self.peer.sync(model, float(samples), stop=self.stop.event)
         if result is None:
             return

@@ -18,18 +18,21 @@ the same descriptions, so the embedded default policy (warm-started on tool_env'
 
 Calling a tool that does not exist gives ``tool_not_found``; a call slower than ``--tool-timeout-s`` gives
 ``timeout``. Reward and done follow OpenEnv's conventions: they are the observation's ``reward`` and ``done``. The
-question is the reset observation's ``metadata["question"]``.
+question is the reset observation's ``metadata["question"]``, unless the reset is given a task (a dataset row's
+``items``, ``prices`` and ``ask``, TRL's ``reset(**row)``): then it carries no task text and the prompt is the row's.
+``configs/mcp_prices_tasks.jsonl`` is such a dataset (`task_row`), for ``configs/mcp_prices.toml``.
 
 Pitfall (OpenEnv 0.10.0): the WebSocket route awaits ``step_async`` whenever the environment overrides it, and
 `MCPEnvironment` does; so reward logic must go into ``step_async`` (this file does it in both ``step`` and
 ``step_async``), an override of ``step`` alone never runs for WebSocket clients.
 
-Run: ``python tests/mcp_env_server.py --host 127.0.0.1 --port 8010 [--tool-timeout-s 5]``.
+Run: ``python tests/mcp_env_server.py --host 127.0.0.1 --port 8010 [--tool-timeout-s 5] [--max-concurrent-envs N]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from typing import Annotated, Any
 from uuid import uuid4
@@ -42,7 +45,7 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
-__all__ = ["ITEMS", "PriceMCPEnvironment", "answer_of", "build_app", "main", "question_of"]
+__all__ = ["ITEMS", "PriceMCPEnvironment", "answer_of", "build_app", "main", "question_of", "task_row"]
 
 A = Annotated[int, Field(description="First number.")]
 B = Annotated[int, Field(description="Second number.")]
@@ -70,6 +73,14 @@ def answer_of(seed: int, episode_id: str) -> int:
     """The right answer of episode ``(seed, episode_id)`` (the sum of the two prices)."""
     catalogue, x, y = _task(seed, episode_id)
     return catalogue[x] + catalogue[y]
+
+
+def task_row(seed: int, episode_id: str) -> dict[str, Any]:
+    """Episode ``(seed, episode_id)`` as a dataset row for a run with ``[tasks]``: ``prompt`` (the question),
+    ``items`` and ``prices`` (the catalogue) and ``ask`` (the two items), what `PriceMCPEnvironment.reset` takes."""
+    catalogue, x, y = _task(seed, episode_id)
+    return {"prompt": f"What is the price of {x} plus the price of {y}?", "items": list(catalogue),
+            "prices": list(catalogue.values()), "ask": [x, y]}
 
 
 class PriceMCPEnvironment(MCPEnvironment):
@@ -120,14 +131,33 @@ class PriceMCPEnvironment(MCPEnvironment):
         super().__init__(mcp)
         self._state = State(episode_id=str(uuid4()), step_count=0)
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Observation:
-        """Draw the episode's task; the question is in ``metadata["question"]`` (reward None, not done)."""
-        self._catalogue, x, y = _task(seed, episode_id)
+    def reset(self, seed: int | None = None, episode_id: str | None = None, items: list[str] | None = None,
+              prices: list[int] | None = None, ask: list[str] | None = None, **kwargs: Any) -> Observation:
+        """Start an episode.
+
+        Without task keywords the env draws the task from ``(seed, episode_id)`` and puts the question in
+        ``metadata["question"]``. With them (a dataset row's columns, TRL's ``reset(**row)``: ``items``, ``prices``
+        and the two ``ask``ed items), the catalogue is the row's and the reset carries no task text: the prompt is
+        the dataset's, as for an env whose tasks are the user's. Reward None, not done.
+
+        Raises:
+            ValueError: task keywords that do not describe a task (lengths differ, an asked item not in ``items``).
+        """
+        if items is None and prices is None and ask is None:
+            self._catalogue, x, y = _task(seed, episode_id)
+            metadata = {"question": f"What is the price of {x} plus the price of {y}?"}
+        else:
+            if not (items and prices and ask) or len(items) != len(prices) or len(ask) != 2 \
+                    or not set(ask) <= set(items):
+                raise ValueError(f"task keywords items={items!r} prices={prices!r} ask={ask!r}: expected equal-length "
+                                 "items and prices and two asked items among them")
+            self._catalogue = {str(i): int(p) for i, p in zip(items, prices)}
+            x, y = ask
+            metadata = {}
         self._answer = self._catalogue[x] + self._catalogue[y]
         self._submitted = None
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        return Observation(done=False, reward=None,
-                           metadata={"question": f"What is the price of {x} plus the price of {y}?"})
+        return Observation(done=False, reward=None, metadata=metadata)
 
     def _score(self, action: Action, obs: Observation) -> Observation:
         """Set ``done``/``reward`` of a tool call's observation: a successful ``submit`` ends the episode."""
@@ -177,9 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--tool-timeout-s", type=float, default=10.0,
                         help="seconds a tool call may take before it is answered with a timeout error")
+    parser.add_argument("--max-concurrent-envs", type=int, default=int(os.environ.get("MAX_CONCURRENT_ENVS", "64")),
+                        help="WebSocket sessions the server holds at once (OpenEnv's max_concurrent_envs; default "
+                             "$MAX_CONCURRENT_ENVS, else 64); one more is refused with 'Server at capacity: n/n'")
     args = parser.parse_args(argv)
     PriceMCPEnvironment.tool_timeout_s = args.tool_timeout_s
-    uvicorn.run(build_app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(build_app(args.max_concurrent_envs), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

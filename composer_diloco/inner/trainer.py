@@ -41,6 +41,7 @@ from composer_diloco.config import RunConfig
 from composer_diloco.inner.step import RoundStats, StepBatch, StepLosses
 from composer_diloco.rollout.env_package import EnvPackage, load_env_package
 from composer_diloco.rollout.episodes import EnvSession, play_episodes
+from composer_diloco.rollout.tasks import TaskSet, TaskShard, task_episode_id
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,21 @@ def env_reward(prompts: list, completions: list, env_reward: list[float], **_: A
     return [float(r) for r in env_reward]
 
 
-def episode_dataset(config: RunConfig, peer_name: str, n_rows: int) -> Dataset:
+def episode_dataset(config: RunConfig, peer_name: str, n_rows: int, tasks: TaskSet | None = None,
+                    shard: TaskShard | None = None) -> Dataset:
     """Rows ``{"prompt", "seed", "episode_id"}``: one per task; each is played G times (one GRPO group).
 
-    Episode ids carry the peer name, so nodes of one run play different episodes that any peer can replay.
+    Episode ids carry the peer name, so nodes of one run play different episodes that any peer can replay. With a
+    ``[tasks]`` dataset, row ``i`` is the node's ``i``-th task row (`TaskSet.order`: its shard, or its own permutation)
+    and its episode id names that row (`composer_diloco.rollout.tasks.task_episode_id`).
     """
     tag = hashlib.sha256(peer_name.encode()).hexdigest()[:8]
-    rows = [
-        {"prompt": [{"role": "user", "content": f"episode {tag}-{i}"}], "seed": config.seed, "episode_id": f"{tag}-{i}"}
-        for i in range(n_rows)
-    ]
+    ids = [f"{tag}-{i}" for i in range(n_rows)]
+    if tasks is not None:
+        order = tasks.order(n_rows, seed=config.seed, shard=shard, peer_name=peer_name)
+        ids = [task_episode_id(base, row) for base, row in zip(ids, order)]
+    rows = [{"prompt": [{"role": "user", "content": f"episode {e}"}], "seed": config.seed, "episode_id": e}
+            for e in ids]
     return Dataset.from_list(rows)
 
 
@@ -127,7 +133,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         model: the policy (a `PreTrainedModel`).
         tokenizer: its tokenizer (chat template with tool calling).
         config: the run config.
-        sessions: env sessions, at least ``episodes_per_step`` of them (one per concurrent episode).
+        sessions: env sessions, at least one; with fewer than ``episodes_per_step`` a step plays its episodes in
+            waves (`play_episodes`).
         peer_name: names this peer's episodes (`episode_dataset`).
         args: the TRL config (`grpo_args`): ``per_device_train_batch_size`` episodes per micro-batch,
             ``gradient_accumulation_steps`` = ``steps_per_generation`` micro-batches per optimizer step.
@@ -136,9 +143,11 @@ class ComposerGRPOTrainer(GRPOTrainer):
             ``script`` the DPO ``"scripted"`` teacher); None loads it with `load_env_package`.
         channels: the loss channel classes to use; None = `registered_channels` (each decides from the config
             whether it is on).
+        tasks: the ``[tasks]`` dataset (`TaskSet`), whose rows the episodes play; None: the env's reset gives the task.
+        task_shard: this node's part of ``tasks`` (``--task-shard``), or None (see `TaskSet.order`).
 
     Raises:
-        ValueError: too few sessions, or ``steps_per_generation != gradient_accumulation_steps`` or
+        ValueError: no sessions, or ``steps_per_generation != gradient_accumulation_steps`` or
             ``num_iterations != 1`` (one generation batch must be exactly one optimizer step); an unknown DPO
             teacher.
         EnvPackageError: ``env`` is None and ``config.env.server_module`` names no env package.
@@ -153,15 +162,15 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *, model: Any, tokenizer: Any, config: RunConfig, sessions: Sequence[EnvSession],
                  peer_name: str, args: GRPOConfig, callbacks: list[TrainerCallback] | None = None,
-                 env: EnvPackage | None = None, channels: Sequence[type[LossChannel]] | None = None):
+                 env: EnvPackage | None = None, channels: Sequence[type[LossChannel]] | None = None,
+                 tasks: TaskSet | None = None, task_shard: TaskShard | None = None):
         if args.steps_per_generation != args.gradient_accumulation_steps or args.num_iterations != 1:
             raise ValueError(f"steps_per_generation {args.steps_per_generation}, gradient_accumulation_steps "
                              f"{args.gradient_accumulation_steps}, num_iterations {args.num_iterations}: expected "
                              "equal steps and 1 iteration (one generation batch per optimizer step)")
         self.episodes_per_step = args.per_device_train_batch_size * args.steps_per_generation
-        if len(sessions) < self.episodes_per_step:
-            raise ValueError(f"need {self.episodes_per_step} env sessions (one per episode of a step), "
-                             f"got {len(sessions)}")
+        if not sessions:
+            raise ValueError("need at least one env session, got none")
         self.run_config = config
         self.sessions = list(sessions)
         env = env if env is not None else load_env_package(config.env.server_module)
@@ -179,7 +188,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             model=model,
             reward_funcs=[env_reward],
             args=args,
-            train_dataset=episode_dataset(config, peer_name, n_rows),
+            train_dataset=episode_dataset(config, peer_name, n_rows, tasks, task_shard),
             processing_class=tokenizer,
             rollout_func=_rollout,
             callbacks=callbacks,

@@ -1,7 +1,9 @@
 """Rollouts: multi-turn tool episodes played against OpenEnv servers.
 
 - `episodes`: `Episode`, `Turn`, the `EnvSession` protocol and `play_episodes`;
-- `mcp`: sessions of OpenEnv MCP tool servers;
+- `mcp`: sessions of OpenEnv MCP tool servers, and telling them from typed envs;
+- `sessions`: a node's sessions over its env URLs, within each server's capacity;
+- `tasks`: tasks from a dataset (``[tasks]``, TRL's ``reset(**row)``) and their split between nodes;
 - `chat`: rendering turns and parsing tool calls;
 - `episode_tokens`: token spans of a played episode;
 - `env_process`: starting and probing env server processes;
