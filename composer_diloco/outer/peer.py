@@ -277,7 +277,8 @@ class DiLoCoPeer:
             scheduled_time, partners = barrier
             if not partners:  # we are the whole swarm: theta moves by our own pseudo-gradient
                 return recovery.step_alone(self, model, r, clock)
-            reduced = self._all_reduce(r, weight, norm, scheduled_time)       # 3. Delta = sum_i w_i Delta_i / sum w
+            reduced = self._all_reduce(r, weight, norm, scheduled_time,       # 3. Delta = sum_i w_i Delta_i / sum w
+                                       group_size=len(partners) + 1)
             status = self._outer_step(r, reduced)                             # 4. theta <- OuterOpt(theta, Delta)
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
@@ -323,15 +324,21 @@ class DiLoCoPeer:
             raise RoundFailed(f"the swarm finished round {r} without this peer")
         return scheduled_time, others
 
-    def _all_reduce(self, r: int, weight: float, norm: float, scheduled_time: float) -> _Reduced:
+    def _all_reduce(self, r: int, weight: float, norm: float, scheduled_time: float,
+                    group_size: int | None = None) -> _Reduced:
         """Average the pseudo-gradients of round ``r``'s group, weighted by samples; screening is applied (and
         its verdicts returned) by the averager, the same on every member.
+
+        ``group_size``: the peers the barrier found (this one included): the group closes as soon as it holds that
+        many (`ExactAverager.set_target_group_size`) instead of waiting out ``network.matchmaking_time_s``; a group
+        that never gets that big forms at the end of the window with whoever came, as before.
 
         Raises:
             RoundFailed: no group formed (or a group of one), the all-reduce failed, or the group held no weight.
         """
         net = self.config.network
         self.averager.set_group_bits(round_group_bits(r))
+        self.averager.set_target_group_size(group_size if group_size and group_size >= 2 else None)
         try:
             gathered: dict[object, Contribution] | None = self.averager.step(
                 weight=float(weight),
