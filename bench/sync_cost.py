@@ -9,8 +9,12 @@ step it records:
     allreduce_s    wall seconds of hivemind's all-reduce itself (`_run_allreduce_inplace_`: split, compress,
                    send, reduce, send back, decompress), the slower of the two peers
     outer_s        clone of the mean + `GlobalModel.outer_step`, the slower peer
-    matchmaking_s  the rest of `averager.step` (group formation, about the config's ``matchmaking_time_s``, 2 s;
-                   a real round pays it once, after its barrier)
+    matchmaking_s  the rest of `averager.step` (group formation; a real round pays it once, after its barrier)
+
+Group formation (``--group-close``): ``window``, hivemind's default, waits out ``min_matchmaking_time`` (the
+config's ``matchmaking_time_s``, 2 s) before the group forms; ``full``, what `DiLoCoPeer` does since its barrier
+knows the group, closes it as soon as both peers are in (`ExactAverager.set_target_group_size`). Both in one run give
+the side-by-side ratio.
 
 and a round's sync cost is ``sync_s = allreduce_s + outer_s + matchmaking_s``; compute utilization is
 ``inner_s / (inner_s + sync_s)`` for a stated inner-phase time ``inner_s`` per round (``--inner-s``).
@@ -162,6 +166,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
     def step(averager: TimedAverager, index: int) -> float:
         averager.set_group_bits(round_group_bits(index))
+        averager.set_target_group_size(2 if args.group_close == "full" else None)
         t0 = time.monotonic()
         gathered = averager.step(weight=1.0, gather={"i": args.index}, timeout=args.timeout_s, allow_retries=False,
                                  scheduled_time=get_dht_time() + args.matchmaking_s)
@@ -250,7 +255,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
 
 
 def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, link: LinkSpec, net: Link | None,
-             codec: str, args: argparse.Namespace, case_dir: Path) -> dict:
+             codec: str, args: argparse.Namespace, case_dir: Path, group_close: str = "full") -> dict:
     """Run both peers of one (size, link, codec) case; returns its row (seconds, bytes). Raises RuntimeError."""
     case_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
@@ -258,7 +263,8 @@ def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, lin
     addr_file.unlink(missing_ok=True)
     base = [sys.executable, str(Path(__file__).resolve()), "_peer", "--shapes", json.dumps(shapes),
             "--chunks", str(chunks), "--codec", codec, "--rounds", str(args.rounds),
-            "--matchmaking-s", str(args.matchmaking_s), "--timeout-s", str(args.timeout_s)]
+            "--matchmaking-s", str(args.matchmaking_s), "--timeout-s", str(args.timeout_s),
+            "--group-close", group_close]
     started = time.monotonic()
     try:
         for index in (0, 1):
@@ -292,8 +298,10 @@ def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, lin
             stop_process(p)
     wall_s = time.monotonic() - started
     peers = [json.loads((case_dir / f"peer{i}.json").read_text()) for i in (0, 1)]
-    return summarize(size=size, numel=numel, chunks=chunks, link=link.name, codec=codec, peers=peers,
-                     inner_s=args.inner_s.get(size), wall_s=wall_s)
+    row = summarize(size=size, numel=numel, chunks=chunks, link=link.name, codec=codec, peers=peers,
+                    inner_s=args.inner_s.get(size), wall_s=wall_s)
+    row["group_close"] = group_close
+    return row
 
 
 def summarize(*, size: str, numel: int, chunks: int, link: str, codec: str, peers: list[dict],
@@ -331,30 +339,34 @@ def finish_row(row: dict, inner_s: float | None) -> dict:
 
 
 def extrapolate(rows: list[dict], size: str, numel: int, inner_s: float | None) -> list[dict]:
-    """Rows for ``size`` scaled linearly (by elements) from the largest measured size of each link and codec."""
+    """Rows for ``size`` scaled linearly (by elements) from the largest measured size of each link, codec and group
+    close."""
     out = []
-    for link, codec in dict.fromkeys((r["link"], r["codec"]) for r in rows if r["source"] == "measured"):
-        base = max((r for r in rows if r["link"] == link and r["codec"] == codec and r["source"] == "measured"),
+    measured = [r for r in rows if r["source"] == "measured"]
+    for link, codec, close in dict.fromkeys((r["link"], r["codec"], r.get("group_close")) for r in measured):
+        base = max((r for r in measured if (r["link"], r["codec"], r.get("group_close")) == (link, codec, close)),
                    key=lambda r: r["numel"])
         k = numel / base["numel"]
         row = {"size": size, "numel": numel, "chunks": None, "link": link, "codec": codec, "rounds": 0,
                "allreduce_s": base["allreduce_s"] * k, "outer_s": base["outer_s"] * k,
                "matchmaking_s": base["matchmaking_s"], "bytes_per_peer": base["bytes_per_peer"] * k,
-               "allreduce_s_rounds": [], "wall_s": 0.0, "source": f"extrapolated from {base['size']}"}
+               "allreduce_s_rounds": [], "wall_s": 0.0, "source": f"extrapolated from {base['size']}",
+               "group_close": close}
         out.append(finish_row(row, inner_s))
     return out
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table (seconds per round, MB per peer per round, utilization in %)."""
-    lines = ["| size | elements | link | codec | all-reduce s | outer s | matchmaking s | sync s | MB/peer | "
-             "goodput Mbit/s | inner s | utilization | source |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| size | elements | link | codec | group close | all-reduce s | outer s | matchmaking s | sync s | "
+             "MB/peer | goodput Mbit/s | inner s | utilization | source |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         util = f"{100 * r['utilization']:.1f}%" if r["utilization"] is not None else "-"
         goodput = f"{r['goodput_mbit_s']:.0f}" if r["goodput_mbit_s"] else "-"
         inner = f"{r['inner_s']:g}" if r["inner_s"] is not None else "-"
-        lines.append(f"| {r['size']} | {r['numel']:,} | {r['link']} | {r['codec']} | {r['allreduce_s']:.2f} | "
+        lines.append(f"| {r['size']} | {r['numel']:,} | {r['link']} | {r['codec']} | "
+                     f"{r.get('group_close', 'window')} | {r['allreduce_s']:.2f} | "
                      f"{r['outer_s']:.2f} | {r['matchmaking_s']:.2f} | {r['sync_s']:.2f} | "
                      f"{r['bytes_per_peer'] / 1e6:,.1f} | {goodput} | {inner} | {util} | {r['source']} |")
     return "\n".join(lines)
@@ -397,6 +409,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="averaging timeout, seconds")
     parser.add_argument("--case-timeout-s", type=float, default=3600.0, help="give a case up after this long")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-sync-cost"))
+    parser.add_argument("--group-close", type=_csv, default=["full"],
+                        help="full (close the group once both peers are in, as DiLoCoPeer does), window (wait out "
+                             "min_matchmaking_time, hivemind's default), or both: window,full")
     parser.add_argument("--smoke", action="store_true", help="loopback, default size, fp32, one round (< 60 s)")
     args = parser.parse_args()
     if args.smoke:
@@ -413,6 +428,8 @@ def main() -> None:
         extra = {s: parse_size(s) for s in args.extrapolate}
     except ValueError as e:
         parser.error(str(e))
+    if bad := [c for c in args.group_close if c not in ("full", "window")]:
+        parser.error(f"--group-close {bad} are not among full, window")
     if bad := [c for c in args.codecs if c not in ("none", "fp16", "int8")]:
         parser.error(f"--codecs {bad} are not among none, fp16, int8")
     if any(n is None for n in extra.values()):
@@ -446,13 +463,13 @@ def main() -> None:
                 if link.delay_ms > 0:
                     proxies = [start_proxy(net, side, args.out / f"proxy-{link.name}-{side}.log") for side in (0, 1)]
             for size, (chunks, shapes, numel) in layouts.items():
-                for codec in args.codecs:
-                    name = f"{size}-{link.name}-{codec}"
+                for codec, close in ((c, g) for c in args.codecs for g in args.group_close):
+                    name = f"{size}-{link.name}-{codec}" + (f"-{close}" if len(args.group_close) > 1 else "")
                     print(f"[{time.monotonic() - started:6.0f} s] {name}: {numel:,} elements in {chunks} chunk(s)",
                           file=sys.stderr, flush=True)
                     try:
                         row = run_case(size=size, shapes=shapes, chunks=chunks, numel=numel, link=link, net=net,
-                                       codec=codec, args=args, case_dir=args.out / name)
+                                       codec=codec, args=args, case_dir=args.out / name, group_close=close)
                     except RuntimeError as e:
                         failures.append(f"{name}: {e}")
                         print(f"{name} FAILED: {e}", file=sys.stderr, flush=True)
@@ -498,6 +515,7 @@ def _peer_main(argv: list[str]) -> None:
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--matchmaking-s", type=float, required=True)
     p.add_argument("--timeout-s", type=float, required=True)
+    p.add_argument("--group-close", choices=("full", "window"), default="full")
     p.add_argument("--listen", required=True)
     p.add_argument("--announce", default=None)
     p.add_argument("--peer-file", default=None, help="wait for this file and dial the multiaddr in it")
