@@ -106,7 +106,7 @@ def test_episodes_play_in_waves_and_an_env_failure_ends_only_its_episode(monkeyp
     keys = [(3, f"w{i}") for i in range(8)]
     calls = itertools.count()
 
-    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         wave = next(calls)
         ids = []
         for i, context in enumerate(contexts):  # submit the right answer: the waves play the keys in order, 2 by 2

@@ -124,7 +124,7 @@ def test_scripted_policy_plays_the_echo_env_through_the_core(echo_url, tok, monk
                  for q, (seed, e) in questions.items()}
         turn = {e: 0 for _, e in keys}
 
-        def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature):
+        def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
             ids = []
             for context in contexts:
                 text = tokenizer.decode(context)

@@ -80,7 +80,7 @@ def test_an_mcp_app_with_a_calltoolaction_subclass_is_detected_and_played(base, 
     x, y = question.split("price of ")[1].split(" ")[0], question.split("price of ")[2].rstrip("?")
     script = iter([("lookup", {"item": x}), ("lookup", {"item": y}), ("submit", {"answer": answer_of(5, "s")})])
 
-    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         name, args = next(script)
         ids = tok("<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>",
                   add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

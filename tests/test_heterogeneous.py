@@ -75,7 +75,7 @@ def scripted_sampler(tok, scripts):
     """Stands in for `rollout.generate_turns`: at lock-step turn j, every episode still playing emits its scripted call."""
     turn = itertools.count()
 
-    def generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         j = next(turn)
         active = [s for s in scripts if len(s) > j]  # every script ends with a submit, which ends the episode
         assert len(contexts) == len(active)
@@ -88,7 +88,7 @@ def scripted_sampler(tok, scripts):
 def fixed_candidate(tok):
     """Stands in for the DPO candidates' sampler (`preference.generate_turns`): a lookup of an unknown item, always."""
 
-    def generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         ids = tool_call_ids(tok, "lookup", {"item": "zzz"})
         return [list(ids) for _ in contexts], [[-0.5] * len(ids) for _ in contexts]
 

@@ -267,7 +267,7 @@ def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, m
               ("sum", {"a": 1, "b": 2}), ("add", {"a": 1}), ("submit", {"answer": answer_of(SEED, "s")})]
     step = itertools.count()
 
-    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         name, args = script[next(step)]
         text = "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
         ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -267,7 +267,7 @@ def _play_scripted(tok, url: str, keys, scripts, monkeypatch) -> list[Episode]:
                                _tokenizer=tok)
     step = itertools.count()
 
-    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature):
+    def scripted_generate(model, tokenizer, contexts, max_new_tokens, temperature, cache=None):
         j = next(step)
         active = [s for s in scripts if len(s) > j]  # every script ends with a correct submit
         assert len(contexts) == len(active)

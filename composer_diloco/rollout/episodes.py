@@ -393,11 +393,12 @@ def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession],
 
     eos = tokenizer.eos_token_id
     active = list(range(len(episodes)))
+    cache = TurnCache()  # each turn encodes only what the last one appended (`generate_turns`)
     for _ in range(max_tool_calls):
         if not active:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].completion_ids for i in active]
-        generated, logps = generate_turns(model, tokenizer, contexts, max_turn_tokens, temperature)
+        generated, logps = generate_turns(model, tokenizer, contexts, max_turn_tokens, temperature, cache=cache)
         still = []
         for i, ids, lp in zip(active, generated, logps):
             ep = episodes[i]
@@ -444,31 +445,111 @@ def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession],
     return episodes
 
 
-def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
-              temperature: float) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample one turn for each context (left-padded batch). Returns new token ids (up to and including EOS)
-    and the sampler's log-prob of each, under the temperature-scaled distribution."""
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
+@dataclass
+class TurnCache:
+    """The KV cache of one lock-step batch of episodes, kept from one assistant turn to the next by `generate_turns`.
+
+    Every earlier turn of an episode is already in the cache, so a turn encodes only what was appended since the
+    last one (the tool reply and the next assistant header) instead of the whole history. The batch stays one
+    tensor: rows are left-padded as in the first turn, and what a turn appends to each row is right-aligned with
+    padding in between (``mask`` 0 there); position ids follow the mask (transformers' generate counts positions
+    from ``attention_mask.cumsum``), so every real token sits at the position it has in the unpadded sequence.
+
+    Attributes:
+        ids: (B, T) int64 token ids of every position the batch holds (padding included).
+        mask: (B, T) int64 attention mask: 1 on real tokens, 0 on padding and on what was sampled after a row's EOS.
+        past: the model's cache (transformers ``DynamicCache``) of the first T - 1 positions.
+        real: per row, its real tokens in order (what a context must start with to reuse the row).
+    """
+
+    ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    past: Any = None
+    real: list[list[int]] = field(default_factory=list)
+
+    def rows_for(self, contexts: Sequence[Sequence[int]]) -> list[int] | None:
+        """The cached row each context continues, in order (a context continues a row when it starts with the row's
+        real tokens; rows are taken first come, first served), or None when some context continues none."""
+        if self.past is None:
+            return None
+        taken: set[int] = set()
+        rows = []
+        for context in contexts:
+            row = next((r for r, real in enumerate(self.real) if r not in taken and len(real) <= len(context)
+                        and list(context[:len(real)]) == real), None)
+            if row is None:
+                return None
+            taken.add(row)
+            rows.append(row)
+        return rows
+
+
+def _left_padded(contexts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, max length) int64: each context right-aligned after padding."""
     width = max(len(c) for c in contexts)
-    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(contexts), width), dtype=torch.long)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
     for row, c in enumerate(contexts):
-        input_ids[row, width - len(c):] = torch.tensor(c)
-        attention[row, width - len(c):] = 1
+        if c:
+            ids[row, width - len(c):] = torch.tensor(list(c))
+            mask[row, width - len(c):] = 1
+    return ids, mask
+
+
+def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
+                   temperature: float, cache: TurnCache | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample one assistant turn for each context, as one left-padded batch (transformers ``generate``).
+
+    Args:
+        model: causal LM; sampling runs on its device.
+        tokenizer: supplies ``pad_token_id`` and ``eos_token_id``.
+        contexts: per episode, every token id so far (prompt, earlier turns, tool replies).
+        max_new_tokens: tokens per turn at most.
+        temperature: sampling temperature (no top-k / top-p).
+        cache: the batch's `TurnCache`, updated in place: when every context continues one of its rows (the usual
+            next turn of the same episodes), only the appended tokens are encoded; otherwise the contexts are
+            encoded from scratch. None: no cache is kept.
+
+    Returns:
+        ``(ids, logprobs)`` per context: the new token ids (up to and including EOS) and the sampler's log-prob of
+        each under the temperature-scaled distribution.
+
+    The sampled tokens are those of re-encoding every context each turn, up to float rounding: on the warm-started
+    default (16 tool_env episodes of 2-11 turns, seed 123) every token matched and the log-probs differed by at most
+    1.4e-06 (`tests/test_rollout_cache.py`).
+    """
+    device = next(model.parameters()).device
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    rows = cache.rows_for(contexts) if cache is not None else None
+    if rows is None:
+        ids, mask = _left_padded(contexts, pad)
+        past = None
+    else:  # keep the rows still playing, then append each row's new tokens right-aligned
+        keep = torch.tensor(rows)
+        past = cache.past
+        past.batch_select_indices(keep.to(device))
+        tail_ids, tail_mask = _left_padded([c[len(cache.real[r]):] for c, r in zip(contexts, rows)], pad)
+        ids = torch.cat([cache.ids.cpu()[keep], tail_ids], dim=1)
+        mask = torch.cat([cache.mask.cpu()[keep], tail_mask], dim=1)
+    width = ids.shape[1]
     out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id, output_scores=True, return_dict_in_generate=True,
+        input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=past, max_new_tokens=max_new_tokens,
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
+        output_scores=True, return_dict_in_generate=True, use_cache=True,
     )
     new = out.sequences[:, width:].cpu()  # (B, T_new)
     scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, T_new, V), temperature already applied
     token_logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T_new)
+    new_mask = torch.ones_like(new)
     ids_out, lps_out = [], []
     for row in range(new.shape[0]):
-        ids = new[row].tolist()
-        if tokenizer.eos_token_id in ids:
-            ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-        ids_out.append(ids)
-        lps_out.append(token_logps[row, : len(ids)].tolist())
+        row_ids = new[row].tolist()
+        if eos in row_ids:
+            row_ids = row_ids[: row_ids.index(eos) + 1]
+            new_mask[row, len(row_ids):] = 0  # what generate padded after EOS is no token of the episode
+        ids_out.append(row_ids)
+        lps_out.append(token_logps[row, : len(row_ids)].tolist())
+    if cache is not None:
+        cache.ids, cache.mask, cache.past = out.sequences.cpu(), torch.cat([mask, new_mask], dim=1), out.past_key_values
+        cache.real = [list(c) + i for c, i in zip(contexts, ids_out)]
     return ids_out, lps_out
