@@ -562,3 +562,20 @@ def test_warm_start_demonstrations_replay_exactly_in_the_sandbox():
     assert len(seen_families) >= 3 and seen_failures >= 3
     with pytest.raises(ValueError, match="error_rate"):
         demonstration(0, 0, error_rate=1.5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_server_answers_forged_result_streams_with_typed_errors(server):
+    """Deep nesting and a record without ``status``, written by the model's code to the runner's records fd: the
+    real server answers ``malformed_output`` and the session plays on (no ``Server error``)."""
+    from tests.test_sandbox_output import PAYLOADS, _forge
+
+    with CodingEnvClient(base_url=server.url).sync() as env:
+        env.reset(seed=0, episode_id="0", task_id="slugify", max_tool_calls=10)
+        for name in ("deep_nesting", "test_without_status"):
+            env.step(CodingAction(tool="write_file", arguments={"path": "solution.py", "content": _forge(PAYLOADS[name])}))
+            obs = env.step(CodingAction(tool="run_tests", arguments={})).observation
+            assert (obs.error_kind, obs.error_meta["reason"]) == ("execution_error", "malformed_output"), obs.content
+        result = env.step(CodingAction(tool="submit", arguments={}))
+        assert result.done and result.reward == 0.0

@@ -45,7 +45,10 @@ Layers and their limits, honestly:
   the hook is off and forking is allowed). Disk use is bounded by ``RLIMIT_FSIZE`` per file times the files written
   before the wall clock; there is no quota on the workspace as a whole.
 - The runner's records travel on a file descriptor the code could also write to. That can only mislead the
-  agent's own ``run_tests`` feedback: ``submit`` compares returned values with expected ones in the server.
+  agent's own ``run_tests`` feedback: ``submit`` compares returned values with expected ones in the server. The
+  server parses the stream defensively (size, line length, nesting depth, each record's fields and types:
+  `_parse_records`, `parse_json`); a stream that fails is reported as ``malformed`` and becomes a typed tool
+  error, never an exception in the server.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ __all__ = [
     "SandboxPolicy",
     "SandboxResult",
     "isolation",
+    "parse_json",
     "run_sandboxed",
     "safe_relative_path",
 ]
@@ -153,6 +157,9 @@ class SandboxResult:
             ``./``.
         isolation: the layers that were active (the ``isolation`` record), ``{}`` if the runner died first.
         violations: the ``violation`` records (what the audit hook refused).
+        malformed: why the runner's output stream could not be trusted (a line that is not a well-formed record,
+            too long, too deep, or too much in all; see `_parse_records`), None when it was well formed. The
+            records before the bad line are kept; nothing after it is read.
     """
 
     records: list[dict[str, Any]]
@@ -162,6 +169,7 @@ class SandboxResult:
     stderr_tail: str
     isolation: dict[str, Any] = field(default_factory=dict)
     violations: list[dict[str, Any]] = field(default_factory=list)
+    malformed: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -243,25 +251,122 @@ def _read_tail(path: Path, max_chars: int) -> str:
         return ""
 
 
-def _parse_records(path: Path) -> list[dict[str, Any]]:
-    """The runner's records: JSON-object lines written by the process that wrote the ``isolation`` record.
+MAX_RECORD_LINE_BYTES = 1 << 20
+"""Longest record line the server parses (a case's JSON result included); a longer one makes the stream malformed."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting `parse_json` accepts (a case's result); the server's comparisons recurse that deep at most."""
 
-    Other lines (the code's own writes to fd 1, or records of processes it forked) are skipped.
+_STR, _INT, _OPT_STR = (str,), (int,), (str, type(None))
+_TEST_STATUSES = frozenset({"passed", "failed", "error", "timeout", "skipped"})
+_CASE_STATUSES = frozenset({"ok", "error", "timeout", "skipped"})
+_FAILURE_FIELDS = {"message": _STR, "error_type": _STR, "where": _OPT_STR, "line": _OPT_STR}
+_RECORD_FIELDS: dict[str, tuple[dict[str, tuple[type, ...]], dict[str, tuple[type, ...]]]] = {
+    # type -> (required fields, optional fields); every record also carries "pid" (int)
+    "isolation": ({"network": _STR, "filesystem": _STR, "processes": _STR, "uid": _STR, "audit_hook": (bool,),
+                   "hidden_paths": (list,), "notes": (list,)}, {"layers": (list,), "mode": _STR}),
+    "start": ({"name": _STR}, {}),
+    "test": ({"name": _STR, "status": _STR}, _FAILURE_FIELDS),
+    "case": ({"index": _INT, "status": _STR}, {"result": _STR, **_FAILURE_FIELDS}),
+    "import_error": ({"file": _STR, "error_type": _STR, "message": _STR}, {"where": _OPT_STR, "line": _OPT_STR}),
+    "violation": ({"what": _STR, "detail": _STR}, {}),
+    "done": ({}, {}),
+}
+
+
+def parse_json(text: str, max_chars: int = MAX_RECORD_LINE_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(text)`` with bounds, for text that came out of the sandbox.
+
+    Raises:
+        ValueError: if ``text`` is not a string, is longer than ``max_chars``, is not JSON, or nests lists and
+            objects deeper than ``max_depth`` (checked without recursion; the decoder's own recursion limit turns
+            into this error too).
     """
-    records = []
+    if not isinstance(text, str):
+        raise ValueError(f"expected JSON text, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise ValueError(f"JSON text of {len(text)} characters is over the limit of {max_chars}")
     try:
-        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    stack = [(value, 1)]
+    while stack:  # iterative: a deep value must not exhaust the server's stack here either
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > max_depth:
+                raise ValueError(f"JSON nested deeper than {max_depth} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
+def _record_problem(record: Any) -> str | None:
+    """Why ``record`` is not a well-formed runner record, or None when it is."""
+    if not isinstance(record, dict):
+        return f"a record is a JSON {type(record).__name__}, not an object"
+    kind = record.get("type")
+    if kind not in _RECORD_FIELDS:
+        return f"unknown record type {str(kind)[:40]!r}"
+    required, optional = _RECORD_FIELDS[kind]
+    for name, types in {"pid": _INT, **required}.items():
+        if name not in record:
+            return f"a {kind} record has no {name!r}"
+        if not isinstance(record[name], types) or (types == _INT and isinstance(record[name], bool)):
+            return f"a {kind} record's {name!r} is a {type(record[name]).__name__}"
+    for name, types in optional.items():
+        if name in record and not isinstance(record[name], types):
+            return f"a {kind} record's {name!r} is a {type(record[name]).__name__}"
+    for name in ("hidden_paths", "notes", "layers"):
+        if kind == "isolation" and not all(isinstance(v, str) for v in record.get(name, [])):
+            return f"an isolation record's {name!r} holds a non-string"
+    if kind == "test" and record["status"] not in _TEST_STATUSES:
+        return f"a test record's status {record['status'][:40]!r} is unknown"
+    if kind == "case":
+        if record["status"] not in _CASE_STATUSES:
+            return f"a case record's status {record['status'][:40]!r} is unknown"
+        if record["status"] == "ok" and "result" not in record:
+            return "an ok case record has no 'result'"
+        if record["index"] < 0:
+            return f"a case record's index {record['index']} is negative"
+    return None
+
+
+def _parse_records(path: Path, max_bytes: int) -> tuple[list[dict[str, Any]], str | None]:
+    """The runner's records (JSON-object lines of the process that wrote the ``isolation`` record) and why the
+    stream is malformed (None when it is not).
+
+    The records file is written by the runner process, and the model's code runs in that process: it can write
+    anything to it. So every line is checked: at most ``max_bytes`` in all and `MAX_RECORD_LINE_BYTES` a line,
+    each a JSON object of a known record type with the fields that type needs (`_RECORD_FIELDS`). The first line
+    that fails makes the stream malformed; records of other processes (children the code forked) are skipped. An
+    unterminated last line under ``max_bytes`` is a record cut by the wall clock's kill and is dropped.
+    """
+    records: list[dict[str, Any]] = []
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
     except OSError:
-        return records
-    for line in lines:
+        return records, None
+    lines = data.split(b"\n")
+    lines.pop()  # b"" after a final newline, else a line cut by the wall clock's kill
+    if len(data) >= max_bytes:  # the file-size limit cut it (the runner's own records are far smaller)
+        return records, f"the output stream reached {max_bytes} bytes"
+    problem = None
+    for number, line in enumerate(lines, 1):
+        if len(line) > MAX_RECORD_LINE_BYTES:
+            problem = f"record line {number} has {len(line)} bytes (limit {MAX_RECORD_LINE_BYTES})"
+            break
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("type"), str):
-            records.append(record)
-    runner = next((r.get("pid") for r in records if r["type"] == "isolation"), None)
-    return [r for r in records if r.get("pid") == runner]
+            record = parse_json(line.decode("utf-8"), max_depth=3)
+        except (UnicodeDecodeError, ValueError) as exc:
+            problem = f"record line {number} is not valid JSON: {str(exc)[:120]}"
+            break
+        problem = _record_problem(record)
+        if problem is not None:
+            problem = f"record line {number}: {problem}"
+            break
+        records.append(record)
+    runner = next((r["pid"] for r in records if r["type"] == "isolation"), None)
+    return [r for r in records if r["pid"] == runner], problem
 
 
 def _rmtree(path: Path) -> None:
@@ -343,7 +448,7 @@ def run_sandboxed(
             if uid is not None:
                 _kill_uid(uid)
         wall_s = time.monotonic() - started
-        records = _parse_records(private / "records")
+        records, malformed = _parse_records(private / "records", limits.max_file_mb << 20)
         tail = _read_tail(private / "output", _STDERR_TAIL_CHARS).replace(str(workspace) + "/", "./")
         iso = next((r for r in records if r["type"] == "isolation"), {})
         return SandboxResult(
@@ -355,6 +460,7 @@ def run_sandboxed(
             stderr_tail=tail,
             isolation={k: v for k, v in iso.items() if k not in ("type", "pid")},
             violations=[r for r in records if r["type"] == "violation"],
+            malformed=malformed,
         )
     finally:
         _rmtree(base)

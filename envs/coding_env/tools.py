@@ -17,7 +17,8 @@ A failed call comes back as data, typed as in ``envs/tool_env``: ``(content, err
 - ``invalid_args``: ``expected_schema`` (missing, extra or wrongly typed arguments; strict JSON types);
 - ``execution_error``: ``reason``, one of ``bad_path``, ``no_such_file``, ``too_large``, ``too_many_files``,
   ``patch_not_found``, ``patch_ambiguous``, ``tests_failed``, ``no_tests``, ``syntax_error``, ``import_error``,
-  ``crashed``, and the containment reasons ``memory_limit``, ``process_limit``, ``processes_refused``,
+  ``crashed``, ``malformed_output`` (the run's output stream failed the server's checks: the code wrote to the
+  runner's records; ``detail`` says how), and the containment reasons ``memory_limit``, ``process_limit``, ``processes_refused``,
   ``write_outside_workspace``, ``network_disabled``, ``read_refused``, ``ctypes_refused``, ``permission_denied``,
   ``file_size_limit``, ``open_files_limit``; plus, where they apply, ``path``, ``files``, ``count``, ``test`` (the
   first failing test, e.g. ``test_2``), ``detail`` (its failure, e.g. ``f(2) returned 3, expected 4``),
@@ -33,7 +34,6 @@ replayed call by call.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from envs.schema import function_schema
 
-from .sandbox import SandboxLimits, SandboxPolicy, SandboxResult, run_sandboxed, safe_relative_path
+from .sandbox import SandboxLimits, SandboxPolicy, SandboxResult, parse_json, run_sandboxed, safe_relative_path
 from .tasks import SOLUTION_FILE, CodingTask, normalize, same_value
 
 __all__ = [
@@ -204,10 +204,15 @@ def _where(record: dict[str, Any]) -> str:
 
 
 def _run_failure(tool: str, result: SandboxResult, limits: SandboxLimits) -> ToolOutcome | None:
-    """A typed error when the run did not finish (wall clock, CPU limit, crash), else None."""
+    """A typed error when the run's output cannot be trusted or the run did not finish (wall clock, CPU limit,
+    crash), else None."""
+    tail = result.stderr_tail[-_TAIL_CHARS:]
+    if result.malformed is not None:
+        return _error("execution_error", tool, f"the run's output was malformed ({result.malformed}); do not write "
+                      "to the sandbox's own file descriptors", reason="malformed_output", detail=result.malformed,
+                      stderr_tail=tail)
     if result.finished:
         return None
-    tail = result.stderr_tail[-_TAIL_CHARS:]
     running = _short(result.last_started) if result.last_started else None
     during = f" during {running}" if running else ""
     if result.timed_out:
@@ -305,8 +310,8 @@ def _submit(task: CodingTask, files: dict[str, str], limits: SandboxLimits, poli
         if record is None or record.get("status") != "ok":
             continue
         try:
-            got = json.loads(record["result"])
-        except (TypeError, ValueError):
+            got = parse_json(record["result"])  # bounded: the text came out of the sandbox
+        except (KeyError, ValueError):
             continue
         passed += same_value(got, normalize(expected))
     score = submitted_text(passed, total)
