@@ -172,6 +172,42 @@ def test_file_tools_and_their_errors():
         assert out.error_meta["expected_schema"]["required"] == ["path"]
 
 
+def test_a_path_that_clashes_with_a_file_or_directory_is_refused_and_the_episode_stays_playable():
+    """``solution.py/x.py`` after ``solution.py`` (and the reverse) used to wedge every later run with EEXIST."""
+    files = SLUGIFY.files()
+    for path, other in [("solution.py/x.py", "solution.py"), ("solution.py/a/b.py", "solution.py"),
+                        ("test_solution.py/t.py", "test_solution.py")]:
+        out = execute(SLUGIFY, files, "write_file", {"path": path, "content": "x = 1\n"})
+        assert (out.error_kind, out.error_meta["reason"], out.error_meta["clashes_with"]) == (
+            "invalid_args", "path_clash", other), out.content
+        assert out.error_meta["expected_schema"]["required"] == ["path", "content"] and path not in files
+    assert execute(SLUGIFY, files, "write_file", {"path": "pkg/util.py", "content": "X = 1\n"}).error_kind is None
+    out = execute(SLUGIFY, files, "write_file", {"path": "pkg", "content": "x"})  # the reverse: pkg is a directory
+    assert (out.error_kind, out.error_meta["reason"], out.error_meta["clashes_with"]) == (
+        "invalid_args", "path_clash", "pkg/util.py")
+    assert execute(SLUGIFY, files, "write_file", {"path": "pkg.py", "content": "Y = 2\n"}).error_kind is None
+    files["solution.py"] = "import pkg\n\ndef slugify(text):\n    return '-'.join(text.lower().split())\n"
+    out = execute(SLUGIFY, files, "run_tests", {}, FAST)  # the workspace (pkg/util.py and pkg.py) still builds
+    assert out.error_kind is None, out.content
+    assert execute(SLUGIFY, files, "submit", {}, FAST).reward == 1.0
+
+
+def test_a_workspace_that_cannot_be_built_is_a_typed_error_before_anything_is_written(tmp_path):
+    from envs.coding_env.sandbox import check_workspace
+
+    clashing = {**SLUGIFY.files(), "solution.py/x.py": "x = 1\n"}
+    with pytest.raises(ValueError, match="'solution.py' is a file and the directory of 'solution.py/x.py'"):
+        check_workspace(clashing)
+    with pytest.raises(ValueError, match="names 'a.py' twice"):
+        check_workspace({"a.py": "", "./a.py": ""})
+    with pytest.raises(ValueError, match="unsafe workspace path"):
+        run_sandboxed({"../a.py": ""}, {"mode": "probe"}, FAST)
+    out = execute(SLUGIFY, dict(clashing), "run_tests", {}, FAST)  # only reachable by building files by hand
+    assert (out.error_kind, out.error_meta["reason"]) == ("execution_error", "bad_path"), out.content
+    out = execute(SLUGIFY, dict(clashing), "submit", {}, FAST)
+    assert out.submitted and out.reward == 0.0 and out.content.startswith("error: submitted: 0 of")
+
+
 def test_run_tests_and_submit_reward_and_error_metadata():
     files = SLUGIFY.files()
     out = execute(SLUGIFY, files, "run_tests", {}, FAST)

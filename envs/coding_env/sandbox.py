@@ -74,6 +74,7 @@ __all__ = [
     "SandboxLimits",
     "SandboxPolicy",
     "SandboxResult",
+    "check_workspace",
     "isolation",
     "parse_json",
     "run_sandboxed",
@@ -207,12 +208,37 @@ def safe_relative_path(path: str) -> str | None:
     return "/".join(parts)
 
 
-def _materialize(files: Mapping[str, str], workspace: Path, uid: int | None) -> None:
-    """Write ``files`` into ``workspace`` (owned by ``uid`` when given)."""
+def check_workspace(files: Mapping[str, str]) -> dict[str, str]:
+    """``files`` with normalized paths, checked so that a workspace can always be built from them.
+
+    Raises:
+        ValueError: for an unsafe path (see `safe_relative_path`), a non-string text, two names of one path, or a
+            path that is both a file and another file's directory (``solution.py`` and ``solution.py/x.py``).
+    """
+    checked: dict[str, str] = {}
     for name, text in files.items():
         rel = safe_relative_path(name)
         if rel is None:
             raise ValueError(f"unsafe workspace path {name!r}")
+        if not isinstance(text, str):
+            raise ValueError(f"workspace file {name!r} holds a {type(text).__name__}, not text")
+        if rel in checked:
+            raise ValueError(f"workspace path {name!r} names {rel!r} twice")
+        checked[rel] = text
+    for name in sorted(checked):
+        inside = next((other for other in sorted(checked) if other.startswith(name + "/")), None)
+        if inside is not None:
+            raise ValueError(f"workspace path {name!r} is a file and the directory of {inside!r}")
+    return checked
+
+
+def _materialize(files: Mapping[str, str], workspace: Path, uid: int | None) -> None:
+    """Write ``files`` into ``workspace`` (owned by ``uid`` when given); checked first, so it writes all or none.
+
+    Raises:
+        ValueError: see `check_workspace`.
+    """
+    for rel, text in check_workspace(files).items():
         target = workspace / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
@@ -403,7 +429,7 @@ def run_sandboxed(
         returns.
 
     Raises:
-        ValueError: for an unsafe path in ``files``.
+        ValueError: for an unsafe or clashing path in ``files`` (`check_workspace`), before anything is written.
         OSError: if the temporary directory or the child process cannot be created.
     """
     limits = limits or SandboxLimits()
