@@ -288,8 +288,10 @@ def test_isolation_is_reported():
     assert {"network", "filesystem", "processes", "uid", "audit_hook", "notes"} <= set(found), found
     assert found["network"] in ("namespace", "audit_hook") and found["filesystem"] != "none"
     if os.geteuid() == 0 and _namespaces_available():  # this machine: root with namespaces
-        assert found["processes"] == "pid_namespace" and found["filesystem"] == "read_only_except_workspace"
-        assert str(PROJECT_ROOT) in found["hidden_paths"]
+        assert found["processes"] == "pid_namespace" and found["filesystem"] == "allowlist"
+        assert str(PROJECT_ROOT) in found["hidden_paths"] and found["mode"] == "root"
+        assert (found["ipc"], found["uts"], found["proc"]) == ("namespace", "namespace", "own")
+        assert found["capabilities"] == "none" and found["no_new_privs"] is True
     assert isolation(HOOK_ONLY)["network"] == "audit_hook"
 
 
@@ -339,7 +341,10 @@ def test_writing_outside_the_workspace_is_contained(policy, tmp_path):
     for target in (tmp_path / "escaped.txt", PROJECT_ROOT / "escaped.txt"):
         out = _run(_write_outside(str(target)), policy=policy)
         assert out.error_kind == "execution_error", out.content
-        assert out.error_meta["reason"] in ("write_outside_workspace", "permission_denied"), out.content
+        if policy is KERNEL_ONLY and isolation(policy)["filesystem"] == "allowlist":  # the path is not there at all
+            assert out.error_meta["error_type"] == "FileNotFoundError", out.content
+        else:
+            assert out.error_meta["reason"] in ("write_outside_workspace", "permission_denied"), out.content
         assert not target.exists()
     inside = "def slugify(text):\n    with open('scratch.txt', 'w') as fh:\n        fh.write(text)\n" \
              "    return '-'.join(open('scratch.txt').read().lower().split())\n"

@@ -105,6 +105,12 @@ class SandboxLimits:
         max_processes: processes the run's uid may have at once (``RLIMIT_NPROC``).
         max_file_mb: largest file a process may write, in MiB (``RLIMIT_FSIZE``; also caps the captured output).
         max_open_files: file descriptors per process (``RLIMIT_NOFILE``).
+        disk_mb: size of the workspace in MiB, all files together (a tmpfs of that size; needs a mount namespace).
+        max_workspace_files: files and directories the workspace may hold (the tmpfs's inodes).
+
+    Total memory: with a cgroup (root on a machine whose cgroup tree is writable) all processes of a run together
+    get ``memory_mb + disk_mb`` MiB (the workspace's tmpfs pages count too) and at most ``max_processes + 2``
+    processes (the runner's own two included); without one, only the per-process limits hold.
 
     Raises:
         ValueError: if a limit is not positive, or ``memory_mb < 64`` (the interpreter alone needs about 30 MiB).
@@ -117,6 +123,8 @@ class SandboxLimits:
     max_processes: int = 16
     max_file_mb: int = 4
     max_open_files: int = 64
+    disk_mb: int = 64
+    max_workspace_files: int = 4096
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -171,6 +179,7 @@ class SandboxResult:
     isolation: dict[str, Any] = field(default_factory=dict)
     violations: list[dict[str, Any]] = field(default_factory=list)
     malformed: str | None = None
+    oom_killed: bool = False
 
     @property
     def finished(self) -> bool:
@@ -265,6 +274,103 @@ def _kill_uid(uid: int) -> None:
             return
 
 
+def _own_cgroups() -> dict[str, Path]:
+    """This process's cgroup directory per hierarchy the sandbox uses: ``memory`` and ``pids`` (cgroup v1), or
+    ``unified`` (v2), where that hierarchy is mounted."""
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in controllers.split(",") if controllers else ["unified"]:
+                own[name] = path
+    found: dict[str, Path] = {}
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields, after = left.split(), right.split()
+            if len(fields) < 5 or len(after) < 3 or fields[3] != "/":
+                continue
+            if after[0] == "cgroup":
+                for name in ("memory", "pids"):
+                    if name in after[2].split(",") and name in own:
+                        found[name] = Path(fields[4]) / own[name].lstrip("/")
+            elif after[0] == "cgroup2" and "unified" in own:
+                found.setdefault("unified", Path(fields[4]) / own["unified"].lstrip("/"))
+    return found
+
+
+def _make_cgroups(limits: SandboxLimits) -> list[tuple[str, Path]]:
+    """New cgroups for one run (hierarchy name, directory), holding its total memory (``memory_mb + disk_mb``) and
+    process count (``max_processes + 2``); ``[]`` where that is not possible (not root, or no writable tree)."""
+    if os.geteuid() != 0:
+        return []
+    try:
+        own = _own_cgroups()
+    except OSError:
+        return []
+    memory = (limits.memory_mb + limits.disk_mb) << 20
+    pids = limits.max_processes + 2  # the runner's parent outside the PID namespace and its init count too
+    name = f"coding-env-{secrets.token_hex(6)}"
+    plans: list[tuple[str, list[tuple[str, int]]]] = []
+    if "memory" in own and "pids" in own:
+        plans = [("memory", [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)]),
+                 ("pids", [("pids.max", pids)])]
+    elif "unified" in own:
+        try:
+            enabled = (own["unified"] / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            enabled = []
+        if {"memory", "pids"} <= set(enabled):
+            plans = [("unified", [("memory.max", memory), ("memory.swap.max", 0), ("pids.max", pids)])]
+    made: list[tuple[str, Path]] = []
+    try:
+        for hierarchy, settings in plans:
+            directory = own[hierarchy] / name
+            directory.mkdir()
+            made.append((hierarchy, directory))
+            for setting, value in settings:
+                if (directory / setting).exists():  # memsw and swap files exist only with swap accounting
+                    (directory / setting).write_text(str(value))
+        return made
+    except OSError as exc:
+        logger.debug("coding_env sandbox: no cgroup (%s)", exc)
+        _remove_cgroups(made)
+        return []
+
+
+def _remove_cgroups(cgroups: list[tuple[str, Path]]) -> bool:
+    """Kill every process left in the run's cgroups, remove them; True if the memory limit OOM-killed a process."""
+    oom = False
+    for _, directory in cgroups:
+        for events in ("memory.oom_control", "memory.events"):
+            try:
+                for line in (directory / events).read_text().splitlines():
+                    if line.startswith("oom_kill ") and int(line.split()[1]) > 0:
+                        oom = True
+            except (OSError, ValueError):
+                pass
+        for _ in range(200):
+            try:
+                procs = [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                procs = []
+            for pid in procs:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                directory.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.005)  # killed processes leave the cgroup a moment later
+        else:
+            logger.warning("coding_env sandbox: could not remove cgroup %s", directory)
+    return oom
+
+
 def _read_tail(path: Path, max_chars: int) -> str:
     """Last ``max_chars`` characters of a file ('' when unreadable)."""
     try:
@@ -289,7 +395,9 @@ _FAILURE_FIELDS = {"message": _STR, "error_type": _STR, "where": _OPT_STR, "line
 _RECORD_FIELDS: dict[str, tuple[dict[str, tuple[type, ...]], dict[str, tuple[type, ...]]]] = {
     # type -> (required fields, optional fields); every record also carries "pid" (int)
     "isolation": ({"network": _STR, "filesystem": _STR, "processes": _STR, "uid": _STR, "audit_hook": (bool,),
-                   "hidden_paths": (list,), "notes": (list,)}, {"layers": (list,), "mode": _STR}),
+                   "hidden_paths": (list,), "notes": (list,)},
+                  {"mode": _STR, "ipc": _STR, "uts": _STR, "proc": _STR, "capabilities": _STR, "no_new_privs": (bool,),
+                   "disk": _STR, "cgroups": (list,), "visible_paths": (list,)}),
     "start": ({"name": _STR}, {}),
     "test": ({"name": _STR, "status": _STR}, _FAILURE_FIELDS),
     "case": ({"index": _INT, "status": _STR}, {"result": _STR, **_FAILURE_FIELDS}),
@@ -341,7 +449,7 @@ def _record_problem(record: Any) -> str | None:
     for name, types in optional.items():
         if name in record and not isinstance(record[name], types):
             return f"a {kind} record's {name!r} is a {type(record[name]).__name__}"
-    for name in ("hidden_paths", "notes", "layers"):
+    for name in ("hidden_paths", "notes", "cgroups", "visible_paths"):
         if kind == "isolation" and not all(isinstance(v, str) for v in record.get(name, [])):
             return f"an isolation record's {name!r} holds a non-string"
     if kind == "test" and record["status"] not in _TEST_STATUSES:
@@ -435,6 +543,7 @@ def run_sandboxed(
     limits = limits or SandboxLimits()
     policy = policy or SandboxPolicy()
     base = Path(tempfile.mkdtemp(prefix="coding-env-"))
+    cgroups: list[tuple[str, Path]] = []
     uid = _UID_BASE + secrets.randbelow(1 << 30) if policy.drop_uid and os.geteuid() == 0 else None
     try:
         os.chmod(base, 0o711)  # the run's uid may enter (to reach its workspace) but not list
@@ -442,9 +551,12 @@ def run_sandboxed(
         workspace.mkdir(mode=0o700)
         private = base / "io"
         private.mkdir(mode=0o700)  # request and output files: the child only gets their fds
+        (base / "root").mkdir(mode=0o700)  # the mount point of the sandbox's own root (an empty tmpfs)
         _materialize(files, workspace, uid)
+        cgroups = _make_cgroups(limits)
         config = {
-            "workspace": str(workspace), "uid": uid, "namespaces": policy.namespaces,
+            "workspace": str(workspace), "uid": uid, "namespaces": policy.namespaces, "root_dir": str(base / "root"),
+            "max_inodes": limits.max_workspace_files, "cgroup_procs": [[n, str(c / "cgroup.procs")] for n, c in cgroups],
             "audit_hook": policy.audit_hook, "hide": list(policy.hide), "request": dict(request),
             **{k: v for k, v in asdict(limits).items() if k != "wall_time_s"},
         }
@@ -471,12 +583,17 @@ def run_sandboxed(
             except (ProcessLookupError, PermissionError):
                 pass
             process.wait()
+            oom_killed = _remove_cgroups(cgroups)
             if uid is not None:
                 _kill_uid(uid)
         wall_s = time.monotonic() - started
         records, malformed = _parse_records(private / "records", limits.max_file_mb << 20)
         tail = _read_tail(private / "output", _STDERR_TAIL_CHARS).replace(str(workspace) + "/", "./")
-        iso = next((r for r in records if r["type"] == "isolation"), {})
+        iso = dict(next((r for r in records if r["type"] == "isolation"), {}))
+        if iso:
+            iso["memory"] = (f"cgroup: {limits.memory_mb + limits.disk_mb} MiB and {limits.max_processes + 2} "
+                             "processes for the whole run" if iso.get("cgroups") else
+                             f"per process only: {limits.memory_mb} MiB each, RLIMIT_NPROC {limits.max_processes}")
         return SandboxResult(
             records=records,
             exit_code=None if timed_out else (process.returncode if process.returncode >= 0
@@ -487,8 +604,10 @@ def run_sandboxed(
             isolation={k: v for k, v in iso.items() if k not in ("type", "pid")},
             violations=[r for r in records if r["type"] == "violation"],
             malformed=malformed,
+            oom_killed=oom_killed,
         )
     finally:
+        _remove_cgroups(cgroups)  # a no-op when the run removed them
         _rmtree(base)
 
 
