@@ -225,6 +225,10 @@ def _run_failure(tool: str, result: SandboxResult, limits: SandboxLimits) -> Too
         return None
     running = _short(result.last_started) if result.last_started else None
     during = f" during {running}" if running else ""
+    if result.oom_killed:
+        return _error("execution_error", tool, f"the run went over its total memory of "
+                      f"{limits.memory_mb + limits.disk_mb} MB{during} and was killed", reason="memory_limit",
+                      test=running, stderr_tail=tail)
     if result.timed_out:
         return _error("timeout", tool, f"the run passed the {limits.wall_time_s:g} s wall-clock limit{during} and "
                       "was stopped", reason="wall_clock", timeout_s=limits.wall_time_s, test=running,
