@@ -6,7 +6,9 @@ Modes:
 - ``non_root``: the launcher is ``nobody`` (uid 65534) with no capabilities, as in most containers: the runner
   isolates itself inside a new user namespace. A child process sets that up: as root it makes a private mount
   namespace where the interpreter under ``/root`` is reachable, then drops to ``nobody`` for good, imports
-  ``sandbox.py`` by path (standard library only) and runs the requests.
+  ``sandbox.py`` by path (standard library only) and runs the requests (`as_nobody`).
+- ``non_root_no_userns`` (not in `MODES`: nothing holds there but the audit hook): the same, where user namespaces
+  are not allowed (as in a default Docker container); the server must refuse to start there.
 
 Both run with the audit hook off: every property tested must hold without it.
 """
@@ -26,7 +28,37 @@ MODES = ("root", "non_root")
 NOBODY = 65534
 KERNEL_ONLY = SandboxPolicy(audit_hook=False)
 
-_NON_ROOT_SCRIPT = r"""
+_LAUNCHER = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("sandbox_runner", os.path.abspath("envs/coding_env/sandbox_runner.py"))
+runner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
+argv, user_namespaces = json.loads(sys.argv[1]), sys.argv[2] == "1"
+# As root: a private mount namespace where the interpreter under /root (0700) is reachable for nobody.
+assert runner._unshare(runner.CLONE_NEWNS)
+runner._mount(None, "/", None, runner.MS_REC | runner.MS_PRIVATE)
+for path in runner._stdlib_dirs():
+    runner._expose(path, {"notes": []})
+if not user_namespaces:  # a user namespace that may hold no further user namespaces (its parent writes the maps)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child:
+        os.read(ready_r, 1)
+        for name in ("uid_map", "gid_map"):
+            runner._write_file(f"/proc/{child}/{name}", "0 0 65536")
+        os.write(go_w, b"x")
+        _, status = os.waitpid(child, 0)
+        os._exit(os.waitstatus_to_exitcode(status))
+    assert runner._unshare(runner.CLONE_NEWUSER)
+    os.write(ready_w, b"x")
+    os.read(go_r, 1)
+    runner._write_file("/proc/sys/user/max_user_namespaces", "0")
+os.setgroups([]); os.setgid(NOBODY); os.setuid(NOBODY)
+os.execv(argv[0], argv)
+""".replace("NOBODY", str(NOBODY))
+
+_RUNS_SCRIPT = r"""
 import dataclasses, importlib.util, json, os, sys
 
 def load(name):  # by path: the package's __init__ would import OpenEnv (seconds), and only the stdlib is needed
@@ -36,28 +68,26 @@ def load(name):  # by path: the package's __init__ would import OpenEnv (seconds
     spec.loader.exec_module(module)
     return module
 
-runner = load("sandbox_runner")
-sandbox = load("sandbox")  # before the chdir below
-assert runner._unshare(runner.CLONE_NEWNS)
-runner._mount(None, "/", None, runner.MS_REC | runner.MS_PRIVATE)
-for path in runner._stdlib_dirs():
-    runner._expose(path, {"notes": []})
-os.setgroups([]); os.setgid(NOBODY); os.setuid(NOBODY)
+sandbox = load("sandbox")
 os.chdir("/tmp")
 job = json.loads(sys.argv[1])
 limits = sandbox.SandboxLimits(**job["limits"])
 policy = sandbox.SandboxPolicy(audit_hook=False)
-out = {}
-for name, (files, request) in job["runs"].items():
-    result = sandbox.run_sandboxed(files, request, limits, policy)
-    out[name] = {k: v for k, v in dataclasses.asdict(result).items()}
-print(json.dumps(out))
-""".replace("NOBODY", str(NOBODY))
+print(json.dumps({name: dataclasses.asdict(sandbox.run_sandboxed(files, request, limits, policy))
+                  for name, (files, request) in job["runs"].items()}))
+"""
+
+
+def as_nobody(argv: list[str], user_namespaces: bool = True) -> list[str]:
+    """A command that runs ``argv`` as ``nobody`` with no capabilities (from a root test process, in the project
+    root); with ``user_namespaces=False`` inside a user namespace that may create none (``unshare(CLONE_NEWUSER)``
+    fails with ENOSPC): the unprivileged mode that cannot isolate."""
+    return [sys.executable, "-c", _LAUNCHER, json.dumps(argv), "1" if user_namespaces else "0"]
 
 
 def run_in_mode(mode: str, runs: dict[str, tuple[dict[str, str], dict[str, Any]]], limits: SandboxLimits,
                 timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
-    """Run each ``name -> (files, request)`` in ``mode`` with the audit hook off; ``name ->`` the `SandboxResult` as
+    """Run each ``name -> (files, request)`` in ``mode`` (`MODES` or ``non_root_no_userns``) with the audit hook off; ``name ->`` the `SandboxResult` as
     a dict (``records``, ``isolation``, ``exit_code``, ``oom_killed``, ...).
 
     Raises:
@@ -69,13 +99,13 @@ def run_in_mode(mode: str, runs: dict[str, tuple[dict[str, str], dict[str, Any]]
 
         return {name: asdict(run_sandboxed(files, request, limits, KERNEL_ONLY))
                 for name, (files, request) in runs.items()}
-    if mode != "non_root":
+    if mode not in ("non_root", "non_root_no_userns"):
         raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     from dataclasses import asdict
 
     job = json.dumps({"limits": asdict(limits), "runs": runs})
-    proc = subprocess.run([sys.executable, "-c", _NON_ROOT_SCRIPT, job], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=str(PROJECT_ROOT))
+    argv = as_nobody([sys.executable, "-c", _RUNS_SCRIPT, job], user_namespaces=mode == "non_root")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=str(PROJECT_ROOT))
     if proc.returncode != 0:
         raise RuntimeError(f"non-root launcher failed ({proc.returncode}): {proc.stderr[-1500:]}")
     return json.loads(proc.stdout.splitlines()[-1])

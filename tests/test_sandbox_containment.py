@@ -236,3 +236,61 @@ def test_total_memory_of_all_processes_is_bounded_with_a_cgroup(mode):
     if cases and cases[0]["status"] == "ok":  # the OOM killer took children (the runner may survive)
         assert json.loads(cases[0]["result"])["killed"] >= 2, cases
     assert result["oom_killed"] is True, result["isolation"].get("memory")
+
+
+def _serve_until(argv: list[str], pattern: str, timeout_s: float = 40.0) -> tuple[int | None, str]:
+    """Start a coding-env server command; return (exit code or None if still running, its log) once its log shows
+    ``pattern`` or it exits. The process is stopped in ``finally``."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(argv, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                return proc.returncode, "".join(log)
+            log.append(line)
+            if pattern in line:
+                if "refusing" in pattern:  # a server that refuses exits right after its log line
+                    proc.wait(timeout=20)
+                    log.append(proc.stdout.read())
+                else:
+                    time.sleep(0.5)
+                return proc.poll(), "".join(log)
+        raise AssertionError(f"no {pattern!r} within {timeout_s} s: {''.join(log)[-1500:]}")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+SERVE = ["-m", "envs.coding_env.server", "--port", "0", "--log-level", "info"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_server_logs_its_layers_and_refuses_a_mode_that_cannot_isolate():
+    import sys
+
+    from tests.sandbox_modes import as_nobody
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to set up the modes")
+    code, log = _serve_until([sys.executable] + SERVE, "coding_env sandbox: mode")
+    assert code is None and "coding_env sandbox: mode root" in log, log[-1500:]
+    if mode_skip_reason("non_root") is None:
+        code, log = _serve_until(as_nobody([sys.executable] + SERVE), "coding_env sandbox: mode")
+        assert code is None and "coding_env sandbox: mode user_namespace" in log, log[-1500:]
+    weak = as_nobody([sys.executable] + SERVE, user_namespaces=False)  # unprivileged, no user namespaces
+    code, log = _serve_until(weak, "refusing to serve")
+    assert code == 2 and "mode none" in log and "network=audit_hook" in log, log[-1500:]
+    allowed = as_nobody([sys.executable] + SERVE + ["--allow-weak-sandbox"], user_namespaces=False)
+    code, log = _serve_until(allowed, "serving because of --allow-weak-sandbox")
+    assert code is None, log[-1500:]

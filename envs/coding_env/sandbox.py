@@ -71,11 +71,13 @@ from typing import Any
 
 __all__ = [
     "PROJECT_ROOT",
+    "REQUIRED_LAYERS",
     "SandboxLimits",
     "SandboxPolicy",
     "SandboxResult",
     "check_workspace",
     "isolation",
+    "missing_layers",
     "parse_json",
     "run_sandboxed",
     "safe_relative_path",
@@ -609,6 +611,22 @@ def run_sandboxed(
     finally:
         _remove_cgroups(cgroups)  # a no-op when the run removed them
         _rmtree(base)
+
+
+REQUIRED_LAYERS: dict[str, tuple[str, ...]] = {
+    "network": ("namespace",), "processes": ("pid_namespace",), "ipc": ("namespace",), "filesystem": ("allowlist",),
+    "proc": ("own",), "capabilities": ("none",), "no_new_privs": (True,),
+}
+"""The layers a sandbox needs to hold without the audit hook: `isolation` key -> accepted values (root and
+unprivileged-with-user-namespaces give all of them; a memory cgroup is not required: without one the per-process
+limits are the documented fallback)."""
+
+
+def missing_layers(found: Mapping[str, Any]) -> list[str]:
+    """The `REQUIRED_LAYERS` that ``found`` (an `isolation` result) lacks, as ``"key=value"``; ``[]`` when the
+    sandbox isolates. A failed probe (``{"error": ...}``) lacks them all."""
+    return [f"{key}={found.get(key, 'unknown')}" for key, accepted in REQUIRED_LAYERS.items()
+            if found.get(key) not in accepted]
 
 
 _ISOLATION: dict[SandboxPolicy, dict[str, Any]] = {}
