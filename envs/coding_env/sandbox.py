@@ -2,7 +2,44 @@
 
 Every run gets a fresh temporary workspace holding a copy of the episode's files, removed afterwards, and a child
 process (``sandbox_runner.py``, standard library only) that isolates itself before it imports any of the model's
-code. What contains what, on Linux (checked on this machine as root, kernel 6.x):
+code. The model is an adversary paid to find holes, so nothing below relies on the PEP 578 audit hook: the code can
+find and disable it in a few lines (a ``gc`` walk to the hook's closure). The hook stays as a guard rail that turns
+ordinary mistakes (a socket, a fork) into clear tool errors; ``tests/test_sandbox_containment.py`` attacks with it
+off.
+
+Deployment modes (``isolation()["mode"]``; the server logs it at start and refuses to serve in ``none`` unless
+``--allow-weak-sandbox``), as measured on this machine (kernel 6.18, cgroup v1):
+
+=====================  ================================  ================================  =====================
+layer                  ``root`` (server is root)          ``user_namespace`` (unprivileged  ``none`` (unprivileged,
+                                                          server, user namespaces allowed)  no user namespaces)
+=====================  ================================  ================================  =====================
+network                new netns, no interface up         same                              audit hook only
+mount / filesystem     new mount ns; root = empty tmpfs   same (the mounts are locked: a    audit hook only
+                       with only the stdlib and system    user namespace of the code's own
+                       libraries (read-only), devices,    cannot unmount or remount them)
+                       the workspace, own /proc;
+                       ``pivot_root``, host root detached
+PID, IPC, UTS          new namespaces; own read-only      same                              shared
+                       /proc; SysV IPC dies with the run
+privileges             fresh random uid; no capabilities  uid 0 of the user namespace with  no capabilities,
+                       (bounding set emptied), no_new_    no capabilities (capset, bounding  no_new_privs
+                       privs                              set, locked secure bits),
+                                                          no_new_privs
+disk                   workspace tmpfs of ``disk_mb``,    same                              ``RLIMIT_FSIZE`` per
+                       ``max_workspace_files`` entries                                      file only
+memory, processes      cgroup: ``memory_mb + disk_mb``    ``RLIMIT_AS`` per process times   as user_namespace
+                       and ``max_processes + 2`` for the  ``RLIMIT_NPROC`` (the server's
+                       whole run; plus the rlimits        uid counts: documented fallback)
+CPU, time              ``RLIMIT_CPU``, per-test ``SIGALRM``, the wall clock (all modes)
+=====================  ================================  ================================  =====================
+
+What the model's code can still do in the strong modes: create a user namespace of its own (it gets capabilities
+over copies of its own mounts, which the kernel locks: nothing to reveal, nothing to make writable; without a
+writable ``/proc`` it cannot even map a uid there), and use its own resources up to the limits above. There is no
+seccomp filter (no well-kept library is installed for it).
+
+Threats and how they are reported:
 
 ========================  ===========================================================  ==========================
 threat                    contained by                                                 reported as
@@ -11,39 +48,36 @@ endless loop              per-test ``SIGALRM`` (``per_test_timeout_s``); ``RLIMI
                           (SIGXCPU, then SIGKILL); the server's wall clock kills the     ``test_timeout``,
                           process group (and with it the PID namespace)                  ``cpu_time``,
                                                                                          ``wall_clock``)
-fork loop                 the audit hook refuses process creation; ``RLIMIT_NPROC`` on   ``execution_error``
-                          a fresh uid; a PID namespace whose processes all die with     (``processes_refused`` /
-                          its init                                                       ``process_limit``)
-huge allocation           ``RLIMIT_AS`` (``memory_mb``): ``MemoryError``                 ``execution_error``
-                                                                                         (``memory_limit``)
-writing outside           mount namespace: every mount read-only except the workspace;   ``execution_error``
-the workspace             a fresh unprivileged uid (when root); the audit hook refuses   (``write_outside_workspace``)
-                          writes outside it; ``RLIMIT_FSIZE`` caps any file
+fork loop                 ``RLIMIT_NPROC`` on a fresh uid, the pids cgroup; a PID        ``execution_error``
+                          namespace whose processes all die with its init; the hook      (``process_limit`` /
+                                                                                         ``processes_refused``)
+huge allocation           ``RLIMIT_AS`` (``memory_mb``) per process; the memory cgroup   ``execution_error``
+                          for all of them together                                       (``memory_limit``)
+writing outside           the allowlist root (read-only but the workspace); the hook     ``execution_error``
+the workspace                                                                            (``write_outside_
+                                                                                         workspace``), or the
+                                                                                         path does not exist
+filling the disk          the workspace tmpfs (size and entries); ``RLIMIT_FSIZE``       ``file_size_limit`` or
+                                                                                         the code's ENOSPC
 opening a socket          a new network namespace (no interfaces up, not even            ``execution_error``
-                          loopback); the audit hook refuses sockets                      (``network_disabled``)
-reading hidden answers    the project root is covered by an empty tmpfs; expected        -
-                          outputs never enter the sandbox (results are compared here)
+                          loopback); the hook                                            (``network_disabled``)
+reading hidden answers    the allowlist: no checkout, no site-packages, no other run's   -
+                          ``/tmp`` is in view; expected outputs never enter the sandbox
+                          (results are compared here)
+forging the results       the records file is parsed defensively (`_parse_records`,      ``execution_error``
+                          `parse_json`); ``submit`` compares values in the server        (``malformed_output``)
 ========================  ===========================================================  ==========================
 
-Layers and their limits, honestly:
+Limits, honestly:
 
-- Namespaces need root, or unprivileged user namespaces when the server is not root (then the code keeps the
-  server's uid inside a new user namespace; tested here by running the launcher as ``nobody``). Where ``unshare``
-  is refused (e.g. a default Docker container: no ``CAP_SYS_ADMIN``, seccomp), the run falls back to the audit hook
-  alone for the network, the filesystem (writes outside the workspace, reads of the project root) and processes,
-  and to ``RLIMIT_NPROC`` and the process group. PEP 578 audit hooks are not a security boundary: they stop
-  ordinary code (and a policy that stumbles on ``socket`` or ``open``), not a determined attacker who corrupts the
-  interpreter's memory. `isolation` (and ``metadata["sandbox"]`` of every reset) says which layers are active; the
-  server logs it at start, as a warning when the network namespace is missing.
+- Without namespaces (mode ``none``) the audit hook is the only layer for the network, the filesystem and
+  processes, and the code can switch it off: then it runs as the server's user with the server's view. Hence the
+  refusal to serve there.
 - The uid drop needs root. The fresh uid is random per run, so ``RLIMIT_NPROC`` counts only that run's processes.
-  If the interpreter's standard library is not readable by other uids (e.g. a pyenv under ``/root``) and there is
-  no mount namespace to expose it, the run keeps the server's uid; a root that keeps its uid ignores
-  ``RLIMIT_NPROC``, so then only the audit hook and the wall clock stop a fork loop.
-- Without a PID namespace a process that calls ``setsid`` leaves the process group; the server also kills every
-  process of the run's fresh uid, but with neither a PID namespace nor a uid drop such a process can outlive the run.
-- Limits are per process: ``RLIMIT_AS`` and ``RLIMIT_CPU`` apply to each of up to ``max_processes`` processes (when
-  the hook is off and forking is allowed). Disk use is bounded by ``RLIMIT_FSIZE`` per file times the files written
-  before the wall clock; there is no quota on the workspace as a whole.
+  If the allowlist root cannot be built (e.g. no ``pivot_root`` on this architecture), the run falls back to a
+  read-only view of the host with the ``hide`` paths covered, and says so in ``notes``.
+- Without a cgroup (a non-root server, or a cgroup tree that is not writable) memory is bounded per process:
+  ``memory_mb`` times up to ``max_processes`` processes when the hook is off and forking is allowed.
 - The runner's records travel on a file descriptor the code could also write to. That can only mislead the
   agent's own ``run_tests`` feedback: ``submit`` compares returned values with expected ones in the server. The
   server parses the stream defensively (size, line length, nesting depth, each record's fields and types:
@@ -637,10 +671,13 @@ def isolation(policy: SandboxPolicy | None = None) -> dict[str, Any]:
     """The isolation layers a run gets on this machine under ``policy`` (probed once with an empty run, cached).
 
     Returns:
-        ``{"network": "namespace" | "audit_hook" | "none", "filesystem": "read_only_except_workspace" |
-        "audit_hook" | "none", "processes": "pid_namespace" | "process_group", "uid": "unprivileged uid N" |
-        "unchanged", "audit_hook": bool, "hidden_paths": [...], "notes": [...]}``; ``{"error": ...}`` when
-        the probe itself failed.
+        ``{"mode": "root" | "user_namespace" | "none", "network": "namespace" | "audit_hook" | "none",
+        "filesystem": "allowlist" | "read_only_except_workspace" | "audit_hook" | "none", "processes":
+        "pid_namespace" | "process_group", "ipc" / "uts": "namespace" | "shared", "proc": "own" | "none" | "host",
+        "uid": "fresh unprivileged uid per run" | "unchanged", "capabilities": "none" | a hex mask,
+        "no_new_privs": bool, "disk": ..., "memory": ..., "cgroups": [...], "audit_hook": bool, "hidden_paths":
+        [...], "visible_paths": [...], "notes": [...]}`` (see the module docstring); ``{"error": ...}`` when the
+        probe itself failed. `missing_layers` says whether it isolates.
     """
     policy = policy or SandboxPolicy()
     with _ISOLATION_LOCK:

@@ -6,18 +6,24 @@ nothing imported from this repository: the repository is hidden from the child o
 
 Order of operations (each step is best effort; what took effect is reported in the first record):
 
-1. ``unshare`` new network, mount and PID namespaces (as root; otherwise inside a new user namespace).
-2. In the mount namespace: the workspace is bind-mounted onto itself (it stays writable), the project root and
-   other ``hide`` paths are covered by empty read-only tmpfs, the interpreter's standard library is made reachable
-   for the unprivileged uid, and every other mount is remounted read-only (only in this namespace).
-3. With a PID namespace: fork; the child is the namespace's init (PID 1) and only reaps; its child runs the code.
-   When PID 1 exits, the kernel kills every process left in the namespace.
-4. The runner: resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
-   ``RLIMIT_NOFILE``, ``RLIMIT_CORE``), a fresh unprivileged uid/gid when started as root,
-   ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG``, ``cwd`` = the workspace, then an audit hook (PEP 578) that
-   refuses sockets, process creation, ctypes, writes outside the workspace and reads of hidden paths, and reports
-   each refusal as a ``violation`` record.
-5. The request: ``tests`` (every ``test_*`` function of the workspace's ``test_*.py`` files) or ``cases`` (call one
+0. Join the run's cgroups when the server made them (``cgroup_procs``: total memory and process count).
+1. ``unshare`` new network, mount, PID, IPC and UTS namespaces (as root; otherwise inside a new user namespace
+   mapping uid 0 to the server's uid).
+2. With a PID namespace: fork; the child is the namespace's init (PID 1). In the mount namespace it builds the
+   sandbox's root (`_allowlist_root`): an empty tmpfs holding only the standard library and the system's shared
+   libraries (read-only), a few devices, the workspace as a size-limited tmpfs, and the namespace's own read-only
+   ``/proc``; then ``pivot_root`` and the host's root detached. (If that fails: the older read-only view of the
+   host with the ``hide`` paths covered, `_filesystem`.) Host name ``sandbox``. Then it forks the runner, drops
+   its own capabilities and only reaps; when it exits, the kernel kills every process left in the namespace, and
+   the IPC namespace (SysV shared memory included) goes with the last of them.
+3. The runner: resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
+   ``RLIMIT_NOFILE``, ``RLIMIT_CORE``), no capabilities (`_drop_privileges`: bounding and ambient sets emptied,
+   then a fresh unprivileged uid/gid when started as root, else locked secure bits and capset to zero),
+   ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG``, ``cwd`` = the workspace, the ``isolation`` record (layers as
+   measured: capabilities by capget), then an audit hook (PEP 578) that refuses sockets, process creation, ctypes,
+   writes outside the workspace and reads of hidden paths, and reports each refusal as a ``violation`` record.
+   The hook is a guard rail, not a boundary: every layer above holds with it switched off.
+4. The request: ``tests`` (every ``test_*`` function of the workspace's ``test_*.py`` files) or ``cases`` (call one
    function of one module on each argument list and report its JSON-encoded result; the comparison with the
    expected value happens in the server, so the child never sees an expected output). Each test or case runs
    under a ``SIGALRM`` of ``per_test_timeout_s``; after the first one that times out, the rest are reported
