@@ -91,6 +91,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -552,6 +553,31 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, onerror=retry)
 
 
+def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for ``process`` to exit, at most ``timeout_s`` seconds; True if it did not.
+
+    Sleeps on a pidfd where the kernel has them, so the server wakes as the runner exits: ``Popen.wait(timeout)``
+    polls with sleeps growing to 50 ms, which cost about 30 ms a run here.
+    """
+    try:
+        fd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        try:
+            process.wait(timeout=timeout_s)
+            return False
+        except subprocess.TimeoutExpired:
+            return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
+            return True
+    finally:
+        os.close(fd)
+    process.wait()
+    return False
+
+
 def run_sandboxed(
     files: Mapping[str, str],
     request: Mapping[str, Any],
@@ -610,9 +636,7 @@ def run_sandboxed(
                 cwd=str(base), env=env, start_new_session=True, close_fds=True,
             )
         try:
-            process.wait(timeout=limits.wall_time_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out = _wait(process, limits.wall_time_s)
         finally:
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # also whatever the run left in its group
