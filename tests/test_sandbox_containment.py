@@ -8,6 +8,8 @@ import json
 import os
 import secrets
 import shutil
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -199,6 +201,13 @@ def test_the_host_is_not_in_view(mode, tmp_path_factory):
                 os.chown(path, NOBODY, NOBODY)
         paths = {"reference_copy": str(leak), "other_workspace": str(other), "project_tasks": str(TASKS_FILE),
                  "server_cmdline": f"/proc/{os.getpid()}/cmdline", "host_passwd": "/etc/passwd"}
+        # package data next to the interpreter (e.g. a pip-installed copy of this project with its tasks)
+        purelib = Path(sysconfig.get_paths()["purelib"])
+        base_lib = Path(sysconfig.get_paths(vars={"base": sys.base_prefix})["purelib"])
+        for name, directory in (("server_site_packages", purelib), ("stdlib_site_packages", base_lib)):
+            files = sorted(p for p in directory.glob("*") if p.is_file())[:1] if directory.is_dir() else []
+            if files:
+                paths[name] = str(files[0])
         code = VIEW.replace("PATHS.items()", f"{paths!r}.items()")
         out = case_result(run_in_mode(mode, {"view": attack_run(code)}, LIMITS)["view"])
     finally:
