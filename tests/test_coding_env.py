@@ -378,54 +378,24 @@ def test_workspace_is_removed_and_no_process_outlives_a_run():
     assert uid == 0 or uid not in owners  # the daemonized child died with the run
 
 
-NON_ROOT_SCRIPT = r"""
-import importlib.util, json, os, sys
-
-def load(name):  # by path: the package's __init__ would import OpenEnv (seconds), and only the stdlib is needed
-    spec = importlib.util.spec_from_file_location(name, os.path.abspath(f"envs/coding_env/{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-runner = load("sandbox_runner")
-sandbox = load("sandbox")  # before the chdir below
-# Root sets the stage: a private mount namespace where the pyenv under /root is reachable, then becomes nobody.
-assert runner._unshare(runner.CLONE_NEWNS)
-runner._mount(None, "/", None, runner.MS_REC | runner.MS_PRIVATE)
-for path in runner._stdlib_dirs():
-    runner._expose(path, {"notes": []})
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-os.chdir("/tmp")
-SandboxLimits, SandboxPolicy, isolation, run_sandboxed = (
-    sandbox.SandboxLimits, sandbox.SandboxPolicy, sandbox.isolation, sandbox.run_sandboxed)
-limits = SandboxLimits(wall_time_s=6.0, cpu_time_s=3, per_test_timeout_s=1.0)
-out = {"isolation": isolation(SandboxPolicy(audit_hook=False))}
-for name, code in json.loads(sys.argv[1]).items():
-    result = run_sandboxed({"solution.py": code}, {"mode": "cases", "module": "solution", "function": "slugify",
-                                                   "cases": [["x"]]}, limits, SandboxPolicy(audit_hook=False))
-    out[name] = [r.get("message", "") for r in result.records if r["type"] == "case"]
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.timeout(60)
 def test_a_non_root_server_gets_the_same_containment_through_a_user_namespace():
-    """The launcher as an unprivileged user: new user, network, mount and PID namespaces, no audit hook."""
-    import subprocess
-    import sys
+    """The launcher as ``nobody`` (``tests/sandbox_modes.py``): new user, network, mount and PID namespaces, no audit
+    hook. The attacks of ``tests/test_sandbox_containment.py`` run in this mode too."""
+    from tests.sandbox_modes import mode_skip_reason, run_in_mode
 
-    if os.geteuid() != 0 or not _namespaces_available():
-        pytest.skip("needs root (to become nobody) and namespaces")
+    reason = mode_skip_reason("non_root")
+    if reason is not None:
+        pytest.skip(reason)
     codes = {"fork": FORK_LOOP, "socket": SOCKET, "write": _write_outside("/tmp/coding-env-test-escape.txt")}
-    proc = subprocess.run([sys.executable, "-c", NON_ROOT_SCRIPT, json.dumps(codes)], capture_output=True,
-                          text=True, timeout=50, cwd=str(PROJECT_ROOT))
-    if proc.returncode != 0 and "unshare" in proc.stderr:
-        pytest.skip(f"user namespaces unavailable: {proc.stderr[-200:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["isolation"]["network"] == "namespace", out["isolation"]
-    assert "user namespace" in " ".join(out["isolation"]["notes"])
+    runs = {name: ({"solution.py": code}, {"mode": "cases", "module": "solution", "function": "slugify",
+                                           "cases": [["x"]]}) for name, code in codes.items()}
+    results = run_in_mode("non_root", runs, SandboxLimits(wall_time_s=6.0, cpu_time_s=3, per_test_timeout_s=1.0))
+    out = {name: [r.get("message", "") for r in result["records"] if r["type"] == "case"]
+           for name, result in results.items()}
+    isolation_found = results["fork"]["isolation"]
+    assert isolation_found["network"] == "namespace" and isolation_found["mode"] == "user_namespace", isolation_found
+    assert "user namespace" in " ".join(isolation_found["notes"])
     assert out["fork"] == ["[Errno 11] Resource temporarily unavailable"]
     assert out["socket"] == ["[Errno 101] Network is unreachable"]
     assert out["write"][0].startswith("[Errno 30] Read-only file system")
