@@ -172,6 +172,42 @@ def test_file_tools_and_their_errors():
         assert out.error_meta["expected_schema"]["required"] == ["path"]
 
 
+def test_a_path_that_clashes_with_a_file_or_directory_is_refused_and_the_episode_stays_playable():
+    """``solution.py/x.py`` after ``solution.py`` (and the reverse) used to wedge every later run with EEXIST."""
+    files = SLUGIFY.files()
+    for path, other in [("solution.py/x.py", "solution.py"), ("solution.py/a/b.py", "solution.py"),
+                        ("test_solution.py/t.py", "test_solution.py")]:
+        out = execute(SLUGIFY, files, "write_file", {"path": path, "content": "x = 1\n"})
+        assert (out.error_kind, out.error_meta["reason"], out.error_meta["clashes_with"]) == (
+            "invalid_args", "path_clash", other), out.content
+        assert out.error_meta["expected_schema"]["required"] == ["path", "content"] and path not in files
+    assert execute(SLUGIFY, files, "write_file", {"path": "pkg/util.py", "content": "X = 1\n"}).error_kind is None
+    out = execute(SLUGIFY, files, "write_file", {"path": "pkg", "content": "x"})  # the reverse: pkg is a directory
+    assert (out.error_kind, out.error_meta["reason"], out.error_meta["clashes_with"]) == (
+        "invalid_args", "path_clash", "pkg/util.py")
+    assert execute(SLUGIFY, files, "write_file", {"path": "pkg.py", "content": "Y = 2\n"}).error_kind is None
+    files["solution.py"] = "import pkg\n\ndef slugify(text):\n    return '-'.join(text.lower().split())\n"
+    out = execute(SLUGIFY, files, "run_tests", {}, FAST)  # the workspace (pkg/util.py and pkg.py) still builds
+    assert out.error_kind is None, out.content
+    assert execute(SLUGIFY, files, "submit", {}, FAST).reward == 1.0
+
+
+def test_a_workspace_that_cannot_be_built_is_a_typed_error_before_anything_is_written(tmp_path):
+    from envs.coding_env.sandbox import check_workspace
+
+    clashing = {**SLUGIFY.files(), "solution.py/x.py": "x = 1\n"}
+    with pytest.raises(ValueError, match="'solution.py' is a file and the directory of 'solution.py/x.py'"):
+        check_workspace(clashing)
+    with pytest.raises(ValueError, match="names 'a.py' twice"):
+        check_workspace({"a.py": "", "./a.py": ""})
+    with pytest.raises(ValueError, match="unsafe workspace path"):
+        run_sandboxed({"../a.py": ""}, {"mode": "probe"}, FAST)
+    out = execute(SLUGIFY, dict(clashing), "run_tests", {}, FAST)  # only reachable by building files by hand
+    assert (out.error_kind, out.error_meta["reason"]) == ("execution_error", "bad_path"), out.content
+    out = execute(SLUGIFY, dict(clashing), "submit", {}, FAST)
+    assert out.submitted and out.reward == 0.0 and out.content.startswith("error: submitted: 0 of")
+
+
 def test_run_tests_and_submit_reward_and_error_metadata():
     files = SLUGIFY.files()
     out = execute(SLUGIFY, files, "run_tests", {}, FAST)
@@ -252,8 +288,10 @@ def test_isolation_is_reported():
     assert {"network", "filesystem", "processes", "uid", "audit_hook", "notes"} <= set(found), found
     assert found["network"] in ("namespace", "audit_hook") and found["filesystem"] != "none"
     if os.geteuid() == 0 and _namespaces_available():  # this machine: root with namespaces
-        assert found["processes"] == "pid_namespace" and found["filesystem"] == "read_only_except_workspace"
-        assert str(PROJECT_ROOT) in found["hidden_paths"]
+        assert found["processes"] == "pid_namespace" and found["filesystem"] == "allowlist"
+        assert str(PROJECT_ROOT) in found["hidden_paths"] and found["mode"] == "root"
+        assert (found["ipc"], found["uts"], found["proc"]) == ("namespace", "namespace", "own")
+        assert found["capabilities"] == "none" and found["no_new_privs"] is True
     assert isolation(HOOK_ONLY)["network"] == "audit_hook"
 
 
@@ -303,7 +341,10 @@ def test_writing_outside_the_workspace_is_contained(policy, tmp_path):
     for target in (tmp_path / "escaped.txt", PROJECT_ROOT / "escaped.txt"):
         out = _run(_write_outside(str(target)), policy=policy)
         assert out.error_kind == "execution_error", out.content
-        assert out.error_meta["reason"] in ("write_outside_workspace", "permission_denied"), out.content
+        if policy is KERNEL_ONLY and isolation(policy)["filesystem"] == "allowlist":  # the path is not there at all
+            assert out.error_meta["error_type"] == "FileNotFoundError", out.content
+        else:
+            assert out.error_meta["reason"] in ("write_outside_workspace", "permission_denied"), out.content
         assert not target.exists()
     inside = "def slugify(text):\n    with open('scratch.txt', 'w') as fh:\n        fh.write(text)\n" \
              "    return '-'.join(open('scratch.txt').read().lower().split())\n"
@@ -337,54 +378,24 @@ def test_workspace_is_removed_and_no_process_outlives_a_run():
     assert uid == 0 or uid not in owners  # the daemonized child died with the run
 
 
-NON_ROOT_SCRIPT = r"""
-import importlib.util, json, os, sys
-
-def load(name):  # by path: the package's __init__ would import OpenEnv (seconds), and only the stdlib is needed
-    spec = importlib.util.spec_from_file_location(name, os.path.abspath(f"envs/coding_env/{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-runner = load("sandbox_runner")
-sandbox = load("sandbox")  # before the chdir below
-# Root sets the stage: a private mount namespace where the pyenv under /root is reachable, then becomes nobody.
-assert runner._unshare(runner.CLONE_NEWNS)
-runner._mount(None, "/", None, runner.MS_REC | runner.MS_PRIVATE)
-for path in runner._stdlib_dirs():
-    runner._expose(path, {"notes": []})
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-os.chdir("/tmp")
-SandboxLimits, SandboxPolicy, isolation, run_sandboxed = (
-    sandbox.SandboxLimits, sandbox.SandboxPolicy, sandbox.isolation, sandbox.run_sandboxed)
-limits = SandboxLimits(wall_time_s=6.0, cpu_time_s=3, per_test_timeout_s=1.0)
-out = {"isolation": isolation(SandboxPolicy(audit_hook=False))}
-for name, code in json.loads(sys.argv[1]).items():
-    result = run_sandboxed({"solution.py": code}, {"mode": "cases", "module": "solution", "function": "slugify",
-                                                   "cases": [["x"]]}, limits, SandboxPolicy(audit_hook=False))
-    out[name] = [r.get("message", "") for r in result.records if r["type"] == "case"]
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.timeout(60)
 def test_a_non_root_server_gets_the_same_containment_through_a_user_namespace():
-    """The launcher as an unprivileged user: new user, network, mount and PID namespaces, no audit hook."""
-    import subprocess
-    import sys
+    """The launcher as ``nobody`` (``tests/sandbox_modes.py``): new user, network, mount and PID namespaces, no audit
+    hook. The attacks of ``tests/test_sandbox_containment.py`` run in this mode too."""
+    from tests.sandbox_modes import mode_skip_reason, run_in_mode
 
-    if os.geteuid() != 0 or not _namespaces_available():
-        pytest.skip("needs root (to become nobody) and namespaces")
+    reason = mode_skip_reason("non_root")
+    if reason is not None:
+        pytest.skip(reason)
     codes = {"fork": FORK_LOOP, "socket": SOCKET, "write": _write_outside("/tmp/coding-env-test-escape.txt")}
-    proc = subprocess.run([sys.executable, "-c", NON_ROOT_SCRIPT, json.dumps(codes)], capture_output=True,
-                          text=True, timeout=50, cwd=str(PROJECT_ROOT))
-    if proc.returncode != 0 and "unshare" in proc.stderr:
-        pytest.skip(f"user namespaces unavailable: {proc.stderr[-200:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["isolation"]["network"] == "namespace", out["isolation"]
-    assert "user namespace" in " ".join(out["isolation"]["notes"])
+    runs = {name: ({"solution.py": code}, {"mode": "cases", "module": "solution", "function": "slugify",
+                                           "cases": [["x"]]}) for name, code in codes.items()}
+    results = run_in_mode("non_root", runs, SandboxLimits(wall_time_s=6.0, cpu_time_s=3, per_test_timeout_s=1.0))
+    out = {name: [r.get("message", "") for r in result["records"] if r["type"] == "case"]
+           for name, result in results.items()}
+    isolation_found = results["fork"]["isolation"]
+    assert isolation_found["network"] == "namespace" and isolation_found["mode"] == "user_namespace", isolation_found
+    assert "user namespace" in " ".join(isolation_found["notes"])
     assert out["fork"] == ["[Errno 11] Resource temporarily unavailable"]
     assert out["socket"] == ["[Errno 101] Network is unreachable"]
     assert out["write"][0].startswith("[Errno 30] Read-only file system")
@@ -562,3 +573,20 @@ def test_warm_start_demonstrations_replay_exactly_in_the_sandbox():
     assert len(seen_families) >= 3 and seen_failures >= 3
     with pytest.raises(ValueError, match="error_rate"):
         demonstration(0, 0, error_rate=1.5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_server_answers_forged_result_streams_with_typed_errors(server):
+    """Deep nesting and a record without ``status``, written by the model's code to the runner's records fd: the
+    real server answers ``malformed_output`` and the session plays on (no ``Server error``)."""
+    from tests.test_sandbox_output import PAYLOADS, _forge
+
+    with CodingEnvClient(base_url=server.url).sync() as env:
+        env.reset(seed=0, episode_id="0", task_id="slugify", max_tool_calls=10)
+        for name in ("deep_nesting", "test_without_status"):
+            env.step(CodingAction(tool="write_file", arguments={"path": "solution.py", "content": _forge(PAYLOADS[name])}))
+            obs = env.step(CodingAction(tool="run_tests", arguments={})).observation
+            assert (obs.error_kind, obs.error_meta["reason"]) == ("execution_error", "malformed_output"), obs.content
+        result = env.step(CodingAction(tool="submit", arguments={}))
+        assert result.done and result.reward == 0.0

@@ -115,6 +115,7 @@ REASON_HINTS: Mapping[str, str] = MappingProxyType({
     "ctypes_refused": "Do not use ctypes.",
     "file_size_limit": "The code wrote too much data. Write less.",
     "open_files_limit": "The code opened too many files. Close the files you open.",
+    "malformed_output": "Do not write to the sandbox's own files. Return results from solution.py.",
 })
 """SDPO hint templates for ``execution_error`` by this env's ``meta["reason"]`` (fields: the meta keys), the env
 contract's ``reason_hints`` (`composer_diloco.rollout.env_package`); a ``[hints]`` entry for ``execution_error``

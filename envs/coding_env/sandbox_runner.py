@@ -6,18 +6,24 @@ nothing imported from this repository: the repository is hidden from the child o
 
 Order of operations (each step is best effort; what took effect is reported in the first record):
 
-1. ``unshare`` new network, mount and PID namespaces (as root; otherwise inside a new user namespace).
-2. In the mount namespace: the workspace is bind-mounted onto itself (it stays writable), the project root and
-   other ``hide`` paths are covered by empty read-only tmpfs, the interpreter's standard library is made reachable
-   for the unprivileged uid, and every other mount is remounted read-only (only in this namespace).
-3. With a PID namespace: fork; the child is the namespace's init (PID 1) and only reaps; its child runs the code.
-   When PID 1 exits, the kernel kills every process left in the namespace.
-4. The runner: resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
-   ``RLIMIT_NOFILE``, ``RLIMIT_CORE``), a fresh unprivileged uid/gid when started as root,
-   ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG``, ``cwd`` = the workspace, then an audit hook (PEP 578) that
-   refuses sockets, process creation, ctypes, writes outside the workspace and reads of hidden paths, and reports
-   each refusal as a ``violation`` record.
-5. The request: ``tests`` (every ``test_*`` function of the workspace's ``test_*.py`` files) or ``cases`` (call one
+0. Join the run's cgroups when the server made them (``cgroup_procs``: total memory and process count).
+1. ``unshare`` new network, mount, PID, IPC and UTS namespaces (as root; otherwise inside a new user namespace
+   mapping uid 0 to the server's uid).
+2. With a PID namespace: fork; the child is the namespace's init (PID 1). In the mount namespace it builds the
+   sandbox's root (`_allowlist_root`): an empty tmpfs holding only the standard library and the system's shared
+   libraries (read-only), a few devices, the workspace as a size-limited tmpfs, and the namespace's own read-only
+   ``/proc``; then ``pivot_root`` and the host's root detached. (If that fails: the older read-only view of the
+   host with the ``hide`` paths covered, `_filesystem`.) Host name ``sandbox``. Then it forks the runner, drops
+   its own capabilities and only reaps; when it exits, the kernel kills every process left in the namespace, and
+   the IPC namespace (SysV shared memory included) goes with the last of them.
+3. The runner: resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
+   ``RLIMIT_NOFILE``, ``RLIMIT_CORE``), no capabilities (`_drop_privileges`: bounding and ambient sets emptied,
+   then a fresh unprivileged uid/gid when started as root, else locked secure bits and capset to zero),
+   ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG``, ``cwd`` = the workspace, the ``isolation`` record (layers as
+   measured: capabilities by capget), then an audit hook (PEP 578) that refuses sockets, process creation, ctypes,
+   writes outside the workspace and reads of hidden paths, and reports each refusal as a ``violation`` record.
+   The hook is a guard rail, not a boundary: every layer above holds with it switched off.
+4. The request: ``tests`` (every ``test_*`` function of the workspace's ``test_*.py`` files) or ``cases`` (call one
    function of one module on each argument list and report its JSON-encoded result; the comparison with the
    expected value happens in the server, so the child never sees an expected output). Each test or case runs
    under a ``SIGALRM`` of ``per_test_timeout_s``; after the first one that times out, the rest are reported
@@ -40,14 +46,24 @@ import sys
 import traceback
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWUTS, CLONE_NEWIPC = 0x04000000, 0x08000000
+MNT_DETACH = 2
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+# SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS_LOCKED, SECBIT_NO_CAP_AMBIENT_RAISE, each locked: uid 0
+# (inside a user namespace) gains no capabilities by execve, and nothing can turn that off again
+_SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_LIBC.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_LIBC.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _OUT_FD = -1  # the records' fd, set in main()
 _STATE = {"timed_out": False}  # after one test or case times out, the rest are skipped
 _MAX_MESSAGE_CHARS = 400
@@ -97,31 +113,34 @@ def _write_file(path: str, text: str) -> None:
 # ---------------------------------------------------------------------------------------------- isolation
 
 
-def _namespaces(report: dict) -> tuple[bool, bool, bool]:
-    """Enter new network, mount and PID namespaces where allowed. Returns (net, mount, pid)."""
-    wanted = {"net": CLONE_NEWNET, "mount": CLONE_NEWNS, "pid": CLONE_NEWPID}
-    got = dict.fromkeys(wanted, False)
+def _namespaces(report: dict) -> dict[str, bool]:
+    """Enter new network, mount, PID, IPC and UTS namespaces where allowed (inside a new user namespace when not
+    root). Returns which of ``net``, ``mount``, ``pid``, ``ipc``, ``uts`` and ``user`` were entered."""
+    wanted = {"net": CLONE_NEWNET, "mount": CLONE_NEWNS, "pid": CLONE_NEWPID, "ipc": CLONE_NEWIPC,
+              "uts": CLONE_NEWUTS}
+    every = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    got = dict.fromkeys(list(wanted) + ["user"], False)
     if os.geteuid() != 0:
         uid, gid = os.geteuid(), os.getegid()
-        if _unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
+        if _unshare(CLONE_NEWUSER | every):
             try:
                 _write_file("/proc/self/setgroups", "deny")
                 _write_file("/proc/self/uid_map", f"0 {uid} 1")
                 _write_file("/proc/self/gid_map", f"0 {gid} 1")
-                got = dict.fromkeys(wanted, True)
+                got = dict.fromkeys(got, True)
                 report["notes"].append("namespaces inside a new user namespace (not root)")
             except OSError as exc:
                 report["notes"].append(f"user namespace maps failed: {exc}")
         else:
             report["notes"].append(f"unshare(CLONE_NEWUSER) refused: {os.strerror(ctypes.get_errno())}")
-    elif _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID):
-        got = dict.fromkeys(wanted, True)
+    elif _unshare(every):
+        got.update(dict.fromkeys(wanted, True))
     else:
         for name, flag in wanted.items():
             got[name] = _unshare(flag)
             if not got[name]:
                 report["notes"].append(f"unshare({name}) refused: {os.strerror(ctypes.get_errno())}")
-    return got["net"], got["mount"], got["pid"]
+    return got
 
 
 def _mount_points() -> list[tuple[str, int]]:
@@ -205,6 +224,94 @@ def _filesystem(workspace: str, hide: list[str], expose: list[str], report: dict
     except OSError as exc:
         report["notes"].append(f"mount namespace setup failed: {exc}")
         return False
+
+
+_LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
+"""Shared libraries an extension module of the standard library may load (read-only in the sandbox)."""
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def _allowlist(stdlib: list[str]) -> tuple[list[str], list[str]]:
+    """(directories the sandbox sees read-only, directories inside them it must not see: other Pythons' packages)."""
+    visible, covered = [], []
+    for path in list(stdlib) + list(_LIBRARY_DIRS):
+        if os.path.isdir(path) and not os.path.islink(path) and path not in visible:
+            visible.append(path)
+    for lib in [p for p in visible if p in _LIBRARY_DIRS]:
+        covered += sorted(os.path.join(lib, n) for n in os.listdir(lib) if n.startswith("python"))
+    covered += [os.path.join(d, "site-packages") for d in stdlib]
+    return visible, [c for c in covered if os.path.isdir(c) and not any(
+        (s + "/").startswith(c + "/") for s in stdlib)]
+
+
+def _allowlist_root(cfg: dict, uid: int | None, own_proc: bool, report: dict) -> None:
+    """Make an empty tmpfs the root of this mount namespace, holding only the allowlist; raises OSError.
+
+    The new root holds: the standard library and the system's shared libraries (read-only bind mounts, with the
+    site-packages and ``python*`` directories in them covered), a few character devices, the workspace as a fresh
+    tmpfs of ``disk_mb`` MiB and ``max_inodes`` entries (the server's copy of the files written into it, owned by
+    ``uid``) and, with a PID namespace (``own_proc``), the namespace's own read-only ``/proc``. Then ``pivot_root``
+    and the old root detached: nothing else of the host (other checkouts, other runs, the server's files, host
+    ``/proc``) is in this namespace any more, not even under a mount that could be unmounted.
+    """
+    if _SYS_PIVOT_ROOT is None:
+        raise OSError(f"pivot_root: no syscall number known for {os.uname().machine}")
+    workspace, new = cfg["workspace"], cfg["root_dir"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    visible, covered = _allowlist(_stdlib_dirs())
+    keep = dict(_mount_points())
+    for path in visible:
+        target = new + path
+        os.makedirs(target, exist_ok=True)
+        _mount(path, target, None, MS_BIND | MS_REC)
+        flags = next((f for p, f in sorted(keep.items(), key=lambda kv: -len(kv[0]))
+                      if (path + "/").startswith(p.rstrip("/") + "/")), 0)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | flags)
+    for path in covered:
+        _mount("tmpfs", new + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
+    for link in _LIBRARY_DIRS:  # /lib -> usr/lib on merged-/usr systems
+        if os.path.islink(link) and not os.path.lexists(new + link):
+            os.symlink(os.readlink(link), new + link)
+    os.makedirs(new + "/dev", exist_ok=True)
+    for device in _DEVICES:
+        if os.path.exists(device):
+            open(new + device, "w").close()
+            _mount(device, new + device, None, MS_BIND)
+    files = {}
+    for root, _dirs, names in os.walk(workspace):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                files[os.path.relpath(path, workspace)] = fh.read()
+    target = new + workspace
+    os.makedirs(target)
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={int(cfg['disk_mb'])}m,nr_inodes={int(cfg['max_inodes'])},mode=0700{owner}")
+    for rel, data in files.items():
+        path = os.path.join(target, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(data)
+    if uid is not None:
+        for root, dirs, names in os.walk(target):
+            for name in dirs + names:
+                os.chown(os.path.join(root, name), uid, uid)
+    os.makedirs(new + "/proc")
+    if own_proc:  # before the old root goes: a user namespace may mount proc only while a full one is visible
+        _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+    os.chdir(new)
+    if _LIBC.syscall(_SYS_PIVOT_ROOT, b".", b".") != 0:
+        raise _errno_fail("pivot_root")
+    if _LIBC.umount2(b".", MNT_DETACH) != 0:
+        raise _errno_fail("umount old root")
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    report["visible_paths"] = visible + ["the workspace"] + (["/proc"] if own_proc else [])
+    report["hidden_paths"] = [h for h in cfg["hide"] if h]
+    report["proc"] = "own" if own_proc else "none"
+    report["disk"] = f"workspace tmpfs {int(cfg['disk_mb'])} MiB, {int(cfg['max_inodes'])} entries"
 
 
 def _stdlib_dirs() -> list[str]:
@@ -436,6 +543,47 @@ def _run_cases(request: dict, workspace: str) -> None:
             emit({"type": "case", "index": index, "status": "error", **_describe(exc, workspace)})
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _capabilities() -> int | None:
+    """This process's effective and permitted capabilities (one bit mask, 0 = none); None when capget fails."""
+    header, data = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if _LIBC.capget(ctypes.byref(header), data) != 0:
+        return None
+    return (data[0].effective | data[0].permitted) | (data[1].effective | data[1].permitted) << 32
+
+
+def _drop_privileges(uid: int | None, report: dict) -> None:
+    """No capabilities from here on, whatever the audit hook does: empty bounding and ambient sets, locked secure
+    bits (uid 0 of a user namespace gains nothing by execve), every capability cleared (by the uid change when
+    root gave a fresh ``uid``, else by capset), then ``no_new_privs``. Records ``capabilities`` and
+    ``no_new_privs`` as measured afterwards."""
+    if uid is None:
+        _prctl(PR_SET_SECUREBITS, _SECUREBITS)  # needs CAP_SETPCAP: before the bounding set loses it
+    for cap in range(64):
+        if _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: past the last
+            break
+    _LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)  # from root to a uid that is not 0: the kernel clears every capability
+    else:
+        header, data = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+        if _LIBC.capset(ctypes.byref(header), data) != 0:
+            report["notes"].append(f"capset failed: {os.strerror(ctypes.get_errno())}")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    caps = _capabilities()
+    report["capabilities"] = "unknown" if caps is None else ("none" if caps == 0 else f"{caps:#x}")
+    report["no_new_privs"] = _LIBC.prctl(39, 0, 0, 0, 0) == 1  # PR_GET_NO_NEW_PRIVS
+
+
 def _runner(cfg: dict, report: dict, uid: int | None, own_processes: int) -> None:
     """The process that runs the model's code: limits, privileges, hook, request. Never returns.
 
@@ -443,11 +591,7 @@ def _runner(cfg: dict, report: dict, uid: int | None, own_processes: int) -> Non
     """
     workspace = cfg["workspace"]
     _limits(cfg, int(cfg["max_processes"]) + own_processes)
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _drop_privileges(uid, report)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid: a credential change clears it
     os.chdir(workspace)
     sys.path[:] = [workspace] + _stdlib_paths
@@ -469,6 +613,37 @@ def _runner(cfg: dict, report: dict, uid: int | None, own_processes: int) -> Non
 _stdlib_paths = [p for p in sys.path if p and os.path.realpath(p) != os.path.dirname(os.path.realpath(__file__))]
 
 
+def _join_cgroups(cgroups: list[list[str]], report: dict) -> None:
+    """Move this process (and so every process it starts) into the run's cgroups (``[hierarchy, cgroup.procs
+    file]`` pairs: the cgroups the server created with the run's memory and process limits)."""
+    for name, path in cgroups:
+        try:
+            _write_file(path, str(os.getpid()))
+        except OSError as exc:
+            report["notes"].append(f"could not join cgroup {os.path.dirname(path)}: {exc.strerror}")
+            continue
+        report["cgroups"].append(name)
+
+
+def _isolate(cfg: dict, report: dict, spaces: dict, uid: int | None, own_proc: bool) -> None:
+    """The filesystem view and host name, inside the new namespaces (run by the PID namespace's init when there is
+    one, so that its ``/proc`` is the namespace's own)."""
+    workspace = cfg["workspace"]
+    if spaces["mount"]:
+        try:
+            _allowlist_root(cfg, uid, own_proc, report)
+            report["filesystem"] = "allowlist"
+        except OSError as exc:
+            report["notes"].append(f"allowlist root failed ({exc}); read-only host view instead")
+            expose = _stdlib_dirs() if uid is not None else []
+            if _filesystem(workspace, [h for h in cfg["hide"] if h], expose, report):
+                report["filesystem"] = "read_only_except_workspace"
+    if spaces["uts"]:
+        name = b"sandbox"
+        if _LIBC.sethostname(name, len(name)) == 0:
+            report["uts"] = "namespace"
+
+
 def main() -> None:
     """Read the request from stdin, isolate, run it. Exit status: the runner's (128 + signal when killed)."""
     global _OUT_FD
@@ -480,40 +655,46 @@ def main() -> None:
     os.set_inheritable(_OUT_FD, False)
     workspace = os.path.realpath(cfg["workspace"])
     cfg["workspace"] = workspace
-    report = {"network": "none", "filesystem": "none", "processes": "process_group", "uid": "unchanged",
-              "audit_hook": bool(cfg["audit_hook"]), "hidden_paths": [], "notes": []}
+    report = {"mode": "none", "network": "none", "filesystem": "none", "processes": "process_group",
+              "uid": "unchanged", "audit_hook": bool(cfg["audit_hook"]), "hidden_paths": [], "notes": [],
+              "ipc": "shared", "uts": "shared", "proc": "host", "capabilities": "unknown", "no_new_privs": False,
+              "disk": "per-file limit only", "cgroups": []}
     root = os.geteuid() == 0  # before a user namespace makes every uid look like 0
+    _join_cgroups(cfg.get("cgroup_procs") or [], report)
     own_processes = 0 if root else _count_processes(os.geteuid())
-    net = mnt = pid = False
+    spaces = dict.fromkeys(("net", "mount", "pid", "ipc", "uts", "user"), False)
     if cfg["namespaces"]:
-        net, mnt, pid = _namespaces(report)
+        spaces = _namespaces(report)
     uid = cfg["uid"] if cfg["uid"] is not None and root else None
-    if uid is not None and not mnt and not all(_others_can_enter(d) for d in _stdlib_dirs()):
+    if uid is not None and not spaces["mount"] and not all(_others_can_enter(d) for d in _stdlib_dirs()):
         report["notes"].append("standard library not readable by other uids and no mount namespace: "
                                "kept the server's uid")
         uid = None
-    if mnt:
-        expose = _stdlib_dirs() if uid is not None else []
-        if _filesystem(workspace, [h for h in cfg["hide"] if h], expose, report):
-            report["filesystem"] = "read_only_except_workspace"
-    if net:
+    if spaces["net"]:
         report["network"] = "namespace"
+    if spaces["ipc"]:
+        report["ipc"] = "namespace"
     if uid is not None:
         report["uid"] = f"unprivileged uid {uid}"
-    if cfg["audit_hook"]:
-        if report["network"] == "none":
-            report["network"] = "audit_hook"
-        if report["filesystem"] == "none":
-            report["filesystem"] = "audit_hook"
-    if pid:
+    if spaces["net"] and spaces["mount"] and spaces["pid"]:
+        report["mode"] = "root" if root else "user_namespace"
+    if spaces["pid"]:
         report["processes"] = "pid_namespace"
         child = os.fork()
         if child:  # outside the namespace: wait for its init and pass its status on
             _, status = os.waitpid(child, 0)
             os._exit(_wait_status(status))
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _isolate(cfg, report, spaces, uid, own_proc=spaces["pid"])
+    if cfg["audit_hook"]:
+        if report["network"] == "none":
+            report["network"] = "audit_hook"
+        if report["filesystem"] == "none":
+            report["filesystem"] = "audit_hook"
+    if spaces["pid"]:
         runner = os.fork()
         if runner:  # PID 1 of the namespace: reap until the runner ends; the kernel then kills the rest
+            _drop_privileges(None, {"notes": []})  # it only reaps: no capability left for the code to borrow
             while True:
                 try:
                     done, status = os.wait()

@@ -14,10 +14,13 @@ A failed call comes back as data, typed as in ``envs/tool_env``: ``(content, err
 ``message``):
 
 - ``tool_not_found``: ``available_tools``;
-- ``invalid_args``: ``expected_schema`` (missing, extra or wrongly typed arguments; strict JSON types);
+- ``invalid_args``: ``expected_schema`` (missing, extra or wrongly typed arguments; strict JSON types); for a
+  ``write_file`` path that clashes with a file or directory of the workspace (``solution.py/x.py`` while
+  ``solution.py`` exists, or the reverse) also ``reason`` ``path_clash``, ``path`` and ``clashes_with``;
 - ``execution_error``: ``reason``, one of ``bad_path``, ``no_such_file``, ``too_large``, ``too_many_files``,
   ``patch_not_found``, ``patch_ambiguous``, ``tests_failed``, ``no_tests``, ``syntax_error``, ``import_error``,
-  ``crashed``, and the containment reasons ``memory_limit``, ``process_limit``, ``processes_refused``,
+  ``crashed``, ``malformed_output`` (the run's output stream failed the server's checks: the code wrote to the
+  runner's records; ``detail`` says how), and the containment reasons ``memory_limit``, ``process_limit``, ``processes_refused``,
   ``write_outside_workspace``, ``network_disabled``, ``read_refused``, ``ctypes_refused``, ``permission_denied``,
   ``file_size_limit``, ``open_files_limit``; plus, where they apply, ``path``, ``files``, ``count``, ``test`` (the
   first failing test, e.g. ``test_2``), ``detail`` (its failure, e.g. ``f(2) returned 3, expected 4``),
@@ -33,7 +36,6 @@ replayed call by call.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -41,7 +43,15 @@ from typing import Any, Literal
 
 from envs.schema import function_schema
 
-from .sandbox import SandboxLimits, SandboxPolicy, SandboxResult, run_sandboxed, safe_relative_path
+from .sandbox import (
+    SandboxLimits,
+    SandboxPolicy,
+    SandboxResult,
+    check_workspace,
+    parse_json,
+    run_sandboxed,
+    safe_relative_path,
+)
 from .tasks import SOLUTION_FILE, CodingTask, normalize, same_value
 
 __all__ = [
@@ -204,12 +214,21 @@ def _where(record: dict[str, Any]) -> str:
 
 
 def _run_failure(tool: str, result: SandboxResult, limits: SandboxLimits) -> ToolOutcome | None:
-    """A typed error when the run did not finish (wall clock, CPU limit, crash), else None."""
+    """A typed error when the run's output cannot be trusted or the run did not finish (wall clock, CPU limit,
+    crash), else None."""
+    tail = result.stderr_tail[-_TAIL_CHARS:]
+    if result.malformed is not None:
+        return _error("execution_error", tool, f"the run's output was malformed ({result.malformed}); do not write "
+                      "to the sandbox's own file descriptors", reason="malformed_output", detail=result.malformed,
+                      stderr_tail=tail)
     if result.finished:
         return None
-    tail = result.stderr_tail[-_TAIL_CHARS:]
     running = _short(result.last_started) if result.last_started else None
     during = f" during {running}" if running else ""
+    if result.oom_killed:
+        return _error("execution_error", tool, f"the run went over its total memory of "
+                      f"{limits.memory_mb + limits.disk_mb} MB{during} and was killed", reason="memory_limit",
+                      test=running, stderr_tail=tail)
     if result.timed_out:
         return _error("timeout", tool, f"the run passed the {limits.wall_time_s:g} s wall-clock limit{during} and "
                       "was stopped", reason="wall_clock", timeout_s=limits.wall_time_s, test=running,
@@ -252,8 +271,20 @@ def submitted_text(passed: int, total: int) -> str:
     return f"submitted: {passed} of {total} hidden tests passed"
 
 
+def _bad_workspace(tool: str, files: dict[str, str]) -> ToolOutcome | None:
+    """The error when no workspace can be built from ``files`` (unreachable through the file tools), else None."""
+    try:
+        check_workspace(files)
+    except ValueError as exc:
+        return _error("execution_error", tool, f"the workspace cannot be built: {exc}", reason="bad_path")
+    return None
+
+
 def _run_tests(files: dict[str, str], limits: SandboxLimits, policy: SandboxPolicy) -> ToolOutcome:
     tool = "run_tests"
+    bad = _bad_workspace(tool, files)
+    if bad is not None:
+        return bad
     result = run_sandboxed(files, {"mode": "tests"}, limits, policy)
     failure = _run_failure(tool, result, limits)
     if failure is not None:
@@ -294,6 +325,13 @@ def _run_tests(files: dict[str, str], limits: SandboxLimits, policy: SandboxPoli
 
 def _submit(task: CodingTask, files: dict[str, str], limits: SandboxLimits, policy: SandboxPolicy) -> ToolOutcome:
     tool = "submit"
+    bad = _bad_workspace(tool, files)
+    if bad is not None:
+        score = submitted_text(0, len(task.hidden_args))
+        message = f"{score}; {bad.error_meta['message']}"
+        return ToolOutcome(f"error: {message}", bad.error_kind, {**bad.error_meta, "message": message, "passed": 0,
+                           "total": len(task.hidden_args)}, submitted=True, hidden_passed=0,
+                           hidden_total=len(task.hidden_args))
     cases = [list(args) for args in task.hidden_args]
     request = {"mode": "cases", "module": SOLUTION_FILE[:-3], "function": task.function, "cases": cases}
     result = run_sandboxed(files, request, limits, policy)
@@ -305,8 +343,8 @@ def _submit(task: CodingTask, files: dict[str, str], limits: SandboxLimits, poli
         if record is None or record.get("status") != "ok":
             continue
         try:
-            got = json.loads(record["result"])
-        except (TypeError, ValueError):
+            got = parse_json(record["result"])  # bounded: the text came out of the sandbox
+        except (KeyError, ValueError):
             continue
         passed += same_value(got, normalize(expected))
     score = submitted_text(passed, total)
@@ -351,6 +389,14 @@ def _file_path(tool: str, files: MutableMapping[str, str], raw: str, must_exist:
         return _error("execution_error", tool, f"no file {path!r}; files: {', '.join(sorted(files))}",
                       reason="no_such_file", path=path, files=sorted(files))
     return path
+
+
+def _clash(files: MutableMapping[str, str], path: str) -> str | None:
+    """The workspace file that ``path`` clashes with (one is the other's directory), or None."""
+    for other in sorted(files):
+        if path.startswith(other + "/") or other.startswith(path + "/"):
+            return other
+    return None
 
 
 def _store(tool: str, files: MutableMapping[str, str], path: str, text: str) -> ToolOutcome | None:
@@ -411,6 +457,13 @@ def execute(
             return ToolOutcome(text[:READ_MAX_CHARS] + f"\n... [{len(text) - READ_MAX_CHARS} more characters]")
         return ToolOutcome(text)
     if tool == "write_file":
+        other = _clash(files, path)
+        if other is not None:  # e.g. solution.py/x.py while solution.py exists: the workspace could not be built
+            directory, file = (other, path) if path.startswith(other + "/") else (path, other)
+            return _error("invalid_args", tool, f"invalid path {path!r} for write_file: {directory!r} is "
+                          f"{'a file' if directory == other else 'a directory holding ' + repr(file)}; a path "
+                          "cannot be both a file and a directory", expected_schema=_PARAMS[tool], reason="path_clash",
+                          path=path, clashes_with=other)
         error = _store(tool, files, path, arguments["content"])
         return error or ToolOutcome(f"wrote {path} ({len(arguments['content'])} chars)")
     old, new = arguments["old"], arguments["new"]  # patch_file

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from openenv.core.env_server.http_server import create_app
 
 from ..models import CodingAction, CodingObservation, CodingState
-from ..sandbox import SandboxLimits, SandboxPolicy, isolation
+from ..sandbox import SandboxLimits, SandboxPolicy, isolation, missing_layers
 from .coding_environment import CodingEnvironment
 
 __all__ = ["MAX_CONCURRENT_ENVS", "app", "build_app", "main"]
@@ -48,10 +48,16 @@ def main(argv: list[str] | None = None) -> None:
 
     Args:
         argv: command-line arguments (``--host``, ``--port``, ``--log-level``, and the sandbox limits
-            ``--wall-time-s``, ``--cpu-time-s``, ``--per-test-timeout-s``, ``--memory-mb``); default
+            ``--wall-time-s``, ``--cpu-time-s``, ``--per-test-timeout-s``, ``--memory-mb``, and
+            ``--allow-weak-sandbox``); default
             ``sys.argv[1:]``.
 
-    The sandbox's isolation layers are probed once at start and logged (``coding_env sandbox isolation: ...``).
+    The sandbox's isolation layers are probed once at start and logged (``coding_env sandbox: mode root, layers
+    {...}``). Where they miss any of `REQUIRED_LAYERS` (e.g. an unprivileged user without user namespaces), the
+    server refuses to start (exit status 2) unless ``--allow-weak-sandbox`` is given.
+
+    Raises:
+        SystemExit: 2 for bad arguments or a sandbox that cannot isolate (without ``--allow-weak-sandbox``).
     """
     defaults = SandboxLimits()
     parser = argparse.ArgumentParser(
@@ -69,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds per test or hidden case (default %(default)s)")
     parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb,
                         help="address-space limit per sandbox process, MiB (default %(default)s)")
+    parser.add_argument("--allow-weak-sandbox", action="store_true",
+                        help="serve even where the sandbox cannot isolate the model's code (no namespaces: only the "
+                        "audit hook, which the code can switch off, stands between it and this server's user)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -78,8 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     found = isolation()
-    level = logging.WARNING if found.get("network") != "namespace" or "error" in found else logging.INFO
-    logger.log(level, "coding_env sandbox isolation: %s", found)
+    missing = missing_layers(found)
+    logger.log(logging.WARNING if missing else logging.INFO, "coding_env sandbox: mode %s, layers %s",
+               found.get("mode", "none"), found)
+    if missing and not args.allow_weak_sandbox:
+        logger.error("coding_env sandbox cannot isolate here (missing %s); refusing to serve. Run as root or where "
+                     "unprivileged user namespaces are allowed, or pass --allow-weak-sandbox", ", ".join(missing))
+        raise SystemExit(2)
+    if missing:
+        logger.warning("coding_env sandbox is weak (missing %s); serving because of --allow-weak-sandbox",
+                       ", ".join(missing))
     served = app if limits == defaults else build_app(limits)
     uvicorn.run(served, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 

@@ -10,7 +10,7 @@ from openenv.core.env_server.interfaces import Environment
 from ..models import CodingAction, CodingObservation, CodingState
 from ..sandbox import SandboxLimits, SandboxPolicy, isolation
 from ..tasks import CodingTask, make_task
-from ..tools import TOOL_SCHEMAS, execute
+from ..tools import TOOL_SCHEMAS, ToolOutcome, execute
 
 __all__ = ["DEFAULT_MAX_TOOL_CALLS", "CodingEnvironment"]
 
@@ -84,6 +84,9 @@ class CodingEnvironment(Environment[CodingAction, CodingObservation, CodingState
     ) -> CodingObservation:
         """Execute one tool call (``run_tests``/``submit`` block for the sandbox run).
 
+        A failure inside the server while running the call (e.g. the sandbox's temporary directory cannot be
+        created) is logged and returned as an ``execution_error`` with reason ``internal_error``; the call counts.
+
         Raises:
             RuntimeError: if called before ``reset`` or after the episode ended.
         """
@@ -91,7 +94,14 @@ class CodingEnvironment(Environment[CodingAction, CodingObservation, CodingState
             raise RuntimeError("step() called before reset()")
         if self._state.done:
             raise RuntimeError(f"episode {self._state.episode_id!r} is over; call reset()")
-        outcome = execute(self._task, self._files, action.tool, action.arguments, self.limits, self.policy)
+        try:
+            outcome = execute(self._task, self._files, action.tool, action.arguments, self.limits, self.policy)
+        except Exception as exc:  # noqa: BLE001 - one call's failure must not end the session with a server error
+            logger.exception("episode %s (%s): tool %r failed inside the server", self._state.episode_id,
+                             self._task.task_id, action.tool)
+            message = f"the environment could not run {action.tool}: {type(exc).__name__}: {str(exc)[:200]}"
+            outcome = ToolOutcome(f"error: {message}", "execution_error",
+                                  {"tool": action.tool, "message": message, "reason": "internal_error"})
         self._state.step_count += 1
         self._state.tool_calls += 1
         reward, end_reason = 0.0, None
