@@ -233,7 +233,8 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
 
     First, while the coordinator waits for nodes (so it surely is there): every attack of `outsider_peer.py`, an
     insider's look at the DHT, and the real node program without / with a wrong secret. Then the node trains while
-    an outsider keeps asking the coordinator to take it into the round's group.
+    an outsider keeps asking the coordinator to take it into the round's group, and another (`relay_peer.py`),
+    which an insider dials, replays the insider's signed requests to the coordinator and relays them live.
     """
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -281,6 +282,13 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
              "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
             stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
         procs.append(node)
+        # meanwhile an insider is tricked into dialing an outsider, which replays and relays what it sends
+        relay, via = _start_relay(peer, logs / "relay.log")
+        procs.append(relay)
+        dialer = _dial(peer, via, logs / "dial.log", seconds=6.0)
+        procs.append(dialer)
+        dial_report = _report(dialer, logs / "dial.log", timeout_s=180)
+        relay_report = _report(relay, logs / "relay.log", timeout_s=60)  # closes its stdin
         assert node.wait(timeout=600) == 0, (logs / "node-a.log").read_text()[-3000:]
         assert coordinator.wait(timeout=120) == 0, (logs / "coordinator.log").read_text()[-3000:]
         reports["during-training"] = _report(joiner, logs / "joiner.log", timeout_s=120)  # closes its stdin
@@ -291,6 +299,10 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     joins = reports.pop("during-training")["attempts"]["join_group_rpc_during_training"]
     assert not joins["ok"] and joins["replies"].get("PROTOCOL_VIOLATION", 0) >= 4, joins
     assert not {"ACCEPTED", "BEGIN_ALLREDUCE"} & set(joins["replies"]), joins
+
+    # the captured requests, replayed to the coordinator or relayed to it live: refused (the run agrees, below)
+    (logs / "replay-reports.json").write_text(json.dumps({"relay": relay_report, "dial": dial_report}, indent=1))
+    _assert_replay_and_relay_refused(relay_report, dial_report)
 
     # every attempt failed, for the reason the secret gives
     for label, report in reports.items():
