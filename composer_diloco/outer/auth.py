@@ -399,10 +399,15 @@ class MembersOnlyAverager(ExactAverager):
     the secret is refused: ``rpc_join_group`` answers ``PROTOCOL_VIOLATION``, ``rpc_aggregate_part`` the same,
     ``rpc_download_state`` an empty stream (hivemind's own "no state here" answer). Members found once are
     remembered; an unknown caller is looked up again for up to ``member_lookup_s`` seconds, so a peer whose first
-    declaration is still on its way (or whose declaration is being renewed) is not refused.
+    declaration is still on its way (or whose declaration is being renewed) is not refused. The lookups are shared:
+    at most one DHT read of the declarations is in flight, and none starts within ``_LOOKUP_PERIOD_S`` of the
+    last, however many unknown callers wait, so a flood of outsiders' requests costs the DHT a few reads a second,
+    not a few per request.
 
     Args: as `ExactAverager`, plus ``member_lookup_s`` (seconds, default 1.5).
     """
+
+    _LOOKUP_PERIOD_S = 0.25
 
     _rpc_handlers = None  # hivemind caches these per class: ours must not inherit ExactAverager's handler names
     _stub_type = None
@@ -411,16 +416,30 @@ class MembersOnlyAverager(ExactAverager):
         self._members: set[bytes] = set()
         self._warned: set[bytes] = set()
         self.member_lookup_s = member_lookup_s
+        self._lookup_lock: asyncio.Lock | None = None  # made in the averager's own process and loop
+        self._last_lookup = float("-inf")
         super().__init__(*args, **kwargs)
+
+    async def _refresh_members(self) -> None:
+        """Read the declared members from the DHT, unless another caller did less than ``_LOOKUP_PERIOD_S`` ago."""
+        if self._lookup_lock is None:
+            self._lookup_lock = asyncio.Lock()
+        async with self._lookup_lock:
+            if time.monotonic() - self._last_lookup < self._LOOKUP_PERIOD_S:
+                return
+            try:
+                found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
+            finally:
+                self._last_lookup = time.monotonic()
+            if found is not None and isinstance(found.value, dict):
+                self._members.update(k for k in found.value if isinstance(k, bytes))
 
     async def _is_member(self, peer_id: PeerID, rpc: str) -> bool:
         """Whether ``peer_id`` is declared in this averager's DHT records (runs in the averager process)."""
         wanted = peer_id.to_bytes()
         deadline = time.monotonic() + self.member_lookup_s
         while wanted not in self._members:
-            found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
-            if found is not None and isinstance(found.value, dict):
-                self._members.update(k for k in found.value if isinstance(k, bytes))
+            await self._refresh_members()
             if wanted in self._members:
                 break
             if time.monotonic() > deadline:
@@ -428,7 +447,7 @@ class MembersOnlyAverager(ExactAverager):
                     self._warned.add(wanted)
                     log.warning("refused %s from %s: not a member of this closed run (no run secret)", rpc, peer_id)
                 return False
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(self._LOOKUP_PERIOD_S)
         return True
 
     async def rpc_join_group(
