@@ -16,6 +16,12 @@
     outsider_peer.py inspect --peer MADDR --run-name NAME
         An insider (it needs $COMPOSER_DILOCO_SECRET): prints the run config, heartbeats and averager declarations
         that the run's DHT holds, as JSON.
+    outsider_peer.py dial --peer MADDR --via XADDR --seconds S
+        An insider (it needs $COMPOSER_DILOCO_SECRET) tricked into talking to XADDR, an outsider (`relay_peer.py`):
+        its DHT joins the run at MADDR, then for S seconds pings XADDR and sends it a find of the run config and a
+        store of a record, as it would to any peer in its routing table; meanwhile a second insider DHT asks MADDR
+        where it routes the first one's DHT identity (node_id). Prints ``{"node_id", "via": {rpc: [answered,
+        failed]}, "routes": [peer IDs MADDR gave for our node_id], "config_read"}`` as JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from functools import partial
 
 import hivemind
 import torch
@@ -38,10 +45,11 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.timed_storage import get_dht_time
 
-from composer_diloco.outer.auth import HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret
+from composer_diloco.outer.auth import (
+    BoundRPCClient, ClosedDHT, HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret,
+)
 from composer_diloco.outer.averaging import ExactAverager
 from composer_diloco.config import RunConfig
 from composer_diloco.outer.peer import round_group_bits
@@ -65,10 +73,16 @@ class Attack:
     def __init__(self, maddr: str, run_name: str, leaked_prefix: str | None):
         self.maddr, self.run_name, self.leaked_prefix = maddr, run_name, leaked_prefix
         self.target = _peer_id(maddr)
-        secret = load_secret(None)  # a wrong secret, or None: the outsider never has the right one
-        self.authorizer = HMACAuthorizer(secret) if secret else None
+        self.secret = load_secret(None)  # a wrong secret, or None: the outsider never has the right one
+        self.authorizer = HMACAuthorizer(self.secret) if self.secret else None
         self.attempts: dict[str, dict] = {}
         self.peer_id = ""
+
+    def dht(self, **kwargs) -> hivemind.DHT:
+        """Our DHT peer: with a (wrong) secret, one that signs as a closed run's peers do, bound to connections."""
+        if self.secret:
+            return ClosedDHT(initial_peers=[self.maddr], start=True, secret=self.secret, **kwargs)
+        return hivemind.DHT(initial_peers=[self.maddr], start=True, **kwargs)
 
     def record(self, name: str, ok: bool, detail: str, **extra) -> None:
         self.attempts[name] = {"ok": bool(ok), "detail": detail[:600], **extra}
@@ -76,7 +90,7 @@ class Attack:
     # -- (a) join the DHT and read the run config ---------------------------------------------------------
     def join_dht(self) -> None:
         try:
-            dht = hivemind.DHT(initial_peers=[self.maddr], start=True, authorizer=self.authorizer)
+            dht = self.dht()
         except Exception as e:
             self.record("join_dht_and_read_config", False, _error(e))
             return
@@ -90,7 +104,7 @@ class Attack:
     # -- (b) direct DHT RPCs to the target: read and write the run's records --------------------------------
     def _dht_stub(self, p2p):
         stub = super(DHTProtocol, DHTProtocol).get_stub(p2p, self.target)  # the raw stub, no authorizer of its own
-        return AuthRPCWrapper(stub, AuthRole.CLIENT, self.authorizer) if self.authorizer else stub
+        return BoundRPCClient(stub, self.authorizer, p2p.peer_id, self.target) if self.authorizer else stub
 
     async def find_config(self, p2p) -> None:
         request = dht_pb2.FindRequest(keys=[DHTID.generate(source=RUNS_KEY).to_bytes()])
@@ -199,8 +213,7 @@ class Attack:
     def run(self, join_for_s: float) -> dict:
         self.join_dht()
         # a DHT peer that starts although nobody let it in: its p2p daemon is connected to the target
-        dht = hivemind.DHT(initial_peers=[self.maddr], start=True, ensure_bootstrap_success=False,
-                           authorizer=self.authorizer)
+        dht = self.dht(ensure_bootstrap_success=False)
         self.peer_id = dht.peer_id.to_base58()
         try:
             found = dht.get(RUNS_KEY, latest=True)
@@ -232,8 +245,7 @@ class Attack:
 
     def join_loop(self) -> dict:
         """Keep asking the target to take us into its group (closed prefix) until our stdin closes."""
-        dht = hivemind.DHT(initial_peers=[self.maddr], start=True, ensure_bootstrap_success=False,
-                           authorizer=self.authorizer)
+        dht = self.dht(ensure_bootstrap_success=False)
         self.peer_id = dht.peer_id.to_base58()
         # only now: a thread blocked reading stdin while hivemind forks its DHT process deadlocks that process
         until = threading.Event()
@@ -287,9 +299,58 @@ def inspect(maddr: str, run_name: str) -> dict:
         dht.shutdown()
 
 
+def dial(maddr: str, via: str, seconds: float, run_name: str) -> dict:
+    secret = load_secret(None)
+    assert secret, "dial needs $COMPOSER_DILOCO_SECRET"
+    victim = start_dht(initial_peers=[maddr], secret=secret)
+    observer = start_dht(initial_peers=[maddr], secret=secret)
+    target, relay = _peer_id(maddr), _peer_id(via)
+    node_id = victim.run_coroutine(_node_id)
+    via_results = {"rpc_ping": [0, 0], "rpc_find": [0, 0], "rpc_store": [0, 0]}
+    routes: set[str] = set()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for rpc, ok in victim.run_coroutine(partial(_talk_to, relay, run_name)).items():
+                via_results[rpc][0 if ok else 1] += 1
+            routes |= set(observer.run_coroutine(partial(_routes_of, target, node_id)))
+            time.sleep(0.3)
+        config = victim.get(RUNS_KEY, latest=True)
+    finally:
+        observer.shutdown()
+        victim.shutdown()
+    return {"node_id": node_id, "via": via_results, "routes": sorted(routes), "config_read": config is not None}
+
+
+async def _node_id(_dht, node) -> str:
+    return node.node_id.to_bytes().hex()
+
+
+async def _talk_to(peer: PeerID, run_name: str, _dht, node) -> dict:
+    """One ping, find and store sent to ``peer`` by this DHT node's protocol (signed as any DHT request is)."""
+    ping = await node.protocol.call_ping(peer)
+    found = await node.protocol.call_find(peer, [DHTID.generate(source=RUNS_KEY)])
+    stored = await node.protocol.call_store(
+        peer, [DHTID.generate(source=f"{run_name}.dial")], [MSGPackSerializer.dumps("hello")],
+        get_dht_time() + 60.0)
+    return {"rpc_ping": ping is not None, "rpc_find": found is not None, "rpc_store": stored is not None}
+
+
+async def _routes_of(peer: PeerID, node_id_hex: str, _dht, node) -> list[str]:
+    """The peer IDs ``peer`` gives for the DHT node ``node_id_hex`` (its routing table's nearest nodes)."""
+    key = DHTID.from_bytes(bytes.fromhex(node_id_hex))
+    found = await node.protocol.call_find(peer, [key])
+    if not found:
+        return []
+    _, nearest = found[key]
+    return [p.to_base58() for n, p in nearest.items() if n == key]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["attack", "join-loop", "host", "inspect"])
+    ap.add_argument("mode", choices=["attack", "join-loop", "host", "inspect", "dial"])
+    ap.add_argument("--via", default="", help="dial: the outsider's multiaddr")
+    ap.add_argument("--seconds", type=float, default=6.0, help="dial: how long to talk to --via")
     ap.add_argument("--peer", default="")
     ap.add_argument("--run-name", default="composer")
     ap.add_argument("--prefix", default=None, help="the closed run's averager prefix, as identify would leak it")
@@ -301,6 +362,8 @@ def main() -> None:
     try:
         if args.mode == "attack":
             out = Attack(args.peer, args.run_name, args.prefix).run(args.join_for)
+        elif args.mode == "dial":
+            out = dial(args.peer, args.via, args.seconds, args.run_name)
         elif args.mode == "join-loop":
             out = Attack(args.peer, args.run_name, args.prefix).join_loop()
         else:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -28,6 +30,7 @@ from tests_support import error_line, stop_processes
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
 OUTSIDER = ROOT / "tests" / "outsider_peer.py"
+RELAY = ROOT / "tests" / "relay_peer.py"
 SECRET = "closed-run-test-secret-0123456789"
 WRONG = "a-wrong-secret-of-the-right-length"
 # attempts that must fail in a closed run, and (for the control) succeed in an open one
@@ -88,54 +91,75 @@ def _request() -> dht_pb2.StoreRequest:
 
 
 def test_hmac_authorizer_round_trip_and_refusals():
-    async def scenario():
-        client, server = HMACAuthorizer(SECRET.encode()), HMACAuthorizer(SECRET.encode())
-        request = _request()
-        await client.sign_request(request, None)
-        assert len(request.auth.signature) == 32 and len(request.auth.nonce) == 8
-        wire = request.SerializeToString()
-        assert await server.validate_request(dht_pb2.StoreRequest.FromString(wire))
-        response = dht_pb2.StoreResponse(store_ok=[True])
-        await server.sign_response(response, request)
-        assert await client.validate_response(dht_pb2.StoreResponse.FromString(response.SerializeToString()), request)
+    alice, bob, mallory = (PeerID(secrets.token_bytes(38)) for _ in range(3))  # libp2p peer IDs
+    client, server = HMACAuthorizer(SECRET.encode()), HMACAuthorizer(SECRET.encode())
+    request = _request()
+    client.sign_request_for(request, alice, bob)
+    assert len(request.auth.signature) == 32 and len(request.auth.nonce) == 8
+    wire = request.SerializeToString()
 
-        with pytest.raises(RunSecretRefused, match="replays"):  # the same request again
-            await server.validate_request(dht_pb2.StoreRequest.FromString(wire))
+    # captured by another peer and replayed (or relayed live) to bob: bound to alice -> bob, so refused
+    other = _request()
+    client.sign_request_for(other, alice, mallory)  # what alice sent to mallory, an outsider she dialed
+    for sender in (mallory, alice):  # replayed from mallory's connection, or (can't be, but) alice's own
+        with pytest.raises(RunSecretRefused, match="another peer"):
+            server.check_request(dht_pb2.StoreRequest.FromString(other.SerializeToString()), sender, bob)
+    with pytest.raises(RunSecretRefused, match="another peer"):  # bob's request, relayed by mallory
+        server.check_request(dht_pb2.StoreRequest.FromString(wire), mallory, bob)
 
-        outsider = HMACAuthorizer(WRONG.encode())
-        forged = _request()
-        await outsider.sign_request(forged, None)
-        with pytest.raises(RunSecretRefused, match="not signed with this run's secret"):
-            await server.validate_request(forged)
-        with pytest.raises(RunSecretRefused, match="not signed"):
-            await server.validate_request(_request())  # no auth at all
-        forged_reply = dht_pb2.StoreResponse(store_ok=[True])
-        await outsider.sign_response(forged_reply, request)
-        with pytest.raises(RunSecretRefused, match="not signed"):
-            await client.validate_response(forged_reply, request)
-        with pytest.raises(RunSecretRefused, match="not signed"):
-            await client.validate_response(dht_pb2.StoreResponse(store_ok=[True]), request)  # an open peer's reply
+    server.check_request(dht_pb2.StoreRequest.FromString(wire), alice, bob)
+    response = dht_pb2.StoreResponse(store_ok=[True])
+    server.sign_response_for(response, request, bob, alice)
+    client.check_response(dht_pb2.StoreResponse.FromString(response.SerializeToString()), request, bob, alice)
+    with pytest.raises(RunSecretRefused, match="not signed"):  # the same reply, but from another peer
+        client.check_response(response, request, mallory, alice)
 
-        tampered = dht_pb2.StoreRequest.FromString(wire)
-        tampered.values[0] = b"evil"
-        tampered.auth.nonce = b"12345678"
-        with pytest.raises(RunSecretRefused, match="not signed"):
-            await server.validate_request(tampered)
+    with pytest.raises(RunSecretRefused, match="replays"):  # the same request again, same connection
+        server.check_request(dht_pb2.StoreRequest.FromString(wire), alice, bob)
 
-        stale = _request()
-        await client.sign_request(stale, None)
-        stale.auth.time = get_dht_time() - 3600.0
-        stale.auth.signature = b""
-        stale.auth.signature = client._sign(b"request:", stale)  # correctly signed, but an hour old
-        with pytest.raises(RunSecretRefused, match="off"):
-            await server.validate_request(stale)
+    outsider = HMACAuthorizer(WRONG.encode())
+    forged = _request()
+    outsider.sign_request_for(forged, mallory, bob)
+    with pytest.raises(RunSecretRefused, match="not signed with this run's secret"):
+        server.check_request(forged, mallory, bob)
+    with pytest.raises(RunSecretRefused, match="not signed"):
+        server.check_request(_request(), mallory, bob)  # no auth at all
+    forged_reply = dht_pb2.StoreResponse(store_ok=[True])
+    outsider.sign_response_for(forged_reply, request, bob, alice)
+    with pytest.raises(RunSecretRefused, match="not signed"):
+        client.check_response(forged_reply, request, bob, alice)
+    with pytest.raises(RunSecretRefused, match="not signed"):
+        client.check_response(dht_pb2.StoreResponse(store_ok=[True]), request, bob, alice)  # an open peer's reply
 
-        other = _request()
-        await client.sign_request(other, None)
-        with pytest.raises(RunSecretRefused, match="another request"):  # a reply to a different request
-            await client.validate_response(response, other)
+    tampered = dht_pb2.StoreRequest.FromString(wire)
+    tampered.values[0] = b"evil"
+    tampered.auth.nonce = b"12345678"
+    with pytest.raises(RunSecretRefused, match="not signed"):
+        server.check_request(tampered, alice, bob)
+    rebound = dht_pb2.StoreRequest.FromString(other.SerializeToString())
+    rebound.auth.service_public_key = bob.to_bytes()  # re-addressed to bob by hand: the signature breaks
+    rebound.auth.client_access_token.public_key = mallory.to_bytes()
+    with pytest.raises(RunSecretRefused, match="not signed"):
+        server.check_request(rebound, mallory, bob)
 
-    asyncio.run(scenario())
+    stale = _request()
+    client.sign_request_for(stale, alice, bob)
+    stale.auth.time = get_dht_time() - 3600.0
+    stale.auth.signature = b""
+    stale.auth.signature = client._sign(b"request:", stale)  # correctly signed, but an hour old
+    with pytest.raises(RunSecretRefused, match="off"):
+        server.check_request(stale, alice, bob)
+
+    with pytest.raises(RunSecretRefused, match="another request"):  # a reply to a different request
+        client.check_response(response, other, bob, alice)
+
+    async def unbound():  # hivemind's own hooks, which are not given the connection: always refused
+        for call in (server.validate_request(request), client.sign_request(_request(), None),
+                     server.sign_response(response, request), client.validate_response(response, request)):
+            with pytest.raises(RunSecretRefused):
+                await call
+
+    asyncio.run(unbound())
 
 
 # -- bad input --------------------------------------------------------------------------------------------------
@@ -209,7 +233,8 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
 
     First, while the coordinator waits for nodes (so it surely is there): every attack of `outsider_peer.py`, an
     insider's look at the DHT, and the real node program without / with a wrong secret. Then the node trains while
-    an outsider keeps asking the coordinator to take it into the round's group.
+    an outsider keeps asking the coordinator to take it into the round's group, and another (`relay_peer.py`),
+    which an insider dials, replays the insider's signed requests to the coordinator and relays them live.
     """
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -257,6 +282,13 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
              "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
             stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
         procs.append(node)
+        # meanwhile an insider is tricked into dialing an outsider, which replays and relays what it sends
+        relay, via = _start_relay(peer, logs / "relay.log")
+        procs.append(relay)
+        dialer = _dial(peer, via, logs / "dial.log", seconds=6.0)
+        procs.append(dialer)
+        dial_report = _report(dialer, logs / "dial.log", timeout_s=180)
+        relay_report = _report(relay, logs / "relay.log", timeout_s=60)  # closes its stdin
         assert node.wait(timeout=600) == 0, (logs / "node-a.log").read_text()[-3000:]
         assert coordinator.wait(timeout=120) == 0, (logs / "coordinator.log").read_text()[-3000:]
         reports["during-training"] = _report(joiner, logs / "joiner.log", timeout_s=120)  # closes its stdin
@@ -267,6 +299,10 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     joins = reports.pop("during-training")["attempts"]["join_group_rpc_during_training"]
     assert not joins["ok"] and joins["replies"].get("PROTOCOL_VIOLATION", 0) >= 4, joins
     assert not {"ACCEPTED", "BEGIN_ALLREDUCE"} & set(joins["replies"]), joins
+
+    # the captured requests, replayed to the coordinator or relayed to it live: refused (the run agrees, below)
+    (logs / "replay-reports.json").write_text(json.dumps({"relay": relay_report, "dial": dial_report}, indent=1))
+    _assert_replay_and_relay_refused(relay_report, dial_report)
 
     # every attempt failed, for the reason the secret gives
     for label, report in reports.items():
@@ -308,3 +344,55 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         for root, _, files in os.walk(folder):  # does not follow the warm-start symlink
             for name in files:
                 assert SECRET.encode() not in (Path(root) / name).read_bytes(), Path(root) / name
+
+
+# -- replay to another peer, relay between insiders ------------------------------------------------------------
+def _start_relay(target: str, log: Path) -> tuple[subprocess.Popen, str]:
+    relay = subprocess.Popen([sys.executable, str(RELAY), "--target", target], env=env_with(None),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT,
+                             start_new_session=True)
+    return relay, _read_peer_line(relay, timeout_s=120)
+
+
+def _dial(peer: str, via: str, log: Path, seconds: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(OUTSIDER), "dial", "--peer", peer, "--via", via, "--seconds",
+                             str(seconds)], env=env_with(SECRET), stdout=subprocess.PIPE, stderr=open(log, "w"),
+                            text=True, cwd=ROOT, start_new_session=True)
+
+
+def _assert_replay_and_relay_refused(relay_report: dict, dial_report: dict) -> None:
+    """What `relay_peer.py` and `outsider_peer.py dial` saw when the requests are bound to both peer IDs."""
+    replays = relay_report["replays"]
+    assert set(replays) == {"rpc_ping", "rpc_find", "rpc_store"}, relay_report  # one of each was captured...
+    for rpc, result in replays.items():  # ...and replayed to another insider, which refused it
+        assert not result["ok"] and "RunSecretRefused" in result["detail"], (rpc, result)
+        assert "another peer" in result["detail"], (rpc, result)
+    relay = relay_report["relay"]
+    assert relay["forwarded"] >= 3 and relay["answered"] == 0 and relay["refused"] == relay["forwarded"], relay
+    assert not any(answered for answered, _ in dial_report["via"].values()), dial_report  # no reply reached us
+    # the insider's DHT identity stayed at its own libp2p peer: the target never routed it to the outsider
+    assert relay_report["peer_id"] not in dial_report["routes"], (relay_report["peer_id"], dial_report)
+    assert dial_report["config_read"], dial_report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_replay_to_another_peer_and_relay_are_refused(tmp_path):
+    """An outsider that an insider dials captures its signed requests: replayed to another insider, or relayed to
+    it live, they are refused (they are bound to the insider's and the outsider's libp2p peer IDs)."""
+    host = subprocess.Popen([sys.executable, str(OUTSIDER), "host"], env=env_with(SECRET), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "host.log", "w"), text=True, cwd=ROOT,
+                            start_new_session=True)
+    procs = [host]
+    try:
+        peer = _read_peer_line(host, timeout_s=120)
+        relay, via = _start_relay(peer, tmp_path / "relay.log")
+        procs.append(relay)
+        dialer = _dial(peer, via, tmp_path / "dial.log", seconds=5.0)
+        procs.append(dialer)
+        dial_report = _report(dialer, tmp_path / "dial.log", timeout_s=120)
+        relay_report = _report(relay, tmp_path / "relay.log", timeout_s=60)  # closes its stdin
+    finally:
+        stop_processes(procs)
+    (tmp_path / "reports.json").write_text(json.dumps({"relay": relay_report, "dial": dial_report}, indent=1))
+    _assert_replay_and_relay_refused(relay_report, dial_report)

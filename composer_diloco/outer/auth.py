@@ -3,9 +3,12 @@
 A run is closed when the coordinator and every node are given the same secret (``--secret-file PATH`` or the
 ``COMPOSER_DILOCO_SECRET`` environment variable); without one the run is open, as before. What the secret gates:
 
-- **The DHT.** `HMACAuthorizer` signs every hivemind DHT RPC (ping, store, find) and its reply with HMAC-SHA256
-  under a key derived from the secret, and refuses unsigned, wrongly signed, stale (clock off by more than
-  ``max_clock_skew_s``) or replayed requests. A peer without the secret cannot bootstrap into the run, read the
+- **The DHT.** `ClosedDHT` signs every hivemind DHT RPC (ping, store, find) and its reply with HMAC-SHA256
+  under a key derived from the secret (`HMACAuthorizer`), over the message and both libp2p peer IDs of the
+  connection, and refuses unsigned, wrongly signed, stale (clock off by more than ``max_clock_skew_s``) or
+  replayed requests, and requests signed for another pair of peers: a request an outsider captured (an insider
+  dialed it) is refused by every other peer, replayed or relayed, so it can neither read records through it nor
+  move an insider's DHT identity (node_id) to its own address. A peer without the secret cannot bootstrap into the run, read the
   run config, store or overwrite a record (run config, heartbeats, barrier, averager declarations), and insiders
   ignore anything it answers. So every record in the run's DHT was written by a holder of the secret.
 - **The averaging.** The averager's prefix (`averaging_prefix`) carries an HMAC of the run name: its DHT keys
@@ -18,7 +21,8 @@ A run is closed when the coordinator and every node are given the same secret (`
 
 Limits: libp2p connections themselves are not authenticated (hivemind's p2pd has no private-network key), so an
 outsider can still connect and learn the peer IDs and protocol names; the secret gates every RPC we serve, not the
-transport. Traffic is encrypted by libp2p (Noise/TLS) but not hidden. The secret is never logged, stored in the DHT
+transport. A refused request still costs its trip through p2pd and hivemind's handler machinery (measured here: a few
+hundred microseconds of CPU each, of which our checks are 1 to 3 us; `tests/bench_refusal_flood.py`). Traffic is encrypted by libp2p (Noise/TLS) but not hidden. The secret is never logged, stored in the DHT
 or written to the run dir; a peer that leaked it must be treated as an insider (change the secret, restart the run).
 """
 
@@ -34,7 +38,10 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator  # typing's: hivemind recognizes streaming RPCs by it
 
-from hivemind.p2p import P2PContext, PeerID
+import hivemind
+import hivemind.dht.node as hivemind_dht_node
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
@@ -109,20 +116,31 @@ def averaging_prefix(run_name: str, secret: bytes | None) -> str:
     return f"{run_name}_diloco_{tag}"
 
 
+def _peer_bytes(peer: PeerID) -> bytes:
+    return peer.to_bytes()
+
+
 class HMACAuthorizer(AuthorizerBase):
-    """Signs and checks hivemind DHT RPCs with HMAC-SHA256 of a shared run secret.
+    """Signs and checks hivemind DHT RPCs with HMAC-SHA256 of a shared run secret, bound to both libp2p peer IDs.
 
-    Pass it as ``hivemind.DHT(..., authorizer=HMACAuthorizer(secret))``. hivemind calls it around every DHT RPC
-    (`hivemind.utils.auth.AuthRPCWrapper`): the client signs the request, the server validates it, signs its reply
-    and the client validates the reply. Fields of the protobufs' ``auth`` part that are used: the request's
-    ``time`` (DHT time, seconds), ``nonce`` (8 random bytes) and ``signature``; the reply's ``nonce`` (the
-    request's, binding the reply to it) and ``signature``. A signature covers the whole serialized message with
-    the signature field empty, as hivemind's own `TokenAuthorizerBase` does.
+    Use it through `ClosedDHT` (``ClosedDHT(..., secret=secret)``), which calls the ``*_for`` / ``check_*`` methods
+    below with the peer IDs of the actual libp2p connection: the caller's ID as libp2p authenticated it
+    (``P2PContext.remote_id``) and our own. hivemind's own `AuthRPCWrapper` hands an authorizer the message only,
+    so hivemind's four `AuthorizerBase` methods refuse every call here (fail closed) rather than sign or accept a
+    request that is not bound to a connection.
 
-    Failures raise `RunSecretRefused` instead of returning False: on the server hivemind sends the exception's
-    text back to the caller (``P2PHandlerError: ... RunSecretRefused(...)``), which is clearer than the
-    ``'NoneType' object has no attribute ...`` that returning False produces; on a client the DHT treats it as
-    no answer from that peer.
+    A request carries, in its ``auth`` part: ``client_access_token.public_key`` = the sender's peer ID (bytes),
+    ``service_public_key`` = the receiver's peer ID, ``time`` (DHT time, seconds), ``nonce`` (8 random bytes) and
+    ``signature`` = HMAC-SHA256 of the whole serialized message with the signature field empty. The server refuses
+    it unless both peer IDs are those of the connection it came on, so a request captured by one peer (an outsider
+    an insider dialed) is worthless at any other peer, whether replayed later or relayed live; a request replayed
+    to its own receiver is refused by its nonce, one older than ``max_clock_skew_s`` by its time. A reply carries
+    the request's nonce and a signature that also covers both peer IDs (responder, then requester), so a reply is
+    accepted only from the peer the request was sent to.
+
+    Refusals raise `RunSecretRefused`: on the server hivemind sends its one-line text back to the caller
+    (``P2PHandlerError: ... RunSecretRefused(...)``); on a client the DHT treats it as no answer from that peer.
+    The cheap checks (signature length, peer IDs, time) run before the HMAC and the nonce store.
 
     Args:
         secret: the run secret (non-empty bytes).
@@ -135,20 +153,30 @@ class HMACAuthorizer(AuthorizerBase):
         if not secret:
             raise ValueError("HMACAuthorizer needs a non-empty secret")
         self._key = _derive(secret, b"dht-rpc")
+        self._hmac = hmac.new(self._key, digestmod=hashlib.sha256)  # keyed once; .copy() per message
         self.max_clock_skew_s = max_clock_skew_s
         self._recent_nonces = TimedStorage()  # nonce -> None, kept 2 x max_clock_skew_s
         self._last_warning = 0.0
 
-    def _sign(self, kind: bytes, message: Any) -> bytes:
-        return hmac.new(self._key, kind + message.SerializeToString(deterministic=True), hashlib.sha256).digest()
+    def _sign(self, kind: bytes, message: Any, binding: bytes = b"") -> bytes:
+        mac = self._hmac.copy()
+        mac.update(kind)
+        mac.update(binding)
+        mac.update(message.SerializeToString(deterministic=True))
+        return mac.digest()
 
-    def _signature_ok(self, kind: bytes, message: Any) -> bool:
+    def _signature_ok(self, kind: bytes, message: Any, binding: bytes = b"") -> bool:
         signature = message.auth.signature
         message.auth.signature = b""
         try:
-            return hmac.compare_digest(signature, self._sign(kind, message))
+            return hmac.compare_digest(signature, self._sign(kind, message, binding))
         finally:
             message.auth.signature = signature
+
+    @staticmethod
+    def _response_binding(responder: PeerID, requester: PeerID) -> bytes:
+        a, b = _peer_bytes(responder), _peer_bytes(requester)
+        return len(a).to_bytes(2, "big") + a + len(b).to_bytes(2, "big") + b
 
     def _refuse(self, why: str) -> RunSecretRefused:
         now = time.monotonic()
@@ -157,51 +185,210 @@ class HMACAuthorizer(AuthorizerBase):
             log.warning("refused a DHT request: %s", why)
         return RunSecretRefused(f"refused by a closed composer-diloco run: {why}")
 
-    async def sign_request(self, request: AuthorizedRequestBase, service_public_key: Any = None) -> None:
-        """Fill ``request.auth`` (time, nonce, signature). ``service_public_key`` is unused (no RSA keys here)."""
+    # -- bound to the connection (what ClosedDHT calls) ----------------------------------------------------
+    def sign_request_for(self, request: AuthorizedRequestBase, sender: PeerID, receiver: PeerID) -> None:
+        """Fill ``request.auth`` for a request that ``sender`` (us) sends to ``receiver`` (libp2p peer IDs)."""
         auth = request.auth
+        auth.client_access_token.public_key = _peer_bytes(sender)
+        auth.service_public_key = _peer_bytes(receiver)
         auth.time = get_dht_time()
         auth.nonce = secrets.token_bytes(8)
         auth.signature = b""
         auth.signature = self._sign(b"request:", request)
 
-    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
-        """True if ``request`` is signed with the secret, recent and not a replay.
+    def check_request(self, request: AuthorizedRequestBase, sender: PeerID, receiver: PeerID) -> None:
+        """Accept ``request`` if it is signed with the secret for this connection, recent, and not a replay.
 
+        Args:
+            sender: the caller's libp2p peer ID as the connection authenticated it (``P2PContext.remote_id``).
+            receiver: our own libp2p peer ID (``P2PContext.local_id``).
         Raises:
-            RunSecretRefused: it is not (the message says which check failed).
+            RunSecretRefused: it is not (the one-line message says which check failed).
         """
         auth = request.auth
-        if not auth.signature or not self._signature_ok(b"request:", request):
+        if len(auth.signature) != 32:
             raise self._refuse("the request is not signed with this run's secret")
+        if auth.service_public_key != _peer_bytes(receiver) or \
+                auth.client_access_token.public_key != _peer_bytes(sender):
+            raise self._refuse(f"the request was signed for another peer, not for {sender} -> {receiver} "
+                               "(a replay or a relay)")
         now = get_dht_time()
         if abs(auth.time - now) > self.max_clock_skew_s:
             raise self._refuse(f"the request's time is {auth.time - now:+.0f} s off (clock skew or a replay)")
+        if not self._signature_ok(b"request:", request):
+            raise self._refuse("the request is not signed with this run's secret")
         with self._recent_nonces.freeze():
             replayed = not auth.nonce or auth.nonce in self._recent_nonces
         if replayed:
             raise self._refuse("the request replays an earlier one")
         self._recent_nonces.store(auth.nonce, None, now + 2 * self.max_clock_skew_s)
-        return True
 
-    async def sign_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> None:
-        """Fill ``response.auth``: the request's nonce and the signature."""
+    def sign_response_for(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase,
+                          responder: PeerID, requester: PeerID) -> None:
+        """Fill ``response.auth``: the request's nonce and a signature bound to ``responder`` (us) and
+        ``requester`` (libp2p peer IDs)."""
         response.auth.nonce = request.auth.nonce
         response.auth.signature = b""
-        response.auth.signature = self._sign(b"response:", response)
+        response.auth.signature = self._sign(b"response:", response, self._response_binding(responder, requester))
 
-    async def validate_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> bool:
-        """True if ``response`` is signed with the secret and answers ``request``.
+    def check_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase,
+                       responder: PeerID, requester: PeerID) -> None:
+        """Accept ``response`` if ``responder`` (the peer we called) signed it with the secret for ``requester``
+        (us), in answer to ``request``.
 
         Raises:
-            RunSecretRefused: it does not (the peer does not hold this run's secret, or the reply was tampered).
+            RunSecretRefused: it did not (the peer does not hold this run's secret, the reply was tampered with or
+                comes from another peer, or it answers another request).
         """
         auth = response.auth
-        if not auth.signature or not self._signature_ok(b"response:", response):
-            raise RunSecretRefused("the peer's reply is not signed with this run's secret")
+        if not auth.signature or \
+                not self._signature_ok(b"response:", response, self._response_binding(responder, requester)):
+            raise RunSecretRefused("the peer's reply is not signed with this run's secret for this connection")
         if auth.nonce != request.auth.nonce:
             raise RunSecretRefused("the peer's reply answers another request")
-        return True
+
+    # -- hivemind's AuthorizerBase: not bound to a connection, so refused -----------------------------------
+    async def sign_request(self, request: AuthorizedRequestBase, service_public_key: Any = None) -> None:
+        """Refused: a request must be bound to both peer IDs (start the DHT with `ClosedDHT`).
+
+        Raises:
+            RunSecretRefused: always.
+        """
+        raise RunSecretRefused("HMACAuthorizer signs only requests bound to a connection: start the DHT with ClosedDHT")
+
+    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
+        """Refused: without the connection the request's peer IDs cannot be checked (see `check_request`).
+
+        Raises:
+            RunSecretRefused: always.
+        """
+        raise self._refuse("this DHT peer cannot check which connection the request came on")
+
+    async def sign_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> None:
+        """Refused, as `sign_request`.
+
+        Raises:
+            RunSecretRefused: always.
+        """
+        raise RunSecretRefused("HMACAuthorizer signs only replies bound to a connection: start the DHT with ClosedDHT")
+
+    async def validate_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> bool:
+        """Refused, as `validate_request`.
+
+        Raises:
+            RunSecretRefused: always.
+        """
+        raise RunSecretRefused("HMACAuthorizer checks only replies bound to a connection: start the DHT with ClosedDHT")
+
+
+class BoundRPCClient:
+    """A DHT stub whose ``rpc_*`` calls are signed for one connection, ``local`` -> ``remote`` (libp2p peer IDs).
+
+    ``rpc_*(request, *args, **kwargs)`` signs ``request`` (`HMACAuthorizer.sign_request_for`), calls the stub,
+    and returns the reply once `HMACAuthorizer.check_response` accepts it.
+
+    Raises (from the calls): `RunSecretRefused` when the reply is refused; whatever the stub raises (the peer's
+    refusal arrives as hivemind's ``P2PHandlerError``).
+    """
+
+    def __init__(self, stub: Any, authorizer: HMACAuthorizer, local: PeerID, remote: PeerID):
+        self._stub, self._authorizer, self._local, self._remote = stub, authorizer, local, remote
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if not name.startswith("rpc_"):
+            return method
+
+        async def call(request: Any, *args: Any, **kwargs: Any) -> Any:
+            self._authorizer.sign_request_for(request, self._local, self._remote)
+            response = await method(request, *args, **kwargs)
+            self._authorizer.check_response(response, request, self._remote, self._local)
+            return response
+
+        call.__name__ = name
+        return call
+
+
+class _BoundServicer:
+    """What `BoundDHTProtocol` registers as its handlers: each ``rpc_*`` checks the request against the connection
+    (`HMACAuthorizer.check_request`), runs the protocol's handler, and signs the reply for that connection."""
+
+    def __init__(self, protocol: DHTProtocol, authorizer: HMACAuthorizer):
+        self._protocol, self._authorizer = protocol, authorizer
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._protocol, name)
+
+        async def handle(request: Any, context: P2PContext) -> Any:
+            self._authorizer.check_request(request, context.remote_id, context.local_id)
+            response = await method(request, context)
+            self._authorizer.sign_response_for(response, request, context.local_id, context.remote_id)
+            return response
+
+        handle.__name__ = name
+        return handle
+
+
+class BoundDHTProtocol(DHTProtocol):
+    """hivemind's `DHTProtocol` with every RPC bound to its libp2p connection (`HMACAuthorizer`).
+
+    Served under hivemind's own handler names (``DHTProtocol.rpc_ping`` ...), so it speaks to the same peers;
+    its ``authorizer`` must be an `HMACAuthorizer`. Created by hivemind's `DHTNode` inside a `ClosedDHT`'s process.
+
+    Raises:
+        TypeError: (at ``create``) the authorizer is not an `HMACAuthorizer`.
+    """
+
+    _rpc_handlers = None  # hivemind caches these per class
+    _stub_type = None
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return DHTProtocol._get_handle_name(namespace, method_name)
+
+    async def add_p2p_handlers(self, p2p: Any, wrapper: Any = None, *, namespace: str | None = None,
+                               balanced: bool = False) -> None:
+        """Register the handlers, each wrapped in `_BoundServicer` (hivemind's own ``wrapper`` is not used)."""
+        if not isinstance(self.authorizer, HMACAuthorizer):
+            raise TypeError(f"BoundDHTProtocol needs an HMACAuthorizer, got {type(self.authorizer).__name__}")
+        await super().add_p2p_handlers(p2p, _BoundServicer(self, self.authorizer), namespace=namespace,
+                                       balanced=balanced)
+
+    def get_stub(self, peer: PeerID) -> BoundRPCClient:
+        """A stub to ``peer`` whose requests are signed for the connection from us to ``peer``.
+
+        Raises:
+            TypeError: the authorizer is not an `HMACAuthorizer`.
+        """
+        if not isinstance(self.authorizer, HMACAuthorizer):
+            raise TypeError(f"BoundDHTProtocol needs an HMACAuthorizer, got {type(self.authorizer).__name__}")
+        stub = ServicerBase.get_stub.__func__(type(self), self.p2p, peer)
+        return BoundRPCClient(stub, self.authorizer, self.p2p.peer_id, peer)
+
+
+class ClosedDHT(hivemind.DHT):
+    """A hivemind DHT peer of a closed run: every DHT RPC it sends or serves is signed with the run secret and bound
+    to the libp2p connection (`HMACAuthorizer`, `BoundDHTProtocol`).
+
+    Takes hivemind.DHT's arguments, plus ``secret`` (the run secret, bytes) and ``max_clock_skew_s`` (seconds).
+    hivemind's `DHTNode` builds its protocol from the name ``hivemind.dht.node.DHTProtocol``; `run` points that
+    name at `BoundDHTProtocol` in the DHT's own process only (it runs the DHT and nothing else), before the node
+    is created, so no handler is ever served unbound.
+
+    Raises:
+        ValueError: ``secret`` is empty.
+        Whatever hivemind.DHT raises (e.g. no initial peer answered).
+    """
+
+    def __init__(self, *args: Any, secret: bytes, max_clock_skew_s: float = 300.0, **kwargs: Any):
+        super().__init__(*args, authorizer=HMACAuthorizer(secret, max_clock_skew_s=max_clock_skew_s), **kwargs)
+
+    def run(self) -> None:
+        """Serve the DHT (in its own process), its protocol bound to connections."""
+        if hivemind_dht_node.DHTProtocol not in (DHTProtocol, BoundDHTProtocol):
+            raise RuntimeError("hivemind.dht.node.DHTProtocol is not hivemind's: cannot bind the closed run's RPCs")
+        hivemind_dht_node.DHTProtocol = BoundDHTProtocol
+        super().run()
 
 
 class MembersOnlyAverager(ExactAverager):
@@ -213,10 +400,15 @@ class MembersOnlyAverager(ExactAverager):
     the secret is refused: ``rpc_join_group`` answers ``PROTOCOL_VIOLATION``, ``rpc_aggregate_part`` the same,
     ``rpc_download_state`` an empty stream (hivemind's own "no state here" answer). Members found once are
     remembered; an unknown caller is looked up again for up to ``member_lookup_s`` seconds, so a peer whose first
-    declaration is still on its way (or whose declaration is being renewed) is not refused.
+    declaration is still on its way (or whose declaration is being renewed) is not refused. The lookups are shared:
+    at most one DHT read of the declarations is in flight, and none starts within ``_LOOKUP_PERIOD_S`` of the
+    last, however many unknown callers wait, so a flood of outsiders' requests costs the DHT a few reads a second,
+    not a few per request.
 
     Args: as `ExactAverager`, plus ``member_lookup_s`` (seconds, default 1.5).
     """
+
+    _LOOKUP_PERIOD_S = 0.25
 
     _rpc_handlers = None  # hivemind caches these per class: ours must not inherit ExactAverager's handler names
     _stub_type = None
@@ -225,16 +417,30 @@ class MembersOnlyAverager(ExactAverager):
         self._members: set[bytes] = set()
         self._warned: set[bytes] = set()
         self.member_lookup_s = member_lookup_s
+        self._lookup_lock: asyncio.Lock | None = None  # made in the averager's own process and loop
+        self._last_lookup = float("-inf")
         super().__init__(*args, **kwargs)
+
+    async def _refresh_members(self) -> None:
+        """Read the declared members from the DHT, unless another caller did less than ``_LOOKUP_PERIOD_S`` ago."""
+        if self._lookup_lock is None:
+            self._lookup_lock = asyncio.Lock()
+        async with self._lookup_lock:
+            if time.monotonic() - self._last_lookup < self._LOOKUP_PERIOD_S:
+                return
+            try:
+                found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
+            finally:
+                self._last_lookup = time.monotonic()
+            if found is not None and isinstance(found.value, dict):
+                self._members.update(k for k in found.value if isinstance(k, bytes))
 
     async def _is_member(self, peer_id: PeerID, rpc: str) -> bool:
         """Whether ``peer_id`` is declared in this averager's DHT records (runs in the averager process)."""
         wanted = peer_id.to_bytes()
         deadline = time.monotonic() + self.member_lookup_s
         while wanted not in self._members:
-            found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
-            if found is not None and isinstance(found.value, dict):
-                self._members.update(k for k in found.value if isinstance(k, bytes))
+            await self._refresh_members()
             if wanted in self._members:
                 break
             if time.monotonic() > deadline:
@@ -242,7 +448,7 @@ class MembersOnlyAverager(ExactAverager):
                     self._warned.add(wanted)
                     log.warning("refused %s from %s: not a member of this closed run (no run secret)", rpc, peer_id)
                 return False
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(self._LOOKUP_PERIOD_S)
         return True
 
     async def rpc_join_group(
@@ -275,5 +481,5 @@ class MembersOnlyAverager(ExactAverager):
             yield message
 
 
-__all__ = ["HMACAuthorizer", "MembersOnlyAverager", "RunSecretRefused", "SECRET_ENV", "SecretError",
+__all__ = ["BoundDHTProtocol", "BoundRPCClient", "ClosedDHT", "HMACAuthorizer", "MembersOnlyAverager", "RunSecretRefused", "SECRET_ENV", "SecretError",
            "averaging_prefix", "load_secret"]

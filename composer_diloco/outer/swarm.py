@@ -55,7 +55,8 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
               secret: bytes | None = None) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
-    ``secret`` closes the run: every DHT RPC is signed and checked with it (`composer_diloco.outer.auth`).
+    ``secret`` closes the run: every DHT RPC is signed and checked with it, bound to the connection's peer IDs
+    (`composer_diloco.outer.auth.ClosedDHT`).
 
     Raises:
         SwarmError: the daemon did not start, or no initial peer answered (or all refused our run secret).
@@ -63,13 +64,14 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
     if announce:
         kwargs["announce_maddrs"] = announce
+    dht_type: type[hivemind.DHT] = hivemind.DHT
     if secret is not None:
-        from composer_diloco.outer.auth import HMACAuthorizer
+        from composer_diloco.outer.auth import ClosedDHT
 
-        kwargs["authorizer"] = HMACAuthorizer(secret)
+        dht_type, kwargs["secret"] = ClosedDHT, secret
     try:
         with keep_signal_handlers():
-            return hivemind.DHT(initial_peers=initial_peers or None, start=True, **kwargs)
+            return dht_type(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):
             hint = ("It also refuses a wrong run secret: check --secret-file / COMPOSER_DILOCO_SECRET" if secret
