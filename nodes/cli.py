@@ -41,10 +41,10 @@ def join(
                                                      "a run whose published config differs.")] = None,
     env_sessions: Annotated[int | None, typer.Option(
         help="Most env sessions (episodes at once) per --env-url; the step's other episodes wait for a free one. "
-             "Default: the run's [env] sessions_per_url, else one per episode of a step within each server's "
+             "Default: the run config's env.sessions_per_url, else one per episode of a step within each server's "
              "capacity (learnt from OpenEnv's 'Server at capacity: n/n').")] = None,
     task_shard: Annotated[str | None, typer.Option(
-        help="K/N: take shard K of N of the run's [tasks] rows (0 <= K < N), like a rank and world size. "
+        help="K/N: take shard K of N of the rows of the run's task dataset (tasks.path; 0 <= K < N), like a rank and world size. "
              "Default: the node's own seeded order of all rows (rows may repeat across nodes).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
