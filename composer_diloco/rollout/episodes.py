@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from composer_diloco.rollout.chat import parse_tool_call
 
@@ -467,6 +468,35 @@ class TurnCache:
     past: Any = None
     real: list[list[int]] = field(default_factory=list)
 
+    def compact(self) -> None:
+        """Drop the padding inside every row: each row's cached positions are gathered, in order, to the right of
+        a left padding as wide as the longest row needs, so the next turn attends over no more columns than
+        re-encoding the contexts would. Keys carry their rotary positions already (they were computed from the
+        mask), so moving a key to another column changes nothing it holds. Only a cache whose layers are all
+        transformers' plain ``DynamicLayer`` is compacted (a sliding-window or other layer is left as it is).
+        """
+        past = self.past
+        layers = getattr(past, "layers", None)
+        if self.mask is None or not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return
+        cached = layers[0].keys.shape[-2]  # every column but the last is in the cache
+        mask = self.mask[:, :cached]
+        counts = mask.sum(dim=1)
+        width = int(counts.max())
+        if width == cached:
+            return
+        # source column of each target column: row r's real columns right-aligned, column 0 under the padding
+        order = torch.argsort(mask, dim=1, stable=True)[:, cached - width:]  # (B, width): its 0s first, then 1s
+        keep = torch.arange(width).unsqueeze(0) >= (width - counts).unsqueeze(1)  # (B, width) the real columns
+        order = torch.where(keep, order, torch.zeros_like(order))
+        for layer in layers:
+            index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                          layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.ids = torch.cat([torch.where(keep, self.ids[:, :cached].gather(1, order), 0), self.ids[:, cached:]], 1)
+        self.mask = torch.cat([keep.long(), self.mask[:, cached:]], dim=1)
+
     def rows_for(self, contexts: Sequence[Sequence[int]]) -> list[int] | None:
         """The cached row each context continues, in order (a context continues a row when it starts with the row's
         real tokens; rows are taken first come, first served), or None when some context continues none."""
@@ -552,4 +582,5 @@ def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], 
     if cache is not None:
         cache.ids, cache.mask, cache.past = out.sequences.cpu(), torch.cat([mask, new_mask], dim=1), out.past_key_values
         cache.real = [list(c) + i for c, i in zip(contexts, ids_out)]
+        cache.compact()
     return ids_out, lps_out
