@@ -31,6 +31,12 @@ class EnvConfig(_Section):
         "envs.tool_env.server",
         description="Python module run as `python -m MODULE --host H --port P` to start a local env server.",
     )
+    server_args: list[str] = Field(
+        default_factory=list,
+        description="More command-line arguments of a node's own env server (`python -m MODULE --host H --port P "
+                    "ARGS`), e.g. [\"--allow-weak-sandbox\"] for the coding env on a host where it cannot isolate "
+                    "the model's code (it refuses to serve otherwise).",
+    )
     max_tool_calls: int = Field(6, ge=1, le=64, description="Assistant turns per episode before it is cut off.")
     max_turn_tokens: int = Field(40, ge=4, le=4096, description="Tokens the policy may generate per assistant turn.")
     connect_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait for an env server to answer.")

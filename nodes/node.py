@@ -221,7 +221,8 @@ class Node:
             self.sessions = open_env_sessions(urls, n_sessions, protocols=protocols, **opening)
         model, self.tokenizer = _policy_skeleton(config)
         if not urls:
-            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s)
+            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s,
+                                      args=config.env.server_args)
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
             self.sessions = open_env_sessions([server.url], n_sessions, **opening)

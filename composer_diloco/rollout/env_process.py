@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -162,13 +162,13 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _spawn(module: str, host: str, port: int) -> EnvServer:
-    """Start ``module`` on ``host:port`` in a new process group, output to a temp log file."""
+def _spawn(module: str, host: str, port: int, args: Sequence[str] = ()) -> EnvServer:
+    """Start ``module`` on ``host:port`` (with ``args``) in a new process group, output to a temp log file."""
     fd, log_name = tempfile.mkstemp(prefix="env-server-", suffix=".log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with os.fdopen(fd, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", host, "--port", str(port)],
+            [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=env, start_new_session=True, preexec_fn=_die_with_parent(),
         )
@@ -180,6 +180,7 @@ def start_env_server(
     host: str = "127.0.0.1",
     port: int = 0,
     startup_timeout_s: float = 60.0,
+    args: Sequence[str] = (),
 ) -> EnvServer:
     """Start an environment server process and return once its ``/health`` answers.
 
@@ -188,6 +189,7 @@ def start_env_server(
         host: interface to bind; also the host in ``EnvServer.url``.
         port: TCP port; 0 picks a free one (retried on a bind race).
         startup_timeout_s: seconds to wait for ``/health``.
+        args: more command-line arguments for the module (``[env] server_args``).
 
     Raises:
         EnvServerError: if the process exits or is not healthy within ``startup_timeout_s``; the
@@ -196,7 +198,7 @@ def start_env_server(
     """
     attempts = _PORT_RETRIES if port == 0 else 1
     for attempt in range(1, attempts + 1):
-        server = _spawn(module, host, port or find_free_port(host))
+        server = _spawn(module, host, port or find_free_port(host), args)
         try:
             wait_for_env(server.url, startup_timeout_s, process=server._process)
         except EnvServerError as exc:
