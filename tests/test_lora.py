@@ -161,3 +161,86 @@ def test_checkpoint_is_a_peft_adapter_folder_that_loads_merges_and_resumes(token
 
     with pytest.raises(LoraError):  # another rank than the checkpoint's
         load_adapters(apply_lora(_base(tokenizer), LoraSection(r=4, target_modules=cfg.lora.target_modules)), folder)
+
+
+# -- a run: real processes ------------------------------------------------------------------------------------------
+def _perturbed_base(warm_cache: Path, out_run_dir: Path) -> None:
+    """``out_run_dir/warmstart`` = a copy of the warm cache with one base weight changed: another base, same layout."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for entry in warm_cache.iterdir():
+        if (entry / "model.safetensors").is_file():
+            dst = out_run_dir / "warmstart" / entry.name
+            shutil.copytree(entry, dst)
+            tensors = load_file(str(dst / "model.safetensors"))
+            name = sorted(n for n in tensors if n.endswith("down_proj.weight"))[0]
+            tensors[name] = tensors[name] + 1e-3
+            save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(run_dir, warm_cache, tmp_path):
+    """Coordinator + 2 nodes on configs/lora.toml: every peer agrees each round, the all-reduce carries the adapters
+    only, the base is untouched, the checkpoint is a PEFT adapter folder that loads and merges; a node whose base
+    differs is refused at join with one line naming both hashes."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from composer_diloco.checkpoint import latest_checkpoint
+    from composer_diloco.policy import load_policy
+    from local_run import LocalRun, assert_agree
+
+    cfg = load_config(LORA)
+    base, _ = load_policy(None, run_dir=run_dir, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    run_base = base_sha256(base)
+    full_bytes = 4 * sum(p.numel() for p in base.parameters())  # the full model's fp32 theta
+    bad_dir = tmp_path / "bad"
+    _perturbed_base(warm_cache, bad_dir)
+
+    run = LocalRun(run_dir, LORA)
+    try:
+        run.start_coordinator()
+        bad = run.start_node("node-bad", "--run-dir", str(bad_dir))  # the later --run-dir wins
+        assert run.wait_exit("node-bad", timeout_s=180) == 1
+        last = run.log_tail("node-bad", 1)
+        assert f"base_sha256 {run_base} in the run" in last, last
+        assert bad.returncode == 1
+        run.start_node("node-a")
+        run.start_node("node-b")
+        for name in ("node-a", "node-b", "coordinator"):
+            assert run.wait_exit(name, timeout_s=400) == 0, run.all_tails()
+    finally:
+        run.stop()
+
+    records = run.records()
+    assert "node-bad" not in records
+    shas = assert_agree(records, range(cfg.rounds))
+    for name in ("node-a", "node-b"):
+        sent = [r["bytes_sent"] for r in records[name]]
+        assert len(sent) == cfg.rounds and all(0 < b < full_bytes / 10 for b in sent), (sent, full_bytes)
+
+    first = run_dir / "checkpoints" / "round-000000"
+    final = latest_checkpoint(run_dir)
+    state = read_outer_state(final)
+    assert state["round"] == cfg.rounds and state["global_sha256"] == shas[cfg.rounds - 1]
+    assert state["base_sha256"] == run_base  # the coordinator's base never moved
+    for name in ("node-a", "node-b"):  # a joiner received the run's adapters (theta of round 0)
+        assert f"global model of round 0 loaded (sha256 {read_outer_state(first)['global_sha256'][:12]})" in run.log(name)
+    start, end = load_file(str(first / "adapter_model.safetensors")), load_file(str(final / "adapter_model.safetensors"))
+    assert start.keys() == end.keys() and all("lora_" in k for k in end)
+    assert any(not torch.equal(start[k], end[k]) for k in end)  # the adapters learned
+
+    fresh, _ = load_policy(None, run_dir=run_dir, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    loaded = PeftModel.from_pretrained(fresh, str(final))
+    assert base_sha256(loaded) == run_base
+    merged = subprocess.run([sys.executable, "-m", "composer_diloco.policy", "merge-lora", str(final), "--out",
+                             str(tmp_path / "merged")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert (tmp_path / "merged" / "config.json").is_file()
