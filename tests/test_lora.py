@@ -244,3 +244,19 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     assert (tmp_path / "merged" / "config.json").is_file()
+
+
+@pytest.mark.timeout(180)
+def test_coordinator_refuses_target_modules_that_match_nothing_before_the_network(run_dir):
+    import subprocess
+    import sys
+
+    from tests_support import error_line
+
+    bad = run_dir / "bad.toml"
+    bad.write_text(LORA.read_text().replace('"o_proj"]', '"out_proj"]'))
+    r = subprocess.run([sys.executable, "-m", "coordinator", "start", "--config", str(bad), "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=170, cwd=ROOT)
+    line = error_line(r)
+    assert r.returncode == 1 and "target_modules" in line and "out_proj" in line, r.stderr[-2000:]
+    assert "peer:" not in r.stdout  # no DHT was started

@@ -86,11 +86,17 @@ def apply_lora(model: nn.Module, section: LoraSection) -> nn.Module:
     Returns:
         the ``peft.PeftModel`` (train/eval mode as ``model``).
     Raises:
-        LoraError: ``target_modules`` matches no module of the model (one line naming it and the model's linear
-            layer names).
+        LoraError: ``target_modules`` (or one entry of a list) matches no module of the model (one line naming it
+            and the model's linear layer names).
     """
     from peft import LoraConfig, get_peft_model
 
+    if isinstance(section.target_modules, list):  # peft refuses only a list of which no entry matches: name each typo
+        names = [n for n, _ in model.named_modules()]
+        for key in section.target_modules:
+            if not any(n == key or n.endswith(f".{key}") for n in names):
+                raise LoraError(f"[lora] target_modules entry {key!r} matches no module of the model (its linear "
+                                f"layers are named {', '.join(_linear_names(model))})")
     config = LoraConfig(r=section.r, lora_alpha=section.lora_alpha, lora_dropout=section.lora_dropout,
                         target_modules=section.target_modules, task_type="CAUSAL_LM")
     try:
