@@ -184,8 +184,9 @@ def _perturbed_base(warm_cache: Path, out_run_dir: Path) -> None:
 @pytest.mark.timeout(600)
 def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(run_dir, warm_cache, tmp_path):
     """Coordinator + 2 nodes on configs/lora.toml: every peer agrees each round, the all-reduce carries the adapters
-    only, the base is untouched, the checkpoint is a PEFT adapter folder that loads and merges; a node whose base
-    differs is refused at join with one line naming both hashes."""
+    only, the base is untouched, the adapters learn; a node whose base differs is refused at join with one line
+    naming both hashes; the coordinator resumes from the LoRA checkpoint for one more round with a new node; the
+    checkpoint is a PEFT adapter folder that loads with PeftModel.from_pretrained and merges (merge-lora)."""
     import subprocess
     import sys
 
@@ -235,6 +236,24 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     start, end = load_file(str(first / "adapter_model.safetensors")), load_file(str(final / "adapter_model.safetensors"))
     assert start.keys() == end.keys() and all("lora_" in k for k in end)
     assert any(not torch.equal(start[k], end[k]) for k in end)  # the adapters learned
+
+    # resume from the LoRA checkpoint: one more round with a new node, from the adapters of the last checkpoint
+    resumed = LocalRun(run_dir, LORA)
+    try:
+        resumed.start_coordinator("--resume", "--rounds", str(cfg.rounds + 1))
+        resumed.start_node("node-c")
+        for name in ("node-c", "coordinator"):
+            assert resumed.wait_exit(name, timeout_s=300) == 0, resumed.all_tails()
+    finally:
+        resumed.stop()
+    records = resumed.records()
+    assert [r["round"] for r in records["node-c"]] == [cfg.rounds]
+    assert f"global model of round {cfg.rounds} loaded (sha256 {state['global_sha256'][:12]})" in resumed.log("node-c")
+    assert_agree(records, [cfg.rounds])
+    final = latest_checkpoint(run_dir)
+    state = read_outer_state(final)
+    assert state["round"] == cfg.rounds + 1 and state["base_sha256"] == run_base
+    assert state["global_sha256"] == records["node-c"][0]["global_sha256"]
 
     fresh, _ = load_policy(None, run_dir=run_dir, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
     loaded = PeftModel.from_pretrained(fresh, str(final))
