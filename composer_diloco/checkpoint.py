@@ -2,7 +2,10 @@
 
 A checkpoint named ``round-000003`` holds theta after 3 outer steps (the next round to train is 3):
 ``save_pretrained`` files of the policy and its tokenizer, plus ``outer.pt`` (round, parameter names, the outer
-optimizer's ``state_dict`` and class, theta's SHA-256, the run config). It is written into a temporary sibling folder and renamed into place, and
+optimizer's ``state_dict`` and class, theta's SHA-256, the run config). In a ``[lora]`` run the policy is a
+``peft.PeftModel``, so the ``save_pretrained`` files are a PEFT adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, folder)`` loads it) and ``outer.pt`` also records the
+base model's ``base_sha256`` (`composer_diloco.policy.lora`). It is written into a temporary sibling folder and renamed into place, and
 ``checkpoints/latest`` is replaced atomically after that, so a process killed while writing leaves the previous
 checkpoint as the latest loadable one.
 """
@@ -36,7 +39,8 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
     Args:
         run_dir: the run's directory.
         round_: outer steps taken so far.
-        model: a policy of the run's architecture (its weights are overwritten with theta, on CPU).
+        model: a policy of the run's architecture (its weights are overwritten with theta, on CPU); a
+            ``peft.PeftModel`` saves its adapters only.
         tokenizer: saved beside the weights.
         global_model: theta and the outer optimizer (`GlobalModel.checkpoint_state`).
         config_json: the run config (canonical JSON) recorded with the checkpoint.
@@ -51,12 +55,14 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
     global_model.load_into(model)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    base = _lora_base_sha256(model)
     torch.save({
         "round": round_,
         "names": global_model.names,
         **global_model.checkpoint_state(),
         "global_sha256": global_model.sha256(),
         "config": config_json,
+        **({"base_sha256": base} if base is not None else {}),
     }, tmp / "outer.pt")
     _fsync_tree(tmp)
     faults.point("checkpoint_written", round_)
@@ -95,16 +101,23 @@ def read_outer_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(folder)!r} is unreadable: {e}") from None
 
 
-def restore_outer_state(folder: Path, global_model: GlobalModel) -> int:
+def restore_outer_state(folder: Path, global_model: GlobalModel, base_sha256: str | None = None) -> int:
     """Load a checkpoint's outer optimizer state into ``global_model`` (theta came with the policy's weights) and
     check theta against the recorded SHA-256; returns the checkpoint's round.
 
+    Args:
+        base_sha256: a LoRA run's base hash (`composer_diloco.policy.lora.base_sha256`), checked against the one the
+            checkpoint recorded; None: full fine-tuning (nothing to check).
     Raises:
         CheckpointError: unreadable; other parameters than the run's model; an outer optimizer state this run's
             optimizer cannot take (another class, or one written before the optimizer was configurable that is not
-            SGD's); or weights that do not match their recorded SHA-256. One line, naming the checkpoint.
+            SGD's); weights that do not match their recorded SHA-256; or another LoRA base than ``base_sha256``
+            (or a LoRA checkpoint resumed without LoRA, or the reverse). One line, naming the checkpoint.
     """
     state = read_outer_state(folder)
+    if state.get("base_sha256") != base_sha256:
+        raise CheckpointError(f"checkpoint {str(folder)!r} was trained over base_sha256 {state.get('base_sha256')}, "
+                              f"this run's base is {base_sha256}")
     if list(state["names"]) != global_model.names:
         raise CheckpointError(f"checkpoint {str(folder)!r} does not match the run's model parameters")
     try:
@@ -114,6 +127,12 @@ def restore_outer_state(folder: Path, global_model: GlobalModel) -> int:
     if global_model.sha256() != state["global_sha256"]:
         raise CheckpointError(f"checkpoint {str(folder)!r}: weights do not match their recorded sha256")
     return int(state["round"])
+
+
+def _lora_base_sha256(model: Any) -> str | None:
+    from composer_diloco.policy.lora import base_sha256, is_lora
+
+    return base_sha256(model) if is_lora(model) else None
 
 
 def write_atomic(path: Path, text: str) -> None:

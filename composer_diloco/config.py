@@ -245,6 +245,21 @@ class WarmStartConfig(_Section):
     seed: int = Field(0, description="Seed of the tiny model's init and of the warm-start data.")
 
 
+class LoraSection(_Section):
+    """LoRA DiLoCo (Hu et al., "LoRA", arXiv 2106.09685, through Hugging Face ``peft``): present in a run config, every
+    peer wraps the policy with ``peft.get_peft_model(model, peft.LoraConfig(...))`` and theta is the adapter tensors
+    only (`composer_diloco.policy.lora`); absent, the run fine-tunes every weight. The fields are ``LoraConfig``'s,
+    with its names, meanings and defaults."""
+
+    r: int = Field(8, ge=1, description="LoRA rank (peft's `r`).")
+    lora_alpha: int = Field(8, ge=1, description="LoRA scaling numerator: the update is scaled by lora_alpha / r.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input during training.")
+    target_modules: list[str] | str | None = Field(
+        None, description="Module names (or name suffixes) to adapt, a regex string, or 'all-linear'; None: peft's "
+                          "default for the architecture (q_proj and v_proj for Qwen3).",
+    )
+
+
 class RunConfig(_Section):
     """Everything that must be the same on every peer of a run."""
 
@@ -269,6 +284,9 @@ class RunConfig(_Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     loss: LossConfig = LossConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    lora: LoraSection | None = Field(
+        None, description="LoRA DiLoCo when present (`LoraSection`); None: full fine-tuning.",
+    )
     hints: dict[str, str] = Field(
         default_factory=dict, description="Hint templates by error kind, overriding/extending the defaults."
     )
@@ -299,8 +317,12 @@ class RunConfig(_Section):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
-        """Canonical JSON (sorted keys) used to publish the config in the DHT."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` has no
+        ``lora`` key, so its JSON and `digest` are those of a config written before LoRA existed."""
+        data = self.model_dump(mode="json")
+        if data.get("lora") is None:
+            data.pop("lora", None)
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:

@@ -162,12 +162,18 @@ class Coordinator:
             TaskSet.load(config.tasks)
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if checkpoint is None:
+        if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
             self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir, seed=config.warmstart.seed,
                                                      warmstart_steps=config.warmstart.steps,
                                                      env=config.env.server_module)
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
+        if config.lora is not None:  # before any network: a [lora] that does not fit the model fails here
+            from composer_diloco.policy.lora import apply_lora, load_adapters
+
+            self.model = apply_lora(self.model, config.lora)
+            if checkpoint is not None:
+                load_adapters(self.model, checkpoint)
         (self.run_dir / "config.json").write_text(config.to_json())
         self.dht = self._start_dht(known_peers=self._known_peers() if checkpoint is not None else [])
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
@@ -249,7 +255,7 @@ class Coordinator:
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
-        self.peer.round = restore_outer_state(folder, self.peer.global_model)
+        self.peer.round = restore_outer_state(folder, self.peer.global_model, self.peer.base_sha256)
         self.peer._update_priority()
         self.swarm.set_round(self.peer.round)
         log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round,

@@ -3,7 +3,9 @@
 At the step's tool-error sites, candidate actions are replayed in the environment and paired by score
 (`composer_diloco.channels.dpo_pairs.collect_pairs`); the channel's term is ``beta_dpo * DPO`` (sigmoid loss, Eq. (7),
 `composer_diloco.channels.losses.dpo_sigmoid_loss`), a mean over pairs, against the reference log-probs of the
-round's frozen global model theta_r (refreshed after every outer step, so every peer shares the trust region).
+round's frozen global model theta_r (refreshed after every outer step, so every peer shares the trust region). In a
+``[lora]`` run the reference is the base model instead: the policy itself with its adapters disabled (peft's
+``disable_adapter()``), no copy, the same on every peer for the whole run.
 
 Config: ``[loss] beta_dpo`` (the weight; 0 = off) and ``dpo_beta`` (DPO's beta), the ``[preference]`` section
 (`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
@@ -115,7 +117,8 @@ class DpoChannel(LossChannel):
     Args:
         weight: beta_dpo > 0.
         config: the run config (``[preference]``, ``[loss] dpo_beta``, ``env.max_turn_tokens``, ``grpo.temperature``).
-        reference_model: the frozen reference policy pi_ref (a copy of the policy; `after_outer_step` refreshes it).
+        reference_model: the frozen reference policy pi_ref (a copy of the policy; `after_outer_step` refreshes it),
+            or with LoRA the policy with its adapters disabled (`composer_diloco.policy.lora.AdaptersDisabled`).
         session: the env session every replay uses.
         collator: pads the pairs and computes their reference log-probs (``max_length``).
         hints: the SDPO hint registry (the ``"policy+hint"`` candidates).
@@ -136,7 +139,8 @@ class DpoChannel(LossChannel):
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
-        """Off when ``[loss] beta_dpo`` is 0. Copies the policy as the reference (no RNG is drawn).
+        """Off when ``[loss] beta_dpo`` is 0. Copies the policy as the reference (no RNG is drawn); a LoRA policy
+        (``peft.PeftModel``) is its own reference with its adapters disabled (`AdaptersDisabled`: the base, no copy).
 
         Raises:
             ValueError: an unknown ``[preference] teachers`` name (`make_teachers`).
@@ -144,7 +148,12 @@ class DpoChannel(LossChannel):
         cfg = ctx.config
         if cfg.loss.beta_dpo <= 0:
             return None
-        return cls(cfg.loss.beta_dpo, config=cfg, reference_model=copy.deepcopy(ctx.model).eval().requires_grad_(False),
+        from composer_diloco.policy.lora import AdaptersDisabled, is_lora
+
+        # LoRA: the reference is the base, i.e. the policy with its adapters disabled (no copy); else a frozen copy
+        reference = (AdaptersDisabled(ctx.model) if is_lora(ctx.model)
+                     else copy.deepcopy(ctx.model).eval().requires_grad_(False))
+        return cls(cfg.loss.beta_dpo, config=cfg, reference_model=reference,
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
                    collator=ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=cfg.max_seq_len),
                    teachers=make_teachers(cfg.preference.teachers, ctx.env))
@@ -173,7 +182,10 @@ class DpoChannel(LossChannel):
 
     @torch.no_grad()
     def after_outer_step(self) -> None:
-        """Make the reference policy the current weights (theta of the new round)."""
+        """Make the reference policy the current weights (theta of the new round); a LoRA run's reference, the
+        base, never changes."""
+        if not isinstance(self.reference_model, nn.Module):  # `AdaptersDisabled`: nothing to copy
+            return
         for ref, cur in zip(self.reference_model.parameters(), self.policy.parameters(), strict=True):
             ref.copy_(cur)
 

@@ -119,6 +119,21 @@ def _check_layout(theirs: list, ours: list) -> None:
                                    f"the run, {len(ours)} here")
 
 
+def _base_sha256(model: nn.Module) -> str | None:
+    """`composer_diloco.policy.lora.base_sha256` of a LoRA policy (a ``peft.PeftModel``); None for full fine-tuning."""
+    from composer_diloco.policy.lora import base_sha256, is_lora
+
+    return base_sha256(model) if is_lora(model) else None
+
+
+def _check_base(theirs: str | None, ours: str | None) -> None:
+    """Raise ArchitectureMismatch when a LoRA run's peer holds another base model than this peer (one line naming
+    both hashes)."""
+    if theirs != ours:
+        raise ArchitectureMismatch(f"base model differs from the run's: base_sha256 {theirs} in the run, {ours} here "
+                                   "(LoRA trains adapters over one shared base: load the run's --model / warm start)")
+
+
 def round_group_bits(round_: int) -> str:
     """hivemind group-key bits for a round: peers of different rounds can never be matched together."""
     return format(round_, "032b")
@@ -146,6 +161,7 @@ class DiLoCoPeer:
         with keep_signal_handlers():
             self.averager = self._make_averager(swarm, config)
         self.global_model = GlobalModel(model, outer_optimizer=optimizer_factory(config.outer))
+        self.base_sha256 = _base_sha256(model)  # LoRA: theta is the adapters; every peer's base must be this one
         self._built.set()
         self._update_priority()
 
@@ -179,6 +195,8 @@ class DiLoCoPeer:
             outer, tensors = self.global_model.state()
             meta = {"round": self.round, "sha256": self.global_model.sha256(), "run": self.config.run_name,
                     "layout": self.layout(), "outer": outer}
+            if self.base_sha256 is not None:
+                meta["base_sha256"] = self.base_sha256
             return meta, [t.clone() for t in tensors]
 
     def _update_priority(self) -> None:
@@ -202,8 +220,8 @@ class DiLoCoPeer:
             False if no peer answered, its state was older than ``min_round``, or every download within
             ``timeout_s`` came back incomplete (a stream cut early: hivemind returns what it got).
         Raises:
-            ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference), or
-                its outer optimizer state has another layout.
+            ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference), its
+                outer optimizer state has another layout, or (LoRA) its base model has another ``base_sha256``.
         """
         expected = self.global_model.num_state_tensors()
         deadline = time.monotonic() + timeout_s
@@ -214,6 +232,7 @@ class DiLoCoPeer:
                 return False
             if isinstance(loaded[0], dict) and "layout" in loaded[0]:
                 _check_layout(loaded[0]["layout"], self.layout())  # another model: no retry can help
+                _check_base(loaded[0].get("base_sha256"), self.base_sha256)  # LoRA: another base
             if isinstance(loaded[0], dict) and isinstance(loaded[0].get("outer"), dict):
                 try:
                     self.global_model.check_state_meta(loaded[0]["outer"])  # another optimizer: no retry can help

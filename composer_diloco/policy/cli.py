@@ -4,6 +4,7 @@
     python -m composer_diloco.policy warm-start --steps 200 --out runs/ws
     python -m composer_diloco.policy evaluate runs/ws --episodes 100
     python -m composer_diloco.policy evaluate runs/ws --env envs.coding_env.server --reset-kwarg source=generated
+    python -m composer_diloco.policy merge-lora runs/lora/checkpoints/round-000002 --out runs/merged
 
 Every failure prints one line ``python -m composer_diloco.policy: error: ...`` to stderr and exits 1 (usage errors:
 typer's message, exit 2).
@@ -143,6 +144,38 @@ def evaluate(
             typer.echo(json.dumps({"temperature": temp, **stats}))
     except (PolicyLoadError, EnvPackageError, EnvServerError, McpProtocolError, NotAnMcpServer, UnsupportedEnvServer,
             EnvProtocolError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+
+
+@app.command("merge-lora")
+def merge_lora(
+    checkpoint: Annotated[Path, typer.Argument(help="A [lora] run's checkpoint folder (a PEFT adapter folder), e.g. "
+                                                    "RUN_DIR/checkpoints/round-000003.")],
+    out: Annotated[Path, typer.Option(help="Output directory of the merged save_pretrained model.")],
+    run_dir: Annotated[Path | None, typer.Option(help="The run dir whose warm-start cache holds the embedded "
+                                                      "default's base (default: the checkpoint's run dir).")] = None,
+) -> None:
+    """Merge a LoRA checkpoint's adapters into the run's base model (peft merge_and_unload) and save_pretrained it."""
+    from composer_diloco.checkpoint import CheckpointError, read_outer_state
+    from composer_diloco.config import ConfigError, RunConfig
+    from composer_diloco.policy.load import load_policy
+    from composer_diloco.policy.lora import LoraError, base_sha256, merge_adapters
+
+    try:
+        state = read_outer_state(checkpoint)
+        config = RunConfig.from_json(state["config"])
+        if config.lora is None or "base_sha256" not in state:
+            raise LoraError(f"checkpoint {str(checkpoint)!r} is not from a [lora] run: it is a full model already")
+        base, tokenizer = load_policy(config.model, run_dir=run_dir or checkpoint.resolve().parents[1],
+                                      seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
+                                      env=config.env.server_module)
+        if base_sha256(base) != state["base_sha256"]:
+            raise LoraError(f"the base model loaded for {str(checkpoint)!r} has base_sha256 {base_sha256(base)}, the "
+                            f"adapters were trained over {state['base_sha256']}")
+        merge_adapters(base, checkpoint, out)
+        tokenizer.save_pretrained(out)
+        typer.echo(str(out))
+    except (CheckpointError, ConfigError, PolicyLoadError, KeyError, ValueError, OSError) as exc:
         raise _fail(exc) from None
 
 
