@@ -60,3 +60,42 @@ def test_a_cache_row_is_reused_only_by_a_context_that_continues_it():
     assert cache.rows_for([[1, 2, 4, 5]]) == [1]
     assert cache.rows_for([[1, 2, 5]]) is None  # a new history: encode from scratch
     assert rollout.TurnCache().rows_for([[1]]) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3-sliding-window"])
+def test_other_architectures_sample_the_same_and_sliding_windows_re_encode(family):
+    """Families this project did not build (random tiny weights): RoPE and absolute positions keep their cache with the
+    same tokens; a sliding-window cache (its window counts padded columns) is not kept, so every turn re-encodes."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig
+
+    from composer_diloco.policy import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    vocab = len(tok)
+    config = {
+        "llama": LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2),
+        "gpt2": GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2),
+        "gemma3-sliding-window": Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=16, sliding_window=32),
+    }[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # every row samples all its tokens: long histories
+    played = {}
+    for cached in (False, True):
+        g = torch.Generator().manual_seed(1)
+        contexts = [torch.randint(5, vocab - 8, (20 + 9 * i,), generator=g).tolist() for i in range(3)]
+        cache = rollout.TurnCache() if cached else None
+        turns = []
+        for turn in range(3):
+            torch.manual_seed(turn)
+            ids, _ = rollout.generate_turns(model, tok, contexts, 12, 1.0, cache=cache)
+            turns.append(ids)
+            contexts = [c + i + torch.randint(5, vocab - 8, (5 + 4 * k,), generator=g).tolist()
+                        for k, (c, i) in enumerate(zip(contexts, ids))]
+        played[cached] = (turns, cache)
+    assert played[True][0] == played[False][0]
+    kept = played[True][1].past is not None
+    assert kept == (family != "gemma3-sliding-window")

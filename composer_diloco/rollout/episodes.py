@@ -472,13 +472,10 @@ class TurnCache:
         """Drop the padding inside every row: each row's cached positions are gathered, in order, to the right of
         a left padding as wide as the longest row needs, so the next turn attends over no more columns than
         re-encoding the contexts would. Keys carry their rotary positions already (they were computed from the
-        mask), so moving a key to another column changes nothing it holds. Only a cache whose layers are all
-        transformers' plain ``DynamicLayer`` is compacted (a sliding-window or other layer is left as it is).
+        mask), so moving a key to another column changes nothing it holds. `generate_turns` keeps only caches
+        whose layers are all transformers' plain ``DynamicLayer`` (`reusable`).
         """
-        past = self.past
-        layers = getattr(past, "layers", None)
-        if self.mask is None or not layers or any(type(layer) is not DynamicLayer for layer in layers):
-            return
+        layers = self.past.layers
         cached = layers[0].keys.shape[-2]  # every column but the last is in the cache
         mask = self.mask[:, :cached]
         counts = mask.sum(dim=1)
@@ -496,6 +493,15 @@ class TurnCache:
             layer.values = layer.values.gather(2, index)
         self.ids = torch.cat([torch.where(keep, self.ids[:, :cached].gather(1, order), 0), self.ids[:, cached:]], 1)
         self.mask = torch.cat([keep.long(), self.mask[:, cached:]], dim=1)
+
+    @staticmethod
+    def reusable(past: Any) -> bool:
+        """True for a cache whose layers are all plain ``DynamicLayer``s. A sliding-window layer (Gemma 3, Mistral)
+        counts padded columns against its window, so padding inside a row would evict real tokens: such a model
+        re-encodes every turn (checked: a Gemma 3 with a 128-token window sampled other tokens when its cache was
+        kept)."""
+        layers = getattr(past, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     def rows_for(self, contexts: Sequence[Sequence[int]]) -> list[int] | None:
         """The cached row each context continues, in order (a context continues a row when it starts with the row's
@@ -579,7 +585,7 @@ def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], 
             new_mask[row, len(row_ids):] = 0  # what generate padded after EOS is no token of the episode
         ids_out.append(row_ids)
         lps_out.append(token_logps[row, : len(row_ids)].tolist())
-    if cache is not None:
+    if cache is not None and TurnCache.reusable(out.past_key_values):
         cache.ids, cache.mask, cache.past = out.sequences.cpu(), torch.cat([mask, new_mask], dim=1), out.past_key_values
         cache.real = [list(c) + i for c, i in zip(contexts, ids_out)]
         cache.compact()
