@@ -11,21 +11,18 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from composer_diloco.rollout import episodes as rollout
-from composer_diloco.rollout.env_process import find_free_port, wait_for_env
+from composer_diloco.rollout.env_process import find_free_port
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.rollout.mcp import McpEnvSession
 from composer_diloco.rollout.sessions import EnvCapacityError, capacity_of, open_env_sessions
 from local_run import LocalRun
 from test_mcp_env import SMOKE, _tool_suffix, start_mcp_server
-from tests_support import stop_processes
+from tests_support import serve, stop_processes
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_typed_server(max_sessions: int) -> tuple[subprocess.Popen, str]:
@@ -37,15 +34,7 @@ def start_typed_server(max_sessions: int) -> tuple[subprocess.Popen, str]:
             f"uvicorn.run(create_app(ToolEnvironment, ToolAction, ToolObservation, env_name='tool_env', "
             f"max_concurrent_envs={max_sessions}, state_cls=ToolState), host='127.0.0.1', port={port}, "
             "log_level='warning')")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_env(url, timeout_s=60.0, process=proc)
-    except BaseException:
-        stop_processes([proc])
-        raise
-    return proc, url
+    return serve(["-c", code], port)
 
 
 @pytest.mark.timeout(180)

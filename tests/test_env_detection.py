@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.rollout import episodes as rollout
-from composer_diloco.rollout.env_process import find_free_port, wait_for_env
+from composer_diloco.rollout.env_process import find_free_port
 from composer_diloco.rollout.episodes import EnvProtocolError, OpenEnvSession
 from composer_diloco.rollout.mcp import (
     McpEnvSession,
@@ -25,7 +25,7 @@ from composer_diloco.rollout.mcp import (
 )
 from composer_diloco.rollout.sessions import open_env_sessions
 from mcp_env_server import answer_of, question_of
-from tests_support import error_line, stop_processes
+from tests_support import error_line, serve, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).resolve().parent / "foreign_env_server.py"
@@ -37,12 +37,8 @@ DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKD
 def base():
     """``http://127.0.0.1:PORT`` of one `tests/foreign_env_server.py` process (its apps under their paths)."""
     port = find_free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve([str(SERVER), "--host", "127.0.0.1", "--port", str(port)], port)
     try:
-        wait_for_env(url, timeout_s=60.0, process=proc)
         yield url
     finally:
         stop_processes([proc])

@@ -23,7 +23,7 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from composer_diloco.rollout import episodes as rollout
-from composer_diloco.rollout.env_process import find_free_port, start_env_server, wait_for_env
+from composer_diloco.rollout.env_process import find_free_port, start_env_server
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from composer_diloco.rollout.mcp import (
     TOOL_ERROR_KINDS,
@@ -38,7 +38,7 @@ from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import OpenEnvSession
 from envs.tool_env.tasks import TOOL_SCHEMAS
 from mcp_env_server import answer_of, question_of
-from tests_support import stop_processes
+from tests_support import serve, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -50,17 +50,7 @@ def start_mcp_server(*extra: str, log_path: Path | None = None) -> tuple[subproc
     """``python tests/mcp_env_server.py --port P ...`` in its own process group; returns it and its URL once
     ``/health`` answers (the process is stopped if it does not within 60 s)."""
     port = find_free_port()
-    out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", str(port), *extra],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_env(url, timeout_s=60.0, process=proc)
-    except BaseException:
-        stop_processes([proc])
-        raise
-    return proc, url
+    return serve([str(SERVER), "--host", "127.0.0.1", "--port", str(port), *extra], port, log_path)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,29 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve(args: list[str], port: int, log_path: Path | None = None,
+          timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """``python ARGS`` (an env server listening on 127.0.0.1:``port``) in its own process group, from the repo root;
+    returns it and its URL once ``/health`` answers. The process is stopped if it does not within ``timeout_s``.
+    Output goes to ``log_path`` (default: discarded)."""
+    from composer_diloco.rollout.env_process import wait_for_env
+
+    out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_env(url, timeout_s=timeout_s, process=proc)
+    except BaseException:
+        stop_processes([proc])
+        raise
+    return proc, url
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:

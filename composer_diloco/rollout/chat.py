@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParsedCall", "episode_messages", "parse_tool_call"]
+__all__ = ["ParsedCall", "episode_messages", "parse_tool_call", "task_text"]
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -46,6 +46,18 @@ class ParsedCall:
     def ok(self) -> bool:
         """True when a call was parsed (``error is None``)."""
         return self.error is None
+
+
+def task_text(value: Any) -> str:
+    """The task text of a prompt value: a string as it is; chat messages (``[{"role", "content"}]``) as their user
+    contents joined by blank lines (every message's when none is a user's); anything else ``""``. Reads a dataset
+    row's prompt (`composer_diloco.rollout.tasks`) and a reset observation's task (`composer_diloco.rollout.mcp`)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
+        users = [m for m in value if m.get("role") == "user"] or list(value)
+        return "\n\n".join(str(m.get("content") or "") for m in users if m.get("content"))
+    return ""
 
 
 def episode_messages(

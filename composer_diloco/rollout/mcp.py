@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from composer_diloco.rollout.chat import task_text
 from composer_diloco.rollout.env_process import EnvServerError
 from composer_diloco.rollout.episodes import EnvSession
 
@@ -214,13 +215,9 @@ def _question(observation: Any, url: str) -> str:
     for source in (extra, metadata):
         for key in QUESTION_KEYS:
             value = source.get(key)
-            if isinstance(value, str) and value.strip():
-                return value
-            if isinstance(value, list) and value and all(isinstance(m, Mapping) for m in value):
-                users = [m for m in value if m.get("role") == "user"] or list(value)
-                text = "\n\n".join(str(m.get("content", "")) for m in users if m.get("content"))
-                if text:
-                    return text
+            text = task_text(value)
+            if text.strip():
+                return text
     raise McpProtocolError(
         f"the reset observation of {url} holds no task text: expected a non-empty string (or a list of chat "
         f"messages) under one of {list(QUESTION_KEYS)} in its metadata or fields; got fields {sorted(extra)} and "

@@ -25,6 +25,7 @@ from typing import Any
 from composer_diloco.rollout.env_process import EnvServerError
 from composer_diloco.rollout.episodes import EnvProtocolError, EnvSession, OpenEnvSession
 from composer_diloco.rollout.mcp import McpEnvSession, McpProtocolError, _compact, detect_env_protocol
+from composer_diloco.rollout.tasks import TaskEnvSession, TaskSet, task_episode_id
 
 __all__ = ["CHECK_EPISODE_ID", "EnvCapacityError", "capacity_of", "open_env_session", "open_env_sessions"]
 
@@ -102,7 +103,8 @@ def _capacity_message(url: str, opened: int, wanted: int, error: EnvCapacityErro
 def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
                       reset_kwargs: Mapping[str, Any] | None = None,
                       protocols: Mapping[str, str] | None = None, check_reset: bool = True,
-                      per_url: int | None = None, tasks: Any = None, check_row: int = 0) -> list[EnvSession]:
+                      per_url: int | None = None, tasks: TaskSet | None = None,
+                      check_row: int = 0) -> list[EnvSession]:
     """Up to ``count`` env sessions over ``urls`` round-robin, within each server's capacity (module docstring).
 
     Args:
@@ -133,8 +135,6 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
     if not urls or count < 1 or (per_url is not None and per_url < 1):
         raise ValueError(f"need at least one URL, one session and per_url >= 1, got {len(urls)} URL(s), count {count}, "
                          f"per_url {per_url}")
-    from composer_diloco.rollout.tasks import TaskEnvSession, task_episode_id
-
     known: dict[str, str] = dict(protocols or {})
     by_url: dict[str, list[EnvSession]] = {url: [] for url in urls}
     full: dict[str, bool] = {url: False for url in urls}
@@ -170,7 +170,7 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
                     full[url] = True
                 if check_reset and len(by_url[url]) == 1:
                     check_id = CHECK_EPISODE_ID if tasks is None else task_episode_id(CHECK_EPISODE_ID, check_row)
-                    _check_reset(session, url, reset_kwargs, tasks, check_id)
+                    _check_reset(session, url, reset_kwargs, tasks, check_id, check_row)
     except BaseException:
         for opened in by_url.values():
             for s in opened:
@@ -184,8 +184,8 @@ def open_env_sessions(urls: Sequence[str], count: int, *, max_tool_calls: int,
     return sessions
 
 
-def _check_reset(session: EnvSession, url: str, reset_kwargs: Mapping[str, Any] | None, tasks: Any,
-                 episode_id: str) -> None:
+def _check_reset(session: EnvSession, url: str, reset_kwargs: Mapping[str, Any] | None, tasks: TaskSet | None,
+                 episode_id: str, row: int) -> None:
     """The one reset of a URL before any episode; raises as `open_env_sessions` says."""
     try:
         session.reset(0, episode_id)  # raises on a reset without task text (no tasks) or without tools
@@ -194,5 +194,5 @@ def _check_reset(session: EnvSession, url: str, reset_kwargs: Mapping[str, Any] 
     except RuntimeError as e:  # OpenEnv's "Server error: ...": the env's reset raised
         what = f"reset_kwargs {dict(reset_kwargs or {})}"
         if tasks is not None:
-            what += f" and task columns {sorted(tasks.task(0)[1])}"
+            what += f" and the columns {sorted(tasks.task(row)[1])} of task row {row}"
         raise EnvServerError(f"env server at {url} failed a reset with {what}: {_compact(str(e))}") from e

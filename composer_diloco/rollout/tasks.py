@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_diloco.config import TasksConfig
+from composer_diloco.rollout.chat import task_text
 from composer_diloco.rollout.episodes import EnvSession
 
 __all__ = ["NODE_RESET_KEYS", "TaskEnvSession", "TaskSet", "TaskSetError", "TaskShard", "row_of", "task_episode_id"]
@@ -82,17 +83,6 @@ class TaskShard:
         return f"{self.index}/{self.count}"
 
 
-def _prompt_text(value: Any) -> str:
-    """A prompt cell as text: a string, or chat messages (``[{"role", "content"}]``) whose user contents are joined
-    by blank lines (every message's when none is a user's); anything else is ``""``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) for m in value):
-        users = [m for m in value if m.get("role") == "user"] or list(value)
-        return "\n\n".join(str(m.get("content") or "") for m in users if m.get("content"))
-    return ""
-
-
 def _load_rows(path: str, split: str) -> list[dict[str, Any]]:
     """The rows of ``path`` (a local data file, a ``save_to_disk`` folder or a ``datasets`` path / hub id).
 
@@ -131,7 +121,7 @@ class TaskSet:
 
     Attributes:
         source: the ``path`` it was loaded from.
-        prompts: each row's task text (`_prompt_text` of its prompt column), never empty.
+        prompts: each row's task text (`composer_diloco.rollout.chat.task_text` of its prompt column), never empty.
         reset_kwargs: each row's keywords for the env's ``reset`` (its ``reset_columns``).
         sha256: hex digest of the prompts and keywords (logged, so that the nodes of a run can compare task files).
     """
@@ -167,7 +157,7 @@ class TaskSet:
                                f"{list(NODE_RESET_KEYS)} itself: rename them or leave them out of reset_columns")
         prompts, kwargs = [], []
         for i, row in enumerate(rows):
-            text = _prompt_text(row.get(prompt_column))
+            text = task_text(row.get(prompt_column))
             if not text.strip():
                 raise TaskSetError(f"[tasks] {source!r} row {i}: the prompt column {prompt_column!r} is empty or not "
                                    f"text (got {row.get(prompt_column)!r:.80}): expected the task text")
