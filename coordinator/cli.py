@@ -64,15 +64,11 @@ def start(
     code = 0
     try:
         cfg = _load(config, rounds, model)
-        if listen is not None:
-            from composer_diloco.outer.swarm import SwarmError
+        from composer_diloco.outer.swarm import parse_listen
 
-            from hivemind.utils.multiaddr import Multiaddr
-
-            try:
-                Multiaddr(listen)
-            except Exception:
-                raise SwarmError(f"--listen {listen!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)")
+        for value, option in [(listen, "--listen"), *((a, "--announce") for a in announce)]:
+            if value is not None:
+                parse_listen(value, option)
         coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume,
                                                      secret_file=secret_file, max_idle_s=max_idle,
                                                      idle_log_s=idle_log), stop)

@@ -46,6 +46,10 @@ def join(
     task_shard: Annotated[str | None, typer.Option(
         help="K/N: take shard K of N of the rows of the run's task dataset (tasks.path; 0 <= K < N), like a rank and world size. "
              "Default: the node's own seeded order of all rows (rows may repeat across nodes).")] = None,
+    listen: Annotated[str | None, typer.Option(
+        help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (default: 127.0.0.1, a free port: reachable only "
+             "from this machine; nodes on other machines must be able to dial every node).")] = None,
+    announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -59,7 +63,8 @@ def join(
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
-                          expected_config=config, env_sessions=env_sessions, task_shard=task_shard)
+                          expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
+                          listen=listen, announce=list(announce))
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)

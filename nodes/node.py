@@ -35,7 +35,9 @@ from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
 from composer_diloco.rollout.episodes import EnvSession
-from composer_diloco.outer.swarm import Swarm, SwarmError, fetch_run_config, parse_multiaddr, start_dht
+from composer_diloco.outer.swarm import (
+    Swarm, SwarmError, fetch_run_config, parse_listen, parse_multiaddr, start_dht,
+)
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
 from nodes.device import NodeBatch, Placement
@@ -116,6 +118,8 @@ class NodeOptions:
             ``[env] sessions_per_url``, else as many as a step has episodes within each server's capacity.
         task_shard: ``"K/N"``: this node takes shard K of N of the run's ``[tasks]`` rows (`TaskShard`); None = its own
             seeded order of all rows.
+        listen: multiaddr this node's DHT and averager listen on (None: 127.0.0.1, a free port).
+        announce: multiaddrs other machines dial to reach it (empty: what it listens on).
     """
 
     peer: str
@@ -132,6 +136,8 @@ class NodeOptions:
     expected_config: Path | None = None
     env_sessions: int | None = None
     task_shard: str | None = None
+    listen: str | None = None
+    announce: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -180,6 +186,9 @@ class Node:
         shard = TaskShard.parse(o.task_shard) if o.task_shard else None
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
+        for value, option in [(o.listen, "--listen"), *((a, "--announce") for a in o.announce)]:
+            if value is not None:
+                parse_listen(value, option)
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
         protocols = {}
         for url in o.env_urls:
@@ -190,7 +199,7 @@ class Node:
         from composer_diloco.outer.auth import load_secret
 
         secret = load_secret(o.secret_file)  # None: an open run
-        self.dht = start_dht(initial_peers=[o.peer], secret=secret)
+        self.dht = start_dht(initial_peers=[o.peer], listen=o.listen, announce=o.announce or None, secret=secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
         diff = config_diff(expected, config) if expected is not None else []
@@ -199,7 +208,8 @@ class Node:
                             f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
-        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret)
+        self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
+                           initial_peers=[o.peer])
 
         self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
@@ -266,6 +276,13 @@ class Node:
         first = peer.round
         self._round_started = time.monotonic()
         self.trainer.train()
+        while peer.round < config.rounds and not self.stop.event.is_set():
+            # a heal took this node back to an earlier round (`recovery.heal_split`): its inner steps ran out before
+            # the run's last round. Train the rounds left; TRL reuses the optimizer, so AdamW's moments carry on.
+            log.info("round %d: %d rounds left after going back to the run's theta: training on", peer.round,
+                     config.rounds - peer.round)
+            self.trainer.args.max_steps = (config.rounds - peer.round) * config.inner_steps
+            self.trainer.train()
         if peer.round >= config.rounds and not self.stop.event.is_set():
             self._keep_final_model()
             self.tool_calls.check()

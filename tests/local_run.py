@@ -37,12 +37,13 @@ class LocalRun:
         self.peer = ""
         self._all: list[subprocess.Popen] = []
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, stdout=None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, stdout=None,
+               prefix: list[str] | None = None) -> subprocess.Popen:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, *args], stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL,
                                     env=full_env, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
         self._all.append(proc)
@@ -66,10 +67,12 @@ class LocalRun:
         self.peer = found[0]
         return self.peer
 
-    def start_node(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start (or restart, with the same command) node ``name``."""
-        return self._spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
-                                  "--name", name, "--device", "cpu", *extra], env)
+    def start_node(self, name: str, *extra: str, env: dict[str, str] | None = None, peer: str | None = None,
+                   prefix: list[str] | None = None) -> subprocess.Popen:
+        """Start (or restart, with the same command) node ``name``; ``peer`` replaces the coordinator's ``peer:``
+        line, ``prefix`` goes before the command (e.g. ``ip netns exec NS``)."""
+        return self._spawn(name, ["-m", "nodes", "join", "--peer", peer or self.peer, "--run-dir", str(self.run_dir),
+                                  "--name", name, "--device", "cpu", *extra], env, prefix=prefix)
 
     def kill(self, name: str) -> float:
         """SIGKILL the peer's whole process group (a lost machine); returns the wall time (time.time())."""

@@ -152,6 +152,7 @@ class DiLoCoPeer:
     def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0):
         self.config, self.swarm = config, swarm
         self.round = start_round
+        self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`heal_split`)
         self._lock = threading.Lock()  # guards theta while a peer downloads our state
         self._built = threading.Event()  # set once theta exists: a state request waits for it
         self.delta = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters() if p.requires_grad]
@@ -288,6 +289,9 @@ class DiLoCoPeer:
         """
         r = self.round
         clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
+        healed = recovery.heal_split(self, model, r, clock)  # 0. replicas that disagree take the run's theta
+        if healed is not None:
+            return healed
         try:
             norm = self._pseudo_gradient(model, r)                            # 1. Delta_i = theta - theta_i
             barrier = self._barrier(r, weight, stop, clock)                   # 2. wait for the round's peers

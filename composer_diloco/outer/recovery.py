@@ -21,6 +21,13 @@ Failure behaviour of `DiLoCoPeer.sync`:
 - a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
   `GlobalModel.outer_step`), the round fails and the peer resynchronises as above.
 
+- replicas that disagree (a partition of the DHT that let both halves go on, or two peers that stepped alone
+  after timeouts): every peer publishes theta's hash at the start of each of its last rounds in its heartbeat
+  (`Swarm.history`, `PeerRecord.lineage`) and, at the start of each sync, compares them with those of the run's
+  authority: the coordinator, else the live node with the lowest name (`step_order`). A peer whose theta differs
+  at a round both hold takes the authority's state before it averages again (`heal_split`); the authority logs
+  each peer it finds diverged, and any state taken from a peer of another lineage is logged as a split.
+
 Joining: `join_at_round_boundary` brings a new peer to the round the swarm is in before its first inner phase.
 """
 
@@ -35,7 +42,7 @@ from typing import TYPE_CHECKING
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
-from composer_diloco.outer.swarm import PeerRecord
+from composer_diloco.outer.swarm import PeerRecord, first_divergence
 
 if TYPE_CHECKING:
     from composer_diloco.outer.peer import DiLoCoPeer, SyncResult, SyncStatus, _RoundClock
@@ -123,6 +130,49 @@ def step_alone(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundC
     return peer._finish(model, clock, peers=1, status=status)
 
 
+def heal_split(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult | None:
+    """Before round ``r``'s sync: take the authority's state if this peer's theta left the run's lineage.
+
+    The authority is the first live peer by `step_order` (the coordinator, else the lowest name); it keeps the
+    canonical theta, so a run split in two heals toward the half that holds it. Its heartbeat carries theta's hash
+    at the start of each of its last rounds (`PeerRecord.lineage`, its current round too when settled); this peer
+    compares them with its own (`Swarm.history`) on the rounds both hold (`first_divergence`). None in common, or
+    all equal: nothing to do (a peer merely behind is brought forward by `recover`). One differs: the replicas
+    parted; this peer downloads the authority's state, whatever its round (the rounds trained since the split are
+    dropped), and its history restarts there. The authority itself only logs the peers it finds diverged, once per
+    peer and round.
+
+    Returns:
+        None when nothing was healed (the sync goes on), else the round's `SyncResult` with status "resynced".
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
+    """
+    me, history = peer.swarm.name, peer.swarm.history
+    others = [p for p in peer.swarm.live_peers() if p.name != me]
+    if not others:
+        return None
+    authority = min(others, key=lambda p: step_order(p.role, p.name))
+    if step_order(peer.swarm.role, me) < step_order(authority.role, authority.name):
+        for p in others:  # we are the authority: the others take our theta; say whom we found diverged
+            at = first_divergence(history, _lineage(p))
+            if at is not None and (p.name, at) not in peer.diverged_seen:
+                peer.diverged_seen.add((p.name, at))
+                log.warning("%s round %d: replicas disagree: %s's theta at round %d is %s, ours was %s (a partition, "
+                            "or peers that stepped alone); it takes our state at its next sync", me, r, p.name, at,
+                            _lineage(p)[at][:12], history[at][:12])
+        return None
+    if first_divergence(history, _lineage(authority)) is None:
+        return None
+    if not load_from_first(peer, [authority], min_round=0):
+        return None  # it did not answer: try again at the next sync
+    return peer._finish(model, clock, peers=0, status="resynced")
+
+
+def _lineage(p: PeerRecord) -> dict[int, str]:
+    """A peer's published hashes by round, its current round's included once settled."""
+    return {**p.lineage, p.round: p.sha} if p.settled and p.sha else dict(p.lineage)
+
+
 def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStatus:
     """After an all-reduce of round ``r`` that missed ``missed`` elements: take one group member's theta.
 
@@ -160,11 +210,20 @@ def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStat
 
 def load_from_first(peer: DiLoCoPeer, candidates: list[PeerRecord], *, min_round: int) -> bool:
     """Load the state of the first of ``candidates`` that sends one (a peer that just died may still have a
-    heartbeat); False if none did. Raises ArchitectureMismatch (`DiLoCoPeer.load_state_from_peers`)."""
+    heartbeat); False if none did. A candidate whose published hashes differ from ours at a common round is another
+    lineage (a split): that is logged, and once its state is loaded our history restarts from it. Raises
+    ArchitectureMismatch (`DiLoCoPeer.load_state_from_peers`)."""
     for pick in candidates:
+        at = first_divergence(peer.swarm.history, _lineage(pick))
+        if at is not None:
+            log.error("%s: split detected: %s's theta at round %d is %s, this peer's was %s (the run was partitioned, "
+                      "or peers stepped alone): replicas must not disagree", peer.swarm.name, pick.name, at,
+                      _lineage(pick)[at][:12], peer.swarm.history[at][:12])
         log.warning("%s: taking the theta of %s (round %d, sha256 %s)", peer.swarm.name, pick.name, pick.round,
                     pick.sha[:12])
         if peer.load_state_from_peers(peer.config.network.averaging_timeout_s, min_round=min_round, peer=pick):
+            if at is not None:
+                peer.swarm.history.clear()  # the rounds trained since the split are not the run's
             return True
         log.warning("%s: %s did not send its state", peer.swarm.name, pick.name)
     return False
@@ -216,5 +275,5 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     return max(newest, peer.round)
 
 
-__all__ = ["RoundFailed", "by_precedence", "join_at_round_boundary", "load_from_first", "recover", "settle",
+__all__ = ["RoundFailed", "by_precedence", "heal_split", "join_at_round_boundary", "load_from_first", "recover", "settle",
            "step_alone", "step_order"]

@@ -2,9 +2,10 @@
 
 Keys (all but the first under the run name, so two runs can share a DHT):
     ``composer_diloco.runs`` / run   the run config as canonical JSON (published by the coordinator)
-    ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "settled", "maddr", "t"}``: who is alive,
-                                the round it trains toward and since when (DHT time), theta's SHA-256 at the
-                                start of that round and whether it is final, and where to dial it
+    ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "settled", "lineage", "maddr", "t"}``: who
+                                is alive, the round it trains toward and since when (DHT time), theta's SHA-256
+                                at the start of that round and whether it is final, the hashes of its last
+                                `LINEAGE_ROUNDS` rounds (to tell two replicas that parted), where to dial it
     ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
 
 Why a barrier: hivemind's matchmaking only groups peers that look for a group at about the same time, and each
@@ -15,10 +16,12 @@ matchmaking for the same ``scheduled_time``, so one round forms one group.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import hivemind
@@ -31,6 +34,8 @@ from composer_diloco.lifecycle import keep_signal_handlers
 log = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 3600.0
+LINEAGE_ROUNDS = 16  # rounds of theta hashes each heartbeat carries
+_LINEAGE_HEX = 16  # hex digits of each (64 bits: two different thetas never match by chance)
 RUNS_KEY = "composer_diloco.runs"
 
 
@@ -49,6 +54,18 @@ def parse_multiaddr(text: str) -> Multiaddr:
     if "/p2p/" not in str(addr):
         raise SwarmError(f"--peer {text!r} has no /p2p/<peer id> part (copy the whole `peer:` line)")
     return addr
+
+
+def parse_listen(text: str, option: str = "--listen") -> str:
+    """Check a ``--listen`` / ``--announce`` value. Raises SwarmError naming it unless it is a multiaddr with a
+    transport (``/ip4/0.0.0.0/tcp/4000``; no /p2p/ part)."""
+    try:
+        addr = Multiaddr(text)
+    except Exception:
+        raise SwarmError(f"{option} {text!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)") from None
+    if "/p2p/" in str(addr):
+        raise SwarmError(f"{option} {text!r} names a peer id: expected only an address, e.g. /ip4/0.0.0.0/tcp/4000")
+    return text
 
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
@@ -133,7 +150,8 @@ class PeerRecord:
     """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
     ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
     ``round`` came from an incomplete all-reduce and may still be replaced by a group member's, or while it lost
-    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.outer.peer`)."""
+    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.outer.peer`); ``lineage`` = round ->
+    the first 16 hex digits of theta's SHA-256 at its start, for the peer's last settled rounds."""
 
     name: str
     role: str  # "coordinator" | "node"
@@ -143,11 +161,26 @@ class PeerRecord:
     maddr: str = ""
     sha: str = ""
     settled: bool = True
+    lineage: dict[int, str] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> str:
         """The base58 PeerID of its multiaddr (``/p2p/<id>``; its DHT and averager share it), "" if unknown."""
         return self.maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in self.maddr else ""
+
+
+def first_divergence(ours: dict[int, str], theirs: dict[int, str]) -> int | None:
+    """The first round both hash tables hold where the hashes differ (compared on their common prefix), else None.
+
+    Args:
+        ours, theirs: round -> SHA-256 hex of theta at the round's start (`Swarm.history`, `PeerRecord.lineage`).
+    """
+    for r in sorted(ours.keys() & theirs.keys()):
+        a, b = ours[r], theirs[r]
+        n = min(len(a), len(b))
+        if n and a[:n] != b[:n]:
+            return r
+    return None
 
 
 class Swarm:
@@ -161,17 +194,22 @@ class Swarm:
         secret: the run secret of a closed run (None = open); `DiLoCoPeer` derives its averager from it.
     """
 
-    def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str, secret: bytes | None = None):
+    def __init__(self, dht: hivemind.DHT, *, run_name: str, peer_name: str, role: str, secret: bytes | None = None,
+                 initial_peers: list[str] | None = None):
         self.dht, self.run, self.name, self.role = dht, run_name, peer_name, role
         self.secret = secret
+        self.initial_peers = list(initial_peers or [])
+        self._seen: dict[str, tuple[str, float]] = {}  # peer name -> (multiaddr, time.monotonic() last seen alive)
         self.round = 0
         self.round_since = get_dht_time()
         self.sha = ""
         self.settled = True
+        self.history: dict[int, str] = {}  # round -> SHA-256 of theta at its start, for the settled rounds seen here
         self._maddr = ""
         self._ttl_s: float | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._redial: threading.Thread | None = None
 
     # -- heartbeats ---------------------------------------------------------------------------------------
     def start_heartbeat(self, period_s: float, ttl_s: float) -> None:
@@ -193,14 +231,49 @@ class Swarm:
         self._store_heartbeat(ttl_s)
         self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         self._heartbeat.start()
+        self._redial = threading.Thread(target=self._redial_loop, args=(max(period_s, 5.0),),
+                                        name=f"redial-{self.name}", daemon=True)
+        self._redial.start()
+
+    # -- finding the swarm again after a partition -------------------------------------------------------------
+    def _redial_loop(self, period_s: float, forget_s: float = 1800.0) -> None:
+        """Every ``period_s`` seconds, ping the peers this one saw alive (and its ``--peer``s) whose heartbeat is gone.
+
+        hivemind's DHT drops a peer from its routing table when an RPC to it fails and never looks for it again, so a
+        partition (a link down for longer than a heartbeat's TTL) would leave two halves of the run that each see only
+        themselves, for good. A ping that is answered puts both peers back into each other's routing table (hivemind's
+        ``DHTProtocol.call_ping``), and the halves see each other's records again; `recovery.heal_split` then brings
+        every replica back to one theta. Peers not seen for ``forget_s`` seconds are no longer dialled.
+        """
+        while not self._stop.wait(period_s):
+            try:
+                live = self.live_peers()
+                now = time.monotonic()
+                for p in live:
+                    if p.maddr:
+                        self._seen[p.name] = (p.maddr, now)
+                alive = {p.name for p in live} | {p.peer_id for p in live}
+                lost = {maddr for name, (maddr, seen) in self._seen.items()
+                        if name != self.name and name not in alive and now - seen < forget_s}
+                lost |= {m for m in self.initial_peers if m.rsplit("/p2p/", 1)[-1] not in alive}
+                if lost:
+                    answered = self.dht.run_coroutine(partial(_ping_peers, maddrs=sorted(lost)))
+                    if answered:
+                        log.warning("%s: reached %s again (their heartbeats had expired: a partition?)", self.name,
+                                    ", ".join(answered))
+            except Exception as e:  # a failed look or ping is retried next period
+                log.debug("redial failed: %r", e)
 
     def set_round(self, round_: int, sha: str = "", *, settled: bool = True) -> None:
         """Record the round this peer now trains toward (and theta's SHA-256 for it), and publish it at once.
 
-        ``settled=False``: theta may still be replaced by a group member's (after an incomplete all-reduce)."""
+        ``settled=False``: theta may still be replaced by a group member's (after an incomplete all-reduce). A
+        settled hash joins `history`, which the heartbeats publish (their last `LINEAGE_ROUNDS` rounds)."""
         if round_ != self.round or self._ttl_s is None:  # a new round, or the first one this peer trains
             self.round_since = get_dht_time()
         self.round, self.sha, self.settled = round_, sha, settled
+        if sha and settled:
+            self.history[round_] = sha
         if self._ttl_s is not None:
             try:
                 self._store_heartbeat(self._ttl_s)
@@ -208,8 +281,9 @@ class Swarm:
                 log.debug("heartbeat failed: %r", e)
 
     def _store_heartbeat(self, ttl_s: float) -> None:
+        lineage = [[r, self.history[r][:_LINEAGE_HEX]] for r in sorted(self.history)[-LINEAGE_ROUNDS:]]
         value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha,
-                 "settled": self.settled, "maddr": self._maddr, "t": get_dht_time()}
+                 "settled": self.settled, "lineage": lineage, "maddr": self._maddr, "t": get_dht_time()}
         self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
 
     def live_peers(self) -> list[PeerRecord]:
@@ -221,9 +295,10 @@ class Swarm:
         for name, item in found.value.items():
             v = getattr(item, "value", None)
             if isinstance(v, dict) and {"role", "round", "t"} <= v.keys():
+                lineage = {int(r): str(h) for r, h in v.get("lineage", []) if isinstance(h, str)}
                 out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"]),
                                       float(v.get("since", v["t"])), str(v.get("maddr", "")),
-                                      str(v.get("sha", "")), bool(v.get("settled", True))))
+                                      str(v.get("sha", "")), bool(v.get("settled", True)), lineage))
         return out
 
     # -- the round barrier --------------------------------------------------------------------------------
@@ -267,11 +342,31 @@ class Swarm:
         return None
 
     def close(self) -> None:
-        """Stop the heartbeat thread (the DHT is shut down by its owner)."""
+        """Stop the heartbeat and redial threads (the DHT is shut down by its owner)."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
+        if self._redial is not None:
+            self._redial.join(timeout=5)
 
 
-__all__ = ["ConfigError", "PeerRecord", "Swarm", "SwarmError", "fetch_run_config", "parse_multiaddr", "publish_config",
-           "start_dht", "visible_multiaddr"]
+async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeout_s: float = 5.0) -> list[str]:
+    """In the DHT's process: dial each multiaddr and ping its DHT peer (both add each other to their routing tables).
+    Returns the multiaddrs that answered."""
+    from hivemind.p2p import PeerID
+
+    async def ping(text: str) -> str | None:
+        address, _, peer_id = text.rpartition("/p2p/")
+        pid = PeerID.from_base58(peer_id)
+        try:  # the libp2p peerstore may have forgotten the address: give it again
+            await asyncio.wait_for(node.p2p._client.connect(pid, [Multiaddr(address)]), timeout_s)
+        except Exception:
+            return None
+        return text if await node.protocol.call_ping(pid) is not None else None
+
+    found = await asyncio.gather(*(ping(m) for m in maddrs))
+    return [m for m in found if m]
+
+
+__all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "fetch_run_config", "first_divergence",
+           "parse_listen", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]

@@ -1,0 +1,141 @@
+"""A run whose network splits in two, on purpose, and heals to one theta when the link comes back.
+
+node-1 runs in its own network namespace, joined to the host (coordinator, node-0) by a veth pair; taking the
+host's end down cuts it off completely, as a lost link between two machines would. While cut off, node-1 sees
+nobody and steps alone, so its theta leaves the run's; the coordinator and node-0 go on averaging. When the link is
+back, the peers find each other again (`Swarm` re-dials peers whose heartbeats expired) and node-1, whose theta at
+the coordinator's round differs, takes the coordinator's state (`recovery.heal_split`). The run ends with every
+replica on one theta. Needs root (network namespaces); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from local_run import LocalRun, write_config
+
+SPLIT_CONFIG = """
+rounds = 24
+inner_steps = 1
+[network]
+heartbeat_s = 1.0
+heartbeat_ttl_s = 4.0
+round_slack_s = 8.0
+averaging_timeout_s = 15.0
+"""
+HOST_IP, NS_IP = "10.79.0.1", "10.79.0.2"
+
+
+def _netns_unusable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "no `ip` command"
+    probe = subprocess.run(["ip", "netns", "add", f"cdprobe{os.getpid()}"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"ip netns add failed: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"cdprobe{os.getpid()}"], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def split_link():
+    """A namespace joined to the host by a veth pair; yields (namespace, host-side device)."""
+    reason = _netns_unusable()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 100000
+    ns, host_dev, ns_dev = f"cdsplit{tag}", f"cdsh{tag}", f"cdsn{tag}"
+    try:
+        _ip("netns", "add", ns)
+        _ip("link", "add", host_dev, "type", "veth", "peer", "name", ns_dev, "netns", ns)
+        _ip("addr", "add", f"{HOST_IP}/30", "dev", host_dev)
+        _ip("link", "set", host_dev, "up")
+        _ip("-n", ns, "addr", "add", f"{NS_IP}/30", "dev", ns_dev)
+        _ip("-n", ns, "link", "set", ns_dev, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        yield ns, host_dev
+    finally:
+        subprocess.run(["ip", "link", "del", host_dev], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _latest_per_round(records: list[dict]) -> dict[int, dict]:
+    """A peer's newest record of each round (a peer that healed went back and trained some rounds twice)."""
+    out: dict[int, dict] = {}
+    for r in sorted(records, key=lambda r: r["time"]):
+        out[r["round"]] = r
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
+    ns, host_dev = split_link
+    run = LocalRun(run_dir, write_config(tmp_path / "split.toml", SPLIT_CONFIG))
+    port = 46000 + os.getpid() % 1000
+    try:
+        coordinator = run.start_coordinator("--listen", f"/ip4/0.0.0.0/tcp/{port}")
+        peer_id = coordinator.rsplit("/p2p/", 1)[1]
+        run.start_node("node-0", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}")
+        # node-1 paced by a 1 s sleep per inner step, so that it does not race through the run while alone
+        run.start_node("node-1", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/{HOST_IP}/tcp/{port}/p2p/{peer_id}",
+                       prefix=["ip", "netns", "exec", ns], env={"COMPOSER_DILOCO_FAULTS": "step_delay:*:1.0"})
+        first = run.wait_round("coordinator", 1, timeout_s=400)
+        assert first["peers"] == 3, first  # the three met over the veth before the split
+
+        _ip("link", "set", host_dev, "down")
+        cut_at = time.time()
+        run.wait_until(lambda: sum(r["status"] == "alone" and r["time"] > cut_at
+                                   for r in run.records().get("node-1", [])) >= 3, 240,
+                       "node-1 to step alone three times while cut off")
+        coordinator_rounds = [r for r in run.records()["coordinator"] if r["time"] > cut_at]
+        _ip("link", "set", host_dev, "up")
+        joined_at = time.time()
+        print(f"\nsplit for {joined_at - cut_at:.0f} s: the coordinator ended {len(coordinator_rounds)} rounds")
+
+        # node-1 takes the coordinator's state: by `heal_split` when it is at a round it trained itself (its theta
+        # there differs from the coordinator's), by `recover` when the others are ahead of it; which of the two
+        # depends on which half stepped faster while apart
+        run.wait_until(lambda: any(r["status"] == "resynced" and r["time"] > joined_at
+                                   for r in run.records().get("node-1", [])), 240, "node-1 to take the run's theta")
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name, timeout_s=400) == 0, run.log_tail(name)
+    finally:
+        run.stop()
+
+    records = run.records()
+    alone = [r for r in records["node-1"] if r["status"] == "alone" and r["time"] > cut_at]
+    assert len(alone) >= 3
+    # while cut off, node-1's theta left the run's: it disagrees with the coordinator at the rounds it stepped alone
+    by_round = {n: _latest_per_round(records[n]) for n in records}
+    diverged = [r for r in alone if r["global_sha256"] != by_round["coordinator"].get(r["round"], {}).get("global_sha256")]
+    assert diverged, "node-1 stepped alone but its theta never left the run's: the split did not split anything"
+    healed = [r for r in records["node-1"] if r["time"] > joined_at and r["status"] == "resynced"]
+    assert healed, records["node-1"]
+    heal_time = healed[0]["time"]
+    # the disagreement was seen and said: by node-1 (its heal) or by the coordinator (the run's authority)
+    said = [n for n, text in (("node-1", "split detected"), ("coordinator", "replicas disagree"))
+            if text in run.log(n)]
+    assert said, "nobody logged that the replicas disagreed"
+    print(f"logged by {said}")
+    print(f"node-1 took the coordinator's state {heal_time - joined_at:.1f} s after the link came back")
+    # from the heal on, every round every peer recorded has one theta, and the run ended on one theta
+    after = sorted({r["round"] for r in records["node-1"] if r["time"] >= heal_time})
+    for rnd in after:
+        shas = {n: by_round[n][rnd]["global_sha256"] for n in by_round if rnd in by_round[n]}
+        assert len(set(shas.values())) == 1, f"round {rnd}: peers disagree after the heal: {shas}"
+    last = {n: by_round[n][max(by_round[n])] for n in by_round}
+    assert {r["round"] for r in last.values()} == {23}, last
+    assert len({r["global_sha256"] for r in last.values()}) == 1, last
+    # and the three averaged together again
+    assert any(r["peers"] == 3 and r["time"] > heal_time for r in records["coordinator"]), records["coordinator"]
