@@ -396,3 +396,58 @@ def test_replay_to_another_peer_and_relay_are_refused(tmp_path):
         stop_processes(procs)
     (tmp_path / "reports.json").write_text(json.dumps({"relay": relay_report, "dial": dial_report}, indent=1))
     _assert_replay_and_relay_refused(relay_report, dial_report)
+
+
+FLOOD_CONFIG = """
+rounds = 30
+inner_steps = 1
+"""
+FLOOD_SECONDS = 20
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
+    """A closed run (coordinator + 2 nodes) while outsiders flood the coordinator with DHT requests it must refuse
+    (unsigned DHT finds, DHT finds signed with a wrong secret, the averager's join_group under the closed prefix)
+    for 20 s of the run: every round is averaged by all three, and the
+    replicas agree. Earlier, such a flood (9,308 refusals in 60 s) cost the coordinator 2 rounds."""
+    import json as json_
+    from local_run import LocalRun, assert_agree, write_config
+
+    run = LocalRun(run_dir, write_config(tmp_path / "flood.toml", FLOOD_CONFIG))
+    floods: list[subprocess.Popen] = []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        env = {"COMPOSER_DILOCO_SECRET": SECRET}
+        peer = run.start_coordinator(env=env)
+        for name in ("node-0", "node-1"):
+            run.start_node(name, env=env)
+        run.wait_round("coordinator", 0, timeout_s=400)
+        join = ["--join-prefix", averaging_prefix("composer", SECRET.encode())]  # as libp2p's identify tells it
+        for i, kind in enumerate(([], ["--signed"], join)):
+            floods.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "flood_peer.py"), "--target", peer, "--seconds",
+                 str(FLOOD_SECONDS), "--workers", "16", *kind], env=env_with(WRONG if kind else None),
+                stdout=subprocess.PIPE, stderr=open(logs / f"flood-{i}.log", "w"), text=True, cwd=ROOT,
+                start_new_session=True))
+        started = time.time()
+        reports = [json_.loads(f.communicate(timeout=FLOOD_SECONDS + 120)[0].strip().splitlines()[-1]) for f in floods]
+        ended = time.time()
+        assert not run.records()["coordinator"][-1]["round"] >= 29, "the run ended before the flood did"
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name, timeout_s=400) == 0, run.log_tail(name)
+    finally:
+        stop_processes(floods)
+        run.stop()
+    print(f"\nfloods: {reports}")
+    assert all(r["answered"] == 0 for r in reports), reports  # none got in
+    assert sum(r["refused"] for r in reports) >= 20 * FLOOD_SECONDS, reports  # and they did flood
+    records = run.records()
+    assert_agree(records, range(30))
+    during = [r for r in records["coordinator"] if started <= r["time"] <= ended + 5]
+    assert len(during) >= 3, f"only {len(during)} rounds ended during the flood"
+    lost = [(r["round"], r["status"], r["peers"]) for r in records["coordinator"] if r["peers"] != 3]
+    assert not lost, f"rounds the flood cost the coordinator: {lost}"
+    print(f"{len(during)} rounds during {ended - started:.0f} s of flood, all averaged by the 3 peers")

@@ -22,7 +22,7 @@ A run is closed when the coordinator and every node are given the same secret (`
 Limits: libp2p connections themselves are not authenticated (hivemind's p2pd has no private-network key), so an
 outsider can still connect and learn the peer IDs and protocol names; the secret gates every RPC we serve, not the
 transport. A refused request still costs its trip through p2pd and hivemind's handler machinery (measured here: a few
-hundred microseconds of CPU each, of which our checks are 1 to 3 us; `tests/bench_refusal_flood.py`). Traffic is encrypted by libp2p (Noise/TLS) but not hidden. The secret is never logged, stored in the DHT
+hundred microseconds of CPU each, of which our checks are 1 to 3 us; `bench/refusal_flood.py`). Traffic is encrypted by libp2p (Noise/TLS) but not hidden. The secret is never logged, stored in the DHT
 or written to the run dir; a peer that leaked it must be treated as an insider (change the secret, restart the run).
 """
 

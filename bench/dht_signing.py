@@ -1,7 +1,7 @@
 """Micro-benchmark: the cost of signing and checking one DHT request and its reply in a closed run, before and after
 requests were bound to both libp2p peer IDs (issue 14 item 7). Both run side by side in one process.
 
-    PYTHONPATH=. python tests/bench_dht_signing.py [--n 20000] [--before-commit 905fe9f]
+    PYTHONPATH=. python bench/dht_signing.py [--n 20000] [--before-commit 905fe9f]
 
 "before" is `composer_diloco/outer/auth.py` as it was at ``--before-commit`` (read with ``git show``, so the exact old
 code runs); "after" is this tree's. One round trip = the client signs the request, the server checks it (HMAC,

@@ -1,7 +1,7 @@
 """Benchmark: how many refused DHT requests a closed run's peer absorbs per second, and what a flood costs an insider,
 before and after requests were bound to both libp2p peer IDs (issue 14 item 7).
 
-    PYTHONPATH=. python tests/bench_refusal_flood.py [--before-commit 905fe9f] [--seconds 10] [--workers 16]
+    PYTHONPATH=. python bench/refusal_flood.py [--before-commit 905fe9f] [--seconds 10] [--workers 16]
 
 For each tree ("before": ``git archive`` of ``--before-commit`` unpacked in a temporary folder; "after": this tree)
 it starts `outsider_peer.py host` (a coordinator stand-in: a closed DHT and an averager) with a secret, times an

@@ -1,6 +1,6 @@
 """Time ``run_tests`` calls of an existing task in the coding sandbox (the cost of the sandbox per call).
 
-Usage: ``PYTHONPATH=<tree> python tests/sandbox_cost.py [calls]``; prints the median and minimum wall-clock and CPU
+Usage: ``PYTHONPATH=<tree> python bench/sandbox_cost.py [calls]``; prints the median and minimum wall-clock and CPU
 milliseconds per call (CPU: this process and its children, user + system; steadier than the wall clock on a shared
 machine) of the scripted solution of ``hw/slugify`` (passing tests) under the default limits and policy.
 """
