@@ -46,6 +46,9 @@ def join(
     task_shard: Annotated[str | None, typer.Option(
         help="K/N: take shard K of N of the rows of the run's task dataset (tasks.path; 0 <= K < N), like a rank and world size. "
              "Default: the node's own seeded order of all rows (rows may repeat across nodes).")] = None,
+    gradient_checkpointing: Annotated[bool, typer.Option(
+        "--gradient-checkpointing", help="Recompute each layer's activations in backward: less activation memory "
+                                         "(see the memory plan logged at start), about a third more compute.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -59,7 +62,8 @@ def join(
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
-                          expected_config=config, env_sessions=env_sessions, task_shard=task_shard)
+                          expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
+                          gradient_checkpointing=gradient_checkpointing)
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)
