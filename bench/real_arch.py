@@ -23,6 +23,7 @@ Run:
     python bench/real_arch.py build --arch 0.6b --out runs/qwen3-0.6b-random
     python bench/real_arch.py plan [--seq-len 1024] [--json out.json]
     python bench/real_arch.py measure --model runs/qwen3-0.6b-random --rows 2 --seq-len 256 [--lora]
+    python bench/real_arch.py steps --model runs/qwen3-0.6b-random [--steps 4] [--full]   (rollout / prep / train s)
     python bench/real_arch.py simulate --run-dir runs/real-0.6b -- --model runs/qwen3-0.6b-random --nodes 2 \\
         --config configs/qwen3_0.6b_lora.toml       (simulate, with each process's peak RSS)
 """
@@ -142,8 +143,9 @@ if lora is not None:
 meas = measure_training_bytes(m, rows={rows}, seq_len={seq_len}, reference={reference}, lora=lora is not None)
 plan = plan_memory(model_shape(cfg, lora), micro_batch={rows}, seq_len={seq_len}, sdpo=False,
                    dpo_reference={reference})
-print(json.dumps(dict(measured=meas, plan_state=plan.gradients + plan.optimizer + plan.reference,
-                      plan_activations=plan.activations, weights=plan.weights)))
+print(json.dumps(dict(measured=meas, plan_state=plan.optimizer + plan.reference, plan_gradients=plan.gradients,
+                      plan_activations=plan.activations, plan_peak=plan.optimizer + plan.reference + plan.training_peak,
+                      weights=plan.weights)))
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -190,6 +192,87 @@ def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
     return {"exit": proc.wait(), "seconds": round(time.monotonic() - t0, 1), "peak_rss": peaks, "rounds": rounds}
 
 
+def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = True,
+               gradient_checkpointing: bool = False) -> list[dict]:
+    """Seconds of ``steps`` inner steps of one node's trainer (`ComposerGRPOTrainer`, in this process, against one
+    local env server of the run's env), each split into
+
+        rollout  TRL's ``rollout_func``: generation + env calls
+        prep     the rest of ``_generate_and_score_completions``: rewards, advantages, the SDPO/DPO collation, DPO
+                 trace replay and the reference log-probs
+        train    the rest of the step: loss + backward + AdamW step
+
+    (the split of ``bench/overhead.py``). ``lora`` False drops the config's ``[lora]`` (full fine-tuning).
+
+    Returns:
+        one dict per step: ``step_s``, ``rollout_s``, ``prep_s``, ``train_s``, ``sdpo_sites``, ``dpo_pairs``,
+        ``tokens`` (prompt + completion tokens of the step's episodes).
+    """
+    import tempfile
+    import time
+
+    from transformers import TrainerCallback
+
+    from composer_diloco.config import load_config
+    from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
+    from composer_diloco.policy import load_policy
+    from composer_diloco.policy.lora import apply_lora
+    from composer_diloco.rollout.env_process import start_env_server
+    from composer_diloco.rollout.sessions import open_env_sessions
+
+    config = load_config(config_path, model=str(model_dir))
+    if not lora:
+        config = config.model_copy(update={"lora": None})
+    model, tokenizer = load_policy(str(model_dir), run_dir=Path(tempfile.mkdtemp()), seed=config.seed,
+                                   warmstart_steps=0)
+    if config.lora is not None:
+        model = apply_lora(model, config.lora)
+    server = start_env_server(config.env.server_module, startup_timeout_s=60, args=config.env.server_args)
+    rows: list[dict] = []
+    clock = {"rollout": 0.0, "gen": 0.0, "t0": 0.0}
+    try:
+        sessions = open_env_sessions([server.url], config.batch_size, max_tool_calls=config.env.max_tool_calls,
+                                     reset_kwargs=config.env.reset_kwargs)
+        args = grpo_args(config, output_dir=Path(tempfile.mkdtemp()), max_steps=steps, use_cpu=True, bf16=False)
+        if gradient_checkpointing:
+            args.gradient_checkpointing = True
+            args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                clock.update(rollout=0.0, gen=0.0, t0=time.perf_counter())
+
+            def on_step_end(self, *a, **k):
+                step_s = time.perf_counter() - clock["t0"]
+                last = trainer.round_stats.steps[-1]
+                rows.append({"step_s": step_s, "rollout_s": clock["rollout"], "prep_s": clock["gen"] - clock["rollout"],
+                             "train_s": step_s - clock["gen"], "sdpo_sites": last.sdpo_sites,
+                             "dpo_pairs": last.dpo_pairs, "tokens": clock.get("tokens", 0)})
+
+        trainer = ComposerGRPOTrainer(model=model, tokenizer=tokenizer, config=config, sessions=sessions,
+                                      peer_name="bench", args=args, callbacks=[Clock()])
+        rollout, gen = trainer.rollout_func, trainer._generate_and_score_completions
+
+        def timed_rollout(prompts, trainer_):
+            t0 = time.perf_counter()
+            out = rollout(prompts, trainer_)
+            clock["rollout"] += time.perf_counter() - t0
+            clock["tokens"] = sum(len(p) + len(c) for p, c in zip(out["prompt_ids"], out["completion_ids"]))
+            return out
+
+        def timed_gen(inputs):
+            t0 = time.perf_counter()
+            out = gen(inputs)
+            clock["gen"] += time.perf_counter() - t0
+            return out
+
+        trainer.rollout_func, trainer._generate_and_score_completions = timed_rollout, timed_gen
+        trainer.train()
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> None:
     """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -207,6 +290,12 @@ def main() -> None:
     m.add_argument("--rows", type=int, default=2)
     m.add_argument("--seq-len", type=int, default=256)
     m.add_argument("--lora", action="store_true")
+    t = sub.add_parser("steps", help="seconds per inner step, split into rollout / prep / train")
+    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--config", type=Path, default=ROOT / "configs" / "qwen3_0.6b_lora.toml")
+    t.add_argument("--steps", type=int, default=4)
+    t.add_argument("--full", action="store_true", help="full fine-tuning (drop the config's [lora])")
+    t.add_argument("--gradient-checkpointing", action="store_true")
     w = sub.add_parser("simulate", help="coordinator simulate ARGS..., with each process's peak RSS")
     w.add_argument("--run-dir", type=Path, required=True)
     w.add_argument("--out", type=Path, help="write the result as JSON here")
@@ -225,6 +314,10 @@ def main() -> None:
         sys.exit(result["exit"])
     if a.cmd == "build":
         build(a.arch, a.out, a.seed, plant=not a.no_plant)
+    elif a.cmd == "steps":
+        rows = time_steps(a.model, a.config, a.steps, lora=not a.full, gradient_checkpointing=a.gradient_checkpointing)
+        for i, r in enumerate(rows):
+            print(json.dumps({"step": i, **{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}}))
     elif a.cmd == "plan":
         rows = plan_table(a.seq_len)
         print("| model | mode | parameters (trained) | state GB | activations GB / episode | device GB at b=1 | host GB "

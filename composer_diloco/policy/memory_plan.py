@@ -14,6 +14,12 @@ Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
                        The SDPO teacher is the policy itself (no copy) in either mode.
     activations  the tensors autograd keeps for backward during one micro-batch (see `activation_bytes`).
 
+Gradients and activations do not add up in full: backward frees a layer's activations as it creates its gradients,
+and AdamW's step (``foreach=False``) runs after backward with every gradient plus two temporaries of one tensor. The
+plan takes the step's peak as ``max(activations + gradients / 4, gradients + 8 * largest trainable tensor)``
+(`MemoryPlan.training_peak`; measured on CPU within 5 % where the gradients dominate, e.g. Qwen3-0.6B's architecture
+with full fine-tuning, and within 10 % where the activations do).
+
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
     none for parameter averaging) + 8 T transient at the outer step (the averaged delta's copy and the ``.grad`` the
@@ -21,15 +27,15 @@ Host RAM (`composer_diloco.outer`: always CPU, fp32)
     it moves to a GPU; on a CPU node that copy *is* the device's weights.
 
 Activations (an approximation, calibrated on CPU by `measure_training_bytes`): per token of a micro-batch row,
-``layers * (K_HIDDEN * hidden + K_FFN * intermediate) * a`` for the decoder layers (a = 4 bytes fp32, 2 under bf16
-autocast) plus ``K_LOGITS * vocab * 4`` for the fp32 logits (the logits, their temperature-scaled copy and their
-gradient). Gradient checkpointing keeps only each layer's input (``hidden * a`` per layer and token) plus one layer's
-full activations while it is recomputed. With ``[lora]`` the decoder's share is ``LORA_DECODER_SHARE`` of that. A
-micro-batch's rows are its ``--batch-size`` episodes, as many SDPO student
-rows (``alpha_sdpo > 0``: at most one site row per episode is the bound used) and ``2 * ceil(max_sites *
-max_pairs_per_turn / grad_accum)`` DPO rows (``beta_dpo > 0``), each ``max_seq_len`` tokens long: an upper bound,
-since real episodes are shorter. The rollout's KV cache (``2 * layers * kv_heads * head_dim * 4`` bytes per token)
-is freed before the training pass and is far smaller, so it is not added.
+``layers * (K_HIDDEN * hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * intermediate) * a`` for the decoder layers (a =
+4 bytes fp32, 2 under bf16 autocast) plus ``K_LOGITS * vocab * 4`` for the fp32 logits (the logits, their
+temperature-scaled copy and their gradient). Gradient checkpointing keeps only each layer's input (``hidden * a`` per
+layer and token) plus one layer's full activations while it is recomputed. With ``[lora]`` the decoder's share is
+``LORA_DECODER_SHARE`` of that. A micro-batch's rows are its ``--batch-size`` episodes, as many SDPO student rows
+(``alpha_sdpo > 0``: at most one site row per episode is the bound used) and ``2 * ceil(max_sites * max_pairs_per_turn
+/ grad_accum)`` DPO rows (``beta_dpo > 0``), each ``max_seq_len`` tokens long: an upper bound, since real episodes are
+shorter. The rollout's KV cache (``2 * layers * kv_heads * head_dim * 4`` bytes per token) is freed before the
+training pass and is far smaller, so it is not added.
 """
 
 from __future__ import annotations
@@ -50,16 +56,21 @@ GB = 1e9
 DEVICE_MEMORY_ENV = "COMPOSER_DILOCO_DEVICE_MEMORY_BYTES"
 """Caps the device bytes a node believes it has (e.g. to rehearse a 24 GB GPU on a bigger one, or in tests)."""
 
-K_HIDDEN = 16
-"""Bytes-per-element count of hidden-sized tensors a Qwen3 decoder layer keeps per token (norms, q/k/v and their
-norms and rotations, attention output, residuals), calibrated on CPU (`measure_training_bytes`)."""
+K_HIDDEN = 6
+"""Hidden-sized tensors a Qwen3/Llama decoder layer keeps per token for backward: the two RMSNorms' inputs and
+outputs, the residual sums (counted from the code, then checked on CPU by `measure_training_bytes`)."""
+K_Q = 6
+"""Query-sized (heads x head_dim) tensors per token: q, its norm, its rotation's inputs and output, the attention
+output."""
+K_KV = 6
+"""Key/value-sized (kv_heads x head_dim) tensors per token: k with its norm and rotation, v."""
 K_FFN = 4
 """Intermediate-sized tensors a SwiGLU MLP keeps per token: gate, up, SiLU(gate), their product."""
 K_LOGITS = 3
 """Vocab-sized fp32 tensors alive per token at the logits: the logits, the temperature-scaled copy, their gradient."""
-LORA_DECODER_SHARE = 2 / 3
+LORA_DECODER_SHARE = 0.65
 """With frozen base weights autograd keeps no input of a frozen linear layer for its weight gradient: the decoder's
-activations shrink to about two thirds (measured 0.66 on CPU)."""
+activations shrink to about 65 % (measured 0.60 at 28 layers to 0.71 at 4 on CPU)."""
 
 
 def _size(n: int | float) -> str:
@@ -79,6 +90,8 @@ class ModelShape:
         params_total: parameters of the policy, tied tensors once (P).
         params_trainable: parameters that train (T): all of them, or the LoRA adapters.
         layers, hidden, intermediate, vocab: the decoder's sizes.
+        q_dim, kv_dim: heads x head_dim and kv_heads x head_dim (hidden and hidden when the config has no such field).
+        largest_trainable: elements of the largest trainable tensor (the embedding with full fine-tuning).
         lora: whether ``params_trainable`` counts adapters.
     """
 
@@ -88,6 +101,9 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    q_dim: int = 0
+    kv_dim: int = 0
+    largest_trainable: int = 0
     lora: bool = False
 
 
@@ -108,16 +124,23 @@ def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShap
         model = AutoModelForCausalLM.from_config(model_config)
         total = sum(p.numel() for p in model.parameters())
         trainable = total
+        largest = max(p.numel() for p in model.parameters())
         if lora is not None:
             from composer_diloco.policy.lora import apply_lora
 
             model = apply_lora(model, lora)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            largest = max(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
     text = getattr(model_config, "text_config", None) or model_config
-    return ModelShape(total, trainable, int(text.num_hidden_layers), int(text.hidden_size),
-                      int(getattr(text, "intermediate_size", 4 * text.hidden_size)), int(text.vocab_size),
-                      lora is not None)
+    hidden = int(text.hidden_size)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
+    kv_heads = int(getattr(text, "num_key_value_heads", 0) or heads)
+    return ModelShape(total, trainable, int(text.num_hidden_layers), hidden,
+                      int(getattr(text, "intermediate_size", 4 * hidden)), int(text.vocab_size),
+                      q_dim=heads * head_dim or hidden, kv_dim=kv_heads * head_dim or hidden, largest_trainable=largest,
+                      lora=lora is not None)
 
 
 def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool = False,
@@ -132,7 +155,8 @@ def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool =
     """
     tokens = rows * seq_len
     a = 2 if bf16 else 4
-    layer = (K_HIDDEN * shape.hidden + K_FFN * shape.intermediate) * a
+    q_dim, kv_dim = shape.q_dim or shape.hidden, shape.kv_dim or shape.hidden
+    layer = (K_HIDDEN * shape.hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * shape.intermediate) * a
     decoder = (shape.layers * shape.hidden * a + layer) if gradient_checkpointing else shape.layers * layer
     if shape.lora:
         decoder *= LORA_DECODER_SHARE
@@ -149,6 +173,7 @@ class MemoryPlan:
         micro_batch, grad_accum, seq_len: ``--batch-size``, ``--grad-accum``, the run's ``max_seq_len`` (tokens).
         bf16, gradient_checkpointing: the node's ``--dtype bf16`` and ``--gradient-checkpointing``.
         weights, gradients, optimizer, reference, activations: device bytes by item.
+        step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor.
         host: host bytes of the outer loop (theta, pseudo-gradient, outer state, outer-step transients).
         host_model: host bytes of the policy as loaded (fp32, before it moves to a GPU; the device's own weights on
             a CPU node, already counted there).
@@ -169,6 +194,7 @@ class MemoryPlan:
     optimizer: int
     reference: int
     activations: int
+    step_transient: int
     host: int
     host_model: int
     free: int | None = None
@@ -182,7 +208,15 @@ class MemoryPlan:
     @property
     def device_bytes(self) -> int:
         """Bytes the training state and one micro-batch's activations need on the device."""
-        return self.weights + self.gradients + self.optimizer + self.reference + self.activations
+        return self.weights + self.optimizer + self.reference + self.training_peak
+
+    @property
+    def training_peak(self) -> int:
+        """Bytes of one step's peak over the persistent state: ``max(activations + gradients / 4, gradients +
+        step_transient)``. Backward frees a layer's activations as it creates its gradients, so the two never
+        add up in full (measured: a quarter of the gradients or less on top of the activations); AdamW's step
+        (``foreach=False``) holds every gradient plus two temporaries of one tensor."""
+        return max(self.activations + self.gradients // 4, self.gradients + self.step_transient)
 
     @property
     def need(self) -> int:
@@ -205,8 +239,9 @@ class MemoryPlan:
             if self.shape.lora else f"full fine-tuning ({self.shape.params_total:,} parameters)"
         free = "free unknown" if self.free is None else f"{_size(self.free)} free ({self.free_source})"
         return (f"memory plan on {self.device}, {mode}: device {_size(self.device_bytes)} = weights "
-                f"{_size(self.weights)} + gradients {_size(self.gradients)} + AdamW {_size(self.optimizer)} + "
-                f"reference {_size(self.reference)} + activations {_size(self.activations)} ({self.rows} rows x "
+                f"{_size(self.weights)} + AdamW {_size(self.optimizer)} + reference {_size(self.reference)} + step "
+                f"peak {_size(self.training_peak)} (gradients {_size(self.gradients)}, activations "
+                f"{_size(self.activations)} for {self.rows} rows x "
                 f"{self.seq_len} tokens, micro-batch {self.micro_batch}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{', gradient checkpointing' if self.gradient_checkpointing else ''})"
                 f"; host {_size(self.host_bytes)} (outer loop {_size(self.host)}); {free}")
@@ -246,6 +281,7 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         bf16=bf16, gradient_checkpointing=gradient_checkpointing,
         weights=4 * p, gradients=4 * t, optimizer=8 * t, reference=4 * p * copies,
         activations=activation_bytes(shape, rows, seq_len, bf16=bf16, gradient_checkpointing=gradient_checkpointing),
+        step_transient=2 * 4 * shape.largest_trainable,
         host=4 * t * (2 + outer_state_tensors + 2), host_model=4 * p, free=free, free_source=free_source)
 
 
@@ -288,9 +324,9 @@ def refusal(plan: MemoryPlan, alternatives: list[tuple[str, MemoryPlan]]) -> str
         "device with more memory or a smaller model"
     where = "host RAM" if plan.on_cpu else "device memory"
     return (f"not enough {where} on {plan.device}: the memory plan needs {_size(plan.need)} (weights "
-            f"{_size(plan.weights)} + gradients {_size(plan.gradients)} + AdamW {_size(plan.optimizer)} + "
-            f"reference {_size(plan.reference)} + activations {_size(plan.activations)} at --batch-size "
-            f"{plan.micro_batch} x {plan.seq_len} tokens"
+            f"{_size(plan.weights)} + AdamW {_size(plan.optimizer)} + reference {_size(plan.reference)} + step peak "
+            f"{_size(plan.training_peak)} (gradients {_size(plan.gradients)}, activations {_size(plan.activations)} at "
+            f"--batch-size {plan.micro_batch} x {plan.seq_len} tokens)"
             f"{' + outer loop ' + _size(plan.host) if plan.on_cpu else ''}), "
             f"{_size(plan.free)} free ({plan.free_source}); {hint}")
 
@@ -409,9 +445,11 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         gradient_checkpointing: ``model.gradient_checkpointing_enable()`` first.
         temperature: the sampling temperature the logits are divided by.
     Returns:
-        ``{"state": bytes after weights (already resident before the call are not counted), gradients, AdamW state
-        and the reference are allocated; "peak": peak bytes over the whole step; "activations": peak - state}``, each
-        relative to the resident set when the call starts.
+        ``{"state": measured bytes of the AdamW moments and the reference copy; "peak": measured peak bytes over the
+        whole step (state, the gradients backward creates, activations, transients); "gradients": the trainable
+        parameters' bytes (computed, as ``zero_grad(set_to_none=True)`` leaves them to backward); "activations":
+        peak - state - gradients}``, each relative to the resident set when the call starts (the weights, faulted in
+        first, are not counted).
     """
     import copy
 
@@ -436,12 +474,14 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         if lora:
             model.enable_input_require_grads()
     model.train()
+    with torch.no_grad():  # from_pretrained may map the safetensors file: fault the weights in before the baseline
+        for p in model.parameters():
+            p.sum()
     base = rss("VmRSS:")
     reset_peak()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, foreach=False)
-    for p in params:  # what the first step allocates: .grad and the two moments
-        p.grad = torch.zeros_like(p)
+    for p in params:  # the moments as the first step allocates them; .grad is left to backward (zero_grad(None))
         opt.state[p]["step"] = torch.tensor(0.0)
         opt.state[p]["exp_avg"] = torch.zeros_like(p)
         opt.state[p]["exp_avg_sq"] = torch.zeros_like(p)
@@ -449,6 +489,7 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
     if reference and not lora:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     state = rss("VmRSS:") - base
+    gradients = sum(p.numel() * p.element_size() for p in params)
     with torch.no_grad():  # the reference's log-probs (the DPO collator computes them before the loss)
         if lora and reference:
             with model.disable_adapter():
@@ -462,5 +503,5 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
     loss.backward()
     opt.step()
     peak = rss("VmHWM:") - base
-    return {"state": state, "peak": peak, "activations": peak - state}
+    return {"state": state, "gradients": gradients, "peak": peak, "activations": peak - state - gradients}
 
