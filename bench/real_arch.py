@@ -91,9 +91,12 @@ def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:
     return out
 
 
-def plan_table(seq_len: int, micro_batches=(1, 2, 4, 8)) -> list[dict]:
-    """One row per architecture and mode: the plan's device and host bytes at micro-batch 1, and per GPU size the
-    largest micro-batch (of ``micro_batches``, with and without gradient checkpointing) that fits."""
+def plan_table(seq_len: int = 1024, episodes: int = 8) -> list[dict]:
+    """One row per architecture and mode (full fine-tuning, LoRA r = 16 on q/k/v/o) of the memory plan on a CUDA GPU
+    with bf16 autocast, the default run config (SDPO and DPO on: up to one SDPO row per episode and 2 * ceil(8 / K)
+    DPO rows per micro-batch) at ``seq_len`` tokens per row and ``episodes`` per inner step: the device bytes at
+    micro-batch 1 (K = ``episodes``), the host bytes, and per GPU size (24 / 48 / 80 GB, 95 % usable) the largest
+    micro-batch b of 8, 4, 2, 1 (K = episodes / b) that fits, first without then with gradient checkpointing."""
     from composer_diloco.config import LoraSection, load_config
     from composer_diloco.policy.memory_plan import plan_for_run
 
@@ -105,22 +108,23 @@ def plan_table(seq_len: int, micro_batches=(1, 2, 4, 8)) -> list[dict]:
             cfg = qwen3_config(arch)
 
             def plan(b, gc, bf16=True, device="cuda"):
-                return plan_for_run(config, cfg, micro_batch=b, grad_accum=1, device=device, bf16=bf16,
+                return plan_for_run(config, cfg, micro_batch=b, grad_accum=episodes // b, device=device, bf16=bf16,
                                     gradient_checkpointing=gc, free=None, lora=lora)
 
             p1 = plan(1, False)
             row = dict(arch=arch, mode=mode, params=p1.shape.params_total, trainable=p1.shape.params_trainable,
-                       state_gb=(p1.device_bytes - p1.activations) / 1e9, act_gb_per_episode=p1.activations / 1e9,
-                       device_gb_b1=p1.device_bytes / 1e9, host_gb=p1.host_bytes / 1e9,
+                       weights_gb=p1.weights / 1e9, optimizer_gb=p1.optimizer / 1e9, reference_gb=p1.reference / 1e9,
+                       gradients_gb=p1.gradients / 1e9, device_gb_b1=p1.device_bytes / 1e9,
+                       device_gb_b1_gc=plan(1, True).device_bytes / 1e9, host_gb=p1.host_bytes / 1e9,
                        cpu_fp32_gb_b1=plan(1, False, bf16=False, device="cpu").need / 1e9)
             for gb in GPUS_GB:
-                fit = None
+                fit = "no"
                 for gc in (False, True):
-                    ok = [b for b in micro_batches if plan(b, gc).device_bytes <= gb * 1e9 * 0.95]
+                    ok = [b for b in (8, 4, 2, 1) if plan(b, gc).device_bytes <= gb * 1e9 * 0.95]
                     if ok:
-                        fit = f"{max(ok)}{' +gc' if gc else ''}"
+                        fit = f"b={max(ok)}{' +gc' if gc else ''}"
                         break
-                row[f"fits_{gb}"] = fit or "no"
+                row[f"fits_{gb}"] = fit
             rows.append(row)
     return rows
 
@@ -160,6 +164,7 @@ def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
         ``{"exit": simulate's exit code, "seconds": wall seconds, "peak_rss": {name: bytes}, "rounds": the metrics
         lines of every peer}``.
     """
+    import signal
     import time
 
     import psutil
@@ -169,23 +174,30 @@ def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     peaks: dict[str, int] = {}
     parent = psutil.Process(proc.pid)
-    while proc.poll() is None:
-        try:
-            children = parent.children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
-        for child in children:
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still stops simulate (finally)
+    try:
+        while proc.poll() is None:
             try:
-                cmd = child.cmdline()
-                name = cmd[cmd.index("--name") + 1] if "--name" in cmd else (
-                    "coordinator" if "coordinator" in cmd and "start" in cmd else
-                    f"{child.name()} (pid {child.pid}, parent {child.ppid()})")
-                hwm = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{child.pid}/status").read_text()
-                           .splitlines() if line.startswith("VmHWM:"))
-            except (psutil.Error, OSError, ValueError, StopIteration):
-                continue
-            peaks[name] = max(peaks.get(name, 0), hwm)
-        time.sleep(poll_s)
+                children = parent.children(recursive=True)
+            except psutil.NoSuchProcess:
+                break
+            for child in children:
+                try:
+                    cmd = child.cmdline()
+                    name = cmd[cmd.index("--name") + 1] if "--name" in cmd else (
+                        "coordinator" if "coordinator" in cmd and "start" in cmd else
+                        f"{child.name()} (pid {child.pid}, parent {child.ppid()})")
+                    hwm = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{child.pid}/status").read_text()
+                               .splitlines() if line.startswith("VmHWM:"))
+                except (psutil.Error, OSError, ValueError, StopIteration):
+                    continue
+                peaks[name] = max(peaks.get(name, 0), hwm)
+            time.sleep(poll_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:  # simulate stops its children with TERM, then KILL, in its own finally
+            proc.terminate()
+            proc.wait(60)
     rounds = {}
     for path in sorted(run_dir.glob("*/metrics.jsonl")):
         rounds[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -320,13 +332,15 @@ def main() -> None:
             print(json.dumps({"step": i, **{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}}))
     elif a.cmd == "plan":
         rows = plan_table(a.seq_len)
-        print("| model | mode | parameters (trained) | state GB | activations GB / episode | device GB at b=1 | host GB "
-              "| CPU fp32 GB at b=1 | 24 GB | 48 GB | 80 GB |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| model | mode | parameters (trained) | weights | AdamW | reference | gradients | device, b=1 | "
+              "device, b=1 +gc | host | 24 GB | 48 GB | 80 GB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| Qwen3-{r['arch'].upper()} | {r['mode']} | {r['params'] / 1e9:.2f} B ({r['trainable'] / 1e6:,.1f} M)"
-                  f" | {r['state_gb']:.1f} | {r['act_gb_per_episode']:.1f} | {r['device_gb_b1']:.1f} | "
-                  f"{r['host_gb']:.1f} | {r['cpu_fp32_gb_b1']:.1f} | {r['fits_24']} | {r['fits_48']} | {r['fits_80']} |")
+            print(f"| Qwen3-{r['arch'].upper()} | {r['mode']} | {r['params'] / 1e9:.2f} B "
+                  f"({r['trainable'] / 1e6:,.1f} M) | {r['weights_gb']:.1f} | {r['optimizer_gb']:.1f} | "
+                  f"{r['reference_gb']:.1f} | {r['gradients_gb']:.1f} | {r['device_gb_b1']:.1f} | "
+                  f"{r['device_gb_b1_gc']:.1f} | {r['host_gb']:.1f} | {r['fits_24']} | {r['fits_48']} | "
+                  f"{r['fits_80']} |")
         if a.json:
             a.json.write_text(json.dumps(rows, indent=1))
     else:
