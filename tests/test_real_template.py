@@ -10,14 +10,11 @@ as often, ``add(a=1)`` (an ``invalid_args`` error), so episodes have errors, rec
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from composer_diloco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -127,22 +124,28 @@ def test_llama31_episodes_parse_calls_and_mask_tool_replies(llama_dir, tmp_path)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
-    """``simulate --model`` with the Llama 3.1 folder: coordinator and node exit 0 and agree each round, the node
-    logged its memory plan, every episode had a parsed call, and SDPO sites and DPO pairs were found and trained."""
-    run_dir = tmp_path / "run"
-    config = tmp_path / "llama.toml"  # smoke.toml with room for Llama 3.1's prompt (its tools as indented JSON)
-    config.write_text("rounds = 2\ninner_steps = 2\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n")
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--run-dir", str(run_dir), "--nodes",
-                             "1", "--config", str(config), "--model", str(llama_dir)],
-                            capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    records = read_metrics(run_dir)
+    """Coordinator ``--model`` the Llama 3.1 folder and one node with ``--gradient-checkpointing``: both exit 0 and
+    agree each round, the node logged its memory plan, every episode had a parsed call, and SDPO sites and DPO pairs
+    were found and trained."""
+    from local_run import LocalRun, write_config
+
+    config = write_config(tmp_path / "llama.toml",  # smoke.toml with room for Llama 3.1's prompt (indented JSON tools)
+                          "rounds = 2\ninner_steps = 2\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n")
+    run = LocalRun(tmp_path / "run", config)
+    try:
+        run.start_coordinator("--model", str(llama_dir))
+        run.start_node("node-0", "--gradient-checkpointing")
+        assert run.wait_exit("node-0", 240) == 0, run.all_tails()
+        assert run.wait_exit("coordinator", 60) == 0, run.all_tails()
+    finally:
+        run.stop()
+    records = run.records()
     node, coordinator = records["node-0"], records["coordinator"]
     assert [r["round"] for r in node] == [0, 1]
     assert [r["global_sha256"] for r in node] == [r["global_sha256"] for r in coordinator]
     assert all(r["episodes_without_tool_call"] == 0 and r["samples"] > 0 for r in node), node
     assert sum(r["sdpo_sites"] for r in node) > 0 and sum(r["dpo_pairs"] for r in node) > 0, node
     assert all(r["loss_dpo"] > 0 for r in node if r["dpo_pairs"]), node
-    log = " ".join((run_dir / "logs" / "node-0.log").read_text().split())
-    assert "memory plan on cpu, full fine-tuning" in log, log[-3000:]
-    assert json.loads((run_dir / "config.json").read_text())["model"] == str(llama_dir)
+    log = run.log("node-0")
+    assert "memory plan on cpu, full fine-tuning" in log and "gradient checkpointing)" in log, log[-3000:]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == str(llama_dir)
