@@ -277,10 +277,11 @@ class Node:
             log.warning("memory plan skipped: the config of model %r is not in local files", config.model)
             return None
         free, source = device_free_bytes(self.placement.device)
+        host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
         self.memory_plan = check_plan(
             config, model_config, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-            num_generations=batch.num_generations, device=self.placement.name, bf16=self.placement.bf16,
-            gradient_checkpointing=o.gradient_checkpointing, free=free, free_source=source)
+            device=self.placement.name, bf16=self.placement.bf16,
+            gradient_checkpointing=o.gradient_checkpointing, free=free, free_source=source, host_free=host_free)
         log.info("%s", self.memory_plan.describe())
         return self.memory_plan
 

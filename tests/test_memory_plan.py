@@ -77,13 +77,13 @@ def test_bytes_per_parameter_follow_the_code():
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
     cfg = tiny_model_config(load_default_tokenizer(), 0)
-    full = check_plan(config, cfg, micro_batch=8, grad_accum=1, num_generations=4, device="cuda:0", bf16=True,
+    full = check_plan(config, cfg, micro_batch=8, grad_accum=1, device="cuda:0", bf16=True,
                       gradient_checkpointing=False, free=None)
     p = full.shape.params_total
     assert (full.weights, full.gradients, full.optimizer, full.reference) == (4 * p, 4 * p, 8 * p, 4 * p)
     assert full.host == 4 * p * 5 and full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
     lora_config = load_config(None, model="some/model", lora=LoraSection(r=16, lora_alpha=32))
-    lora = check_plan(lora_config, cfg, micro_batch=8, grad_accum=1, num_generations=4, device="cuda:0", bf16=True,
+    lora = check_plan(lora_config, cfg, micro_batch=8, grad_accum=1, device="cuda:0", bf16=True,
                       gradient_checkpointing=False, free=None)
     t = lora.shape.params_trainable
     assert 0 < t < p // 10 and lora.shape.params_total == p + t
@@ -98,14 +98,27 @@ def test_refusal_names_need_free_and_what_fits():
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
     cfg = tiny_model_config(load_default_tokenizer(), 0)
-    plan = check_plan(config, cfg, micro_batch=8, grad_accum=1, num_generations=4, device="cpu", bf16=False,
+    plan = check_plan(config, cfg, micro_batch=8, grad_accum=1, device="cpu", bf16=False,
                       gradient_checkpointing=False, free=None)
     with pytest.raises(DeviceMemoryError) as e:
-        check_plan(config, cfg, micro_batch=8, grad_accum=1, num_generations=4, device="cpu", bf16=False,
+        check_plan(config, cfg, micro_batch=8, grad_accum=1, device="cpu", bf16=False,
                    gradient_checkpointing=False, free=plan.need // 3, free_source="test")
     text = str(e.value)
     assert "\n" not in text and "not enough host RAM on cpu" in text and f"{plan.need / 1e9:.2f} GB" in text
     assert "free (test)" in text and "would fit: --batch-size 2 --grad-accum 4" in text
+
+
+def test_gpu_node_refuses_when_host_ram_cannot_hold_the_outer_loop():
+    """A GPU node's device may fit while the host cannot hold the fp32 theta, pseudo-gradient and momentum."""
+    config = load_config(None, model="some/model")
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+
+    cfg = tiny_model_config(load_default_tokenizer(), 0)
+    kw = dict(micro_batch=1, grad_accum=8, device="cuda:0 (test)", bf16=True, gradient_checkpointing=False,
+              free=10**12)
+    plan = check_plan(config, cfg, host_free=10**12, **kw)
+    with pytest.raises(DeviceMemoryError, match=r"not enough host RAM beside cuda:0 \(test\): the memory plan needs"):
+        check_plan(config, cfg, host_free=plan.host_bytes - 1, **kw)
 
 
 def test_device_memory_env_caps_and_rejects(monkeypatch):

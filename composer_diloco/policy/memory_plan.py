@@ -331,25 +331,33 @@ def refusal(plan: MemoryPlan, alternatives: list[tuple[str, MemoryPlan]]) -> str
             f"{_size(plan.free)} free ({plan.free_source}); {hint}")
 
 
-def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_accum: int, num_generations: int,
-               device: str, bf16: bool, gradient_checkpointing: bool, free: int | None,
-               free_source: str = "") -> MemoryPlan:
+def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_accum: int, device: str, bf16: bool,
+               gradient_checkpointing: bool, free: int | None, free_source: str = "",
+               host_free: int | None = None) -> MemoryPlan:
     """Plan the node's memory and refuse, before it joins, a plan that does not fit ``free``.
 
     Args:
         config: the run config; model_config: its policy's ``transformers`` config.
-        micro_batch, grad_accum, num_generations: the node's batch (`nodes.device.NodeBatch`) and the run's G.
+        micro_batch, grad_accum: the node's batch (`nodes.device.NodeBatch`).
         device, bf16, gradient_checkpointing, free, free_source: as `plan_for_run`.
+        host_free: available host RAM of a GPU node (None: not checked); a CPU node's ``free`` is its host RAM.
     Returns:
         the plan (it fits, or ``free`` is unknown).
     Raises:
         DeviceMemoryError: one line (`refusal`) naming the need, the free bytes, and which of a smaller
             ``--batch-size`` (with ``--grad-accum`` keeping the episodes per step), ``--gradient-checkpointing`` and
-            ``[lora] r = 16`` would fit.
+            ``[lora] r = 16`` would fit; or, on a GPU node, one line naming the host bytes (the outer loop's fp32
+            buffers and the model as loaded) and the available host RAM.
     """
     kw = dict(device=device, bf16=bf16, free=free, free_source=free_source)
     plan = plan_for_run(config, model_config, micro_batch=micro_batch, grad_accum=grad_accum,
                         gradient_checkpointing=gradient_checkpointing, **kw)
+    if not plan.on_cpu and host_free is not None and plan.host_bytes > host_free:
+        raise DeviceMemoryError(
+            f"not enough host RAM beside {plan.device}: the memory plan needs {_size(plan.host_bytes)} on the host "
+            f"(the model as loaded {_size(plan.host_model)} + the outer loop's fp32 theta, pseudo-gradient and "
+            f"optimizer state {_size(plan.host)}), {_size(host_free)} available; [lora] shrinks the outer loop to the "
+            "adapters' size")
     if plan.fits():
         return plan
     episodes = micro_batch * grad_accum
@@ -364,18 +372,16 @@ def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_a
     if not gradient_checkpointing:
         alternatives.append(("--gradient-checkpointing", plan_for_run(
             config, model_config, micro_batch=micro_batch, grad_accum=grad_accum, gradient_checkpointing=True, **kw)))
-    if config.lora is None:
-        from composer_diloco.config import LoraSection
+    from composer_diloco.config import LoraSection
 
-        section = LoraSection(r=16, lora_alpha=32, target_modules="all-linear")
+    lora_16 = LoraSection(r=16, lora_alpha=32, target_modules="all-linear")
+    if config.lora is None:
         alternatives.append(("[lora] r = 16 (all-linear)", plan_for_run(
             config, model_config, micro_batch=micro_batch, grad_accum=grad_accum,
-            gradient_checkpointing=gradient_checkpointing, lora=section, **kw)))
+            gradient_checkpointing=gradient_checkpointing, lora=lora_16, **kw)))
     if not any(a.fits() for _, a in alternatives):  # the most frugal combination, as the last resort
-        lora_alt = config.lora or __import__("composer_diloco.config", fromlist=["LoraSection"]).LoraSection(
-            r=16, lora_alpha=32, target_modules="all-linear")
         alt = plan_for_run(config, model_config, micro_batch=1, grad_accum=episodes, gradient_checkpointing=True,
-                           lora=lora_alt, **kw)
+                           lora=config.lora or lora_16, **kw)
         alternatives.append((f"--batch-size 1 --grad-accum {episodes} --gradient-checkpointing"
                              f"{' with [lora] r = 16' if config.lora is None else ''}", alt))
     raise DeviceMemoryError(refusal(plan, alternatives))
@@ -405,9 +411,9 @@ def device_free_bytes(device: str) -> tuple[int | None, str]:
     cap = None
     if cap_text:
         try:
-            cap = int(float(cap_text)) if cap_text.replace(".", "", 1).replace("e", "", 1).isdigit() else int(cap_text)
+            cap = int(float(cap_text))  # "24000000000" or "24e9"
         except ValueError:
-            cap = -1
+            cap = 0
         if cap <= 0:
             raise ValueError(f"${DEVICE_MEMORY_ENV}={cap_text!r}: expected a positive number of bytes")
     free, source = None, ""
