@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT)) if str(ROOT) not in sys.path else None  # noqa: E701 (run as a script from anywhere)
 
 ARCHS = {  # Qwen/Qwen3-*/config.json (hidden, layers, heads, kv heads, head_dim, intermediate, tied embeddings)
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -172,3 +172,19 @@ def test_model_folder_without_chat_template(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "its tokenizer has no chat template" in error_line(r) and str(tmp_path / "model") in error_line(r)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(120)
+def test_real_arch_plan_table(tmp_path):
+    """``bench/real_arch.py plan`` (BENCHMARKS.md section 7): Qwen3-0.6B's parameter count, LoRA smaller than full
+    fine-tuning everywhere, and 8B full fine-tuning fitting no single 80 GB GPU."""
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_arch.py"), "plan", "--json", str(out)],
+                       capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(row["arch"], row["mode"]): row for row in json.loads(out.read_text())}
+    assert rows[("0.6b", "full")]["params"] == 596_049_920
+    for arch in ("0.6b", "1.7b", "4b", "8b"):
+        assert rows[(arch, "lora")]["device_gb_b1"] < rows[(arch, "full")]["device_gb_b1"]
+    assert rows[("8b", "full")]["fits_80"] == "no" and rows[("0.6b", "lora")]["fits_24"] != "no"
+    assert "| Qwen3-0.6B | full |" in r.stdout
