@@ -149,3 +149,20 @@ def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
     log = run.log("node-0")
     assert "memory plan on cpu, full fine-tuning" in log and "gradient checkpointing)" in log, log[-3000:]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == str(llama_dir)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}<|eot_id|>', ("add", {"a": 1, "b": 2}, None)),
+    ('<|python_tag|>{"name": "submit", "parameters": {"answer": 3}}<|eom_id|>', ("submit", {"answer": 3}, None)),
+    ('{"name": "add", "arguments": {"a": 1}}', ("add", {"a": 1}, None)),
+    ('{"name": "add", "parameters": {"a": 1,}}<|eot_id|>', (None, None, "malformed json")),
+    ('{"answer": 3}', (None, None, "no tool call")),
+    ("The answer is 3.<|eot_id|>", (None, None, "no tool call")),
+    ('<tool_call>\n{"name": "add", "arguments": {"b": 2}}\n</tool_call><|im_end|>', ("add", {"b": 2}, None)),
+])
+def test_parse_tool_call_reads_llama3_json_and_hermes_tags(text, expected):
+    from composer_diloco.rollout.chat import parse_tool_call
+
+    call = parse_tool_call(text)
+    assert (call.name, call.arguments) == expected[:2]
+    assert (call.error or "").startswith(expected[2] or "") and (call.error is None) == (expected[2] is None)
