@@ -50,6 +50,9 @@ def join(
         help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (default: 127.0.0.1, a free port: reachable only "
              "from this machine; nodes on other machines must be able to dial every node).")] = None,
     announce: Annotated[list[str], typer.Option(help="Multiaddr other machines dial (repeatable).")] = [],
+    gradient_checkpointing: Annotated[bool, typer.Option(
+        "--gradient-checkpointing", help="Recompute each layer's activations in backward: less activation memory "
+                                         "(see the memory plan logged at start), about a third more compute.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -64,7 +67,7 @@ def join(
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
-                          listen=listen, announce=list(announce))
+                          listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing)
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)

@@ -120,6 +120,8 @@ class NodeOptions:
             seeded order of all rows.
         listen: multiaddr this node's DHT and averager listen on (None: 127.0.0.1, a free port).
         announce: multiaddrs other machines dial to reach it (empty: what it listens on).
+        gradient_checkpointing: recompute each decoder layer's activations in backward (TRL's
+            ``gradient_checkpointing``; less activation memory, about a third more training compute; the same loss).
     """
 
     peer: str
@@ -138,6 +140,7 @@ class NodeOptions:
     task_shard: str | None = None
     listen: str | None = None
     announce: list[str] = field(default_factory=list)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -163,6 +166,7 @@ class Node:
         self._round_started = time.monotonic()
         self._steps_in_round = 0
         self.tool_calls = ToolCallTally()
+        self.memory_plan = None  # composer_diloco.policy.memory_plan.MemoryPlan, once `plan_memory` ran
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -173,9 +177,13 @@ class Node:
         URL with the run's ``reset_kwargs`` runs right after the config is read, before the model is built or
         downloaded (`composer_diloco.rollout.sessions.open_env_sessions`).
 
+        The memory plan (`plan_memory`) runs as soon as the run config is known: before the DHT starts when
+        ``--config`` names it, else right after the config is read from the DHT, before the averager, the env
+        sessions, the model and the state download.
+
         Raises:
             SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError / UnsupportedEnvServer /
-            McpProtocolError / EnvProtocolError, each with a one-line message.
+            McpProtocolError / EnvProtocolError / DeviceMemoryError, each with a one-line message.
         """
         o = self.options
         # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
@@ -189,6 +197,8 @@ class Node:
         for value, option in [(o.listen, "--listen"), *((a, "--announce") for a in o.announce)]:
             if value is not None:
                 parse_listen(value, option)
+        if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
+            self.plan_memory(expected)
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
         protocols = {}
         for url in o.env_urls:
@@ -213,6 +223,8 @@ class Node:
 
         self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
+        if self.memory_plan is None:  # before the averager, the env sessions, the model and the download
+            self.plan_memory(config)
 
         # --env-url sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
         # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
@@ -251,6 +263,38 @@ class Node:
         log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
                  self.peer.global_model.sha256()[:12], self.placement.describe())
 
+    def plan_memory(self, config: RunConfig):
+        """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), log it, and refuse
+        one that does not fit the device's free memory.
+
+        The model's sizes come from its config alone (the embedded default's, or ``config.json`` of ``--model``
+        read from local files or the Hub cache): nothing is built or downloaded. A model whose config is not in
+        local files is not planned (a WARNING); loading it later fails or succeeds on its own.
+
+        Returns:
+            the `MemoryPlan`, or None when the model config could not be read.
+        Raises:
+            DeviceMemoryError: one line naming the need, the free memory and the options that would fit.
+            ValueError: ``$COMPOSER_DILOCO_DEVICE_MEMORY_BYTES`` is not a positive number.
+            BatchError: ``--batch-size`` x ``--grad-accum`` is not a multiple of the run's G.
+        """
+        from composer_diloco.policy.memory_plan import check_plan, device_free_bytes
+
+        o = self.options
+        batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)
+        model_config = _model_config(config)
+        if model_config is None:
+            log.warning("memory plan skipped: the config of model %r is not in local files", config.model)
+            return None
+        free, source = device_free_bytes(self.placement.device)
+        host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
+        self.memory_plan = check_plan(
+            config, model_config, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+            device=self.placement.name, bf16=self.placement.bf16,
+            gradient_checkpointing=o.gradient_checkpointing, free=free, free_source=source, host_free=host_free)
+        log.info("%s", self.memory_plan.describe())
+        return self.memory_plan
+
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:
         """Train until the run's last round; returns the number of rounds this node took part in.
@@ -268,6 +312,9 @@ class Node:
         args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
                          use_cpu=self.placement.use_cpu, bf16=self.placement.bf16,
                          micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum)
+        if self.options.gradient_checkpointing:  # TRL enables it on the model (and input grads for a peft model)
+            args.gradient_checkpointing = True
+            args.gradient_checkpointing_kwargs = {"use_reentrant": False}
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)], tasks=self.tasks,
@@ -364,6 +411,22 @@ class RoundCallback(TrainerCallback):
         if node.peer.round >= node.config.rounds or node.stop.event.is_set():
             control.should_training_stop = True
         return control
+
+
+def _model_config(config: RunConfig):
+    """The ``transformers`` config of the run's policy without building it: the embedded default's
+    (`tiny_model_config`), or ``config.json`` of ``config.model`` from local files (a folder, or the Hub cache);
+    None when it is not there."""
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+
+    if config.model is None:
+        return tiny_model_config(load_default_tokenizer(), config.warmstart.seed)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(config.model, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _policy_skeleton(config: RunConfig, run_dir: Path):

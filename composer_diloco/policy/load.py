@@ -58,8 +58,16 @@ def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DE
 
 
 def _load_pretrained(source: str, *, local: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """``from_pretrained`` for model and tokenizer, fp32, CPU, eval mode."""
+    """``from_pretrained`` for model and tokenizer, fp32, CPU, eval mode.
+
+    Raises:
+        PolicyLoadError: the tokenizer has no chat template (episodes are rendered and parsed with it), checked
+            before the weights are read.
+    """
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    if not getattr(tokenizer, "chat_template", None):
+        raise PolicyLoadError(f"policy {source!r}: its tokenizer has no chat template (expected chat_template.jinja or "
+                              "a chat_template in tokenizer_config.json; episodes are rendered with it)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token

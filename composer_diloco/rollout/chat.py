@@ -7,7 +7,8 @@ Message format: OpenAI-style chat messages, as accepted by ``tokenizer.apply_cha
 tools=...)`` and by TRL's chat templates. Tool-call format: Qwen3 / Hermes, i.e. the assistant turn
 holds ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, which is what Qwen3's chat
 template (and TRL's copy of it, ``trl/chat_templates/qwen3.jinja``) renders an assistant
-``tool_calls`` entry to.
+``tool_calls`` entry to; or Llama 3.1 / 3.2's, a turn that is one bare JSON object ``{"name": ..., "parameters":
+{...}}`` (``trl/chat_templates/llama3_1.jinja``), optionally after ``<|python_tag|>``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 __all__ = ["ParsedCall", "episode_messages", "parse_tool_call", "task_text"]
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a JSON tool call with it
 _THINK_BLOCK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
 
 
@@ -106,7 +108,8 @@ def episode_messages(
 
 
 def parse_tool_call(text: str) -> ParsedCall:
-    """Parse the first Qwen3/Hermes tool call out of a decoded assistant turn; never raises.
+    """Parse the first Qwen3/Hermes tool call (or a Llama 3.1 / 3.2 bare JSON call) out of a decoded assistant turn;
+    never raises.
 
     Accepts surrounding whitespace, an optional leading ``<think>...</think>`` block (Qwen3's empty
     ``<think>\\n\\n</think>`` included), a trailing end-of-turn token left in by the decoder, and a
@@ -128,18 +131,39 @@ def parse_tool_call(text: str) -> ParsedCall:
         'submit'
         >>> parse_tool_call("The answer is 7.").error
         'no tool call'
+        >>> parse_tool_call('{"name": "add", "parameters": {"a": 3, "b": 4}}<|eot_id|>')
+        ParsedCall(name='add', arguments={'a': 3, 'b': 4}, error=None)
         >>> parse_tool_call('<tool_call>\\n{"name": "add", "arguments": {"a": 3,}}\\n</tool_call>').error
         'malformed json: Expecting property name enclosed in double quotes: line 1 column 38 (char 37)'
     """
     body = _THINK_BLOCK.sub("", text, count=1)
     start = body.find(_OPEN)
     if start < 0:
-        return ParsedCall(None, None, "no tool call")
+        return _parse_bare_json(body)
     body = body[start + len(_OPEN):]
     end = body.find(_CLOSE)
     payload = (body if end < 0 else body[:end]).strip()
+    return _parse_payload(payload, "arguments")
+
+
+def _strip_stops(payload: str) -> str:
     for stop in _STOP_TOKENS:
         payload = payload.removesuffix(stop).rstrip()
+    return payload
+
+
+def _parse_bare_json(body: str) -> ParsedCall:
+    """Llama 3.1 / 3.2: the whole turn is ``{"name": ..., "parameters": {...}}`` (``<|python_tag|>`` first, maybe).
+    Any other text without ``<tool_call>`` is no tool call."""
+    payload = _strip_stops(body.strip().removeprefix(_PYTHON_TAG).strip())
+    if not (payload.startswith("{") and '"name"' in payload):
+        return ParsedCall(None, None, "no tool call")
+    return _parse_payload(payload, "parameters")
+
+
+def _parse_payload(payload: str, arguments_key: str) -> ParsedCall:
+    """The JSON object of one call: a string ``name`` and an object under ``arguments_key`` (or ``arguments``)."""
+    payload = _strip_stops(payload)
     try:
         obj = json.loads(payload)
     except json.JSONDecodeError as exc:
@@ -149,7 +173,7 @@ def parse_tool_call(text: str) -> ParsedCall:
     name = obj.get("name")
     if not isinstance(name, str):
         return ParsedCall(None, None, "malformed call: missing string 'name'")
-    arguments = obj.get("arguments", {})
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
     if isinstance(arguments, str):  # some models emit arguments as a JSON-encoded string
         try:
             arguments = json.loads(arguments)

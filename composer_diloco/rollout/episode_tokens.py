@@ -119,9 +119,12 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict[str, Any]]) -> list
     messages, slice after the assistant's EOS), for code outside a trainer: trace replay, tests, benchmarks.
     The trainer itself calls TRL's. Raises ValueError if the rendering is not prefix-stable.
     """
-    from trl.chat_template_utils import get_training_chat_template
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
-    template = get_training_chat_template(tokenizer)  # prefix-stable variant (e.g. Qwen3's), as TRL's trainer uses
+    # the model's own template when it is prefix-stable (Llama 3.1's, for which TRL has no patch), else TRL's patched
+    # variant (Qwen3's), as `ComposerGRPOTrainer` chooses
+    template = (tokenizer.chat_template if is_chat_template_prefix_preserving(tokenizer)
+                else get_training_chat_template(tokenizer))
     name = tool_messages[0].get("name", "tool")
     dummy = [{"role": "user", "content": "dummy"},
              {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
