@@ -64,11 +64,9 @@ def start(
     code = 0
     try:
         cfg = _load(config, rounds, model)
-        from composer_diloco.outer.swarm import parse_listen
+        from composer_diloco.outer.swarm import check_addresses
 
-        for value, option in [(listen, "--listen"), *((a, "--announce") for a in announce)]:
-            if value is not None:
-                parse_listen(value, option)
+        check_addresses(listen, list(announce))
         coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume,
                                                      secret_file=secret_file, max_idle_s=max_idle,
                                                      idle_log_s=idle_log), stop)

@@ -36,7 +36,7 @@ from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.outer.swarm import (
-    Swarm, SwarmError, fetch_run_config, parse_listen, parse_multiaddr, start_dht,
+    Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
@@ -194,9 +194,7 @@ class Node:
         shard = TaskShard.parse(o.task_shard) if o.task_shard else None
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
-        for value, option in [(o.listen, "--listen"), *((a, "--announce") for a in o.announce)]:
-            if value is not None:
-                parse_listen(value, option)
+        check_addresses(o.listen, o.announce)
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
             self.plan_memory(expected)
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
@@ -328,8 +326,11 @@ class Node:
             # the run's last round. Train the rounds left; TRL reuses the optimizer, so AdamW's moments carry on.
             log.info("round %d: %d rounds left after going back to the run's theta: training on", peer.round,
                      config.rounds - peer.round)
+            before = peer.round
             self.trainer.args.max_steps = (config.rounds - peer.round) * config.inner_steps
             self.trainer.train()
+            if peer.round == before and not self.stop.event.is_set():
+                raise NodeError(f"round {peer.round}: training on after a heal ended no round")
         if peer.round >= config.rounds and not self.stop.event.is_set():
             self._keep_final_model()
             self.tool_calls.check()

@@ -38,6 +38,19 @@ def test_peer_that_is_not_a_multiaddr(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("option, value, expected", [
+    ("--listen", "0.0.0.0:4001", "--listen '0.0.0.0:4001' is not a multiaddr"),
+    ("--announce", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+     "names a peer id"),
+])
+def test_node_listen_or_announce_that_is_not_an_address(tmp_path, option, value, expected):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    r = run("nodes", "join", "--peer", dead, option, value, "--run-dir", str(tmp_path), "--join-timeout", "10")
+    assert r.returncode == 1 and expected in error_line(r), error_line(r)
+    assert "no peer answered" not in r.stderr  # refused before any network
+
+
+@pytest.mark.timeout(120)
 def test_peer_where_no_one_answers(tmp_path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     r = run("nodes", "join", "--peer", dead, "--run-dir", str(tmp_path), "--join-timeout", "10")

@@ -56,16 +56,19 @@ def parse_multiaddr(text: str) -> Multiaddr:
     return addr
 
 
-def parse_listen(text: str, option: str = "--listen") -> str:
-    """Check a ``--listen`` / ``--announce`` value. Raises SwarmError naming it unless it is a multiaddr with a
-    transport (``/ip4/0.0.0.0/tcp/4000``; no /p2p/ part)."""
-    try:
-        addr = Multiaddr(text)
-    except Exception:
-        raise SwarmError(f"{option} {text!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)") from None
-    if "/p2p/" in str(addr):
-        raise SwarmError(f"{option} {text!r} names a peer id: expected only an address, e.g. /ip4/0.0.0.0/tcp/4000")
-    return text
+def check_addresses(listen: str | None, announce: list[str]) -> None:
+    """Check ``--listen`` and every ``--announce``. Raises SwarmError naming the first value that is not a multiaddr
+    with a transport (``/ip4/0.0.0.0/tcp/4000``), or that names a peer id (a /p2p/ part)."""
+    for text, option in [(listen, "--listen"), *((a, "--announce") for a in announce)]:
+        if text is None:
+            continue
+        try:
+            addr = Multiaddr(text)
+        except Exception:
+            raise SwarmError(f"{option} {text!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)") from None
+        if "/p2p/" in str(addr):
+            raise SwarmError(f"{option} {text!r} names a peer id: expected only an address, e.g. "
+                             "/ip4/0.0.0.0/tcp/4000")
 
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
@@ -368,5 +371,5 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeou
     return [m for m in found if m]
 
 
-__all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "fetch_run_config", "first_divergence",
-           "parse_listen", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
+__all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "check_addresses", "fetch_run_config",
+           "first_divergence", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
