@@ -23,7 +23,9 @@ def join(
     peer: Annotated[str, typer.Option(help="Multiaddr of a peer of the run: the coordinator's `peer:` line.")],
     device: Annotated[str, typer.Option(help="auto, cpu or cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Training precision: auto (bf16 on a CUDA GPU that supports it, "
-                                            "else fp32), fp32 or bf16 (autocast; fp32 master weights).")] = "auto",
+                                            "else fp32), fp32 or bf16 (autocast; fp32 master weights, frozen "
+                                            "linear weights stored in bf16; on a CPU it rehearses a GPU run).")
+                 ] = "auto",
     batch_size: Annotated[int | None, typer.Option(help="Episodes per micro-batch (one forward/backward); "
                                                         "default: the run's tasks_per_step * num_generations.")] = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per inner step; batch-size * grad-accum episodes "

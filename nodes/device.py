@@ -7,6 +7,7 @@ fits its hardware, and `Node.end_round` weights its pseudo-gradient by the episo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from composer_diloco.config import RunConfig
 
 DTYPES = ("auto", "fp32", "bf16")
+log = logging.getLogger(__name__)
 
 
 class DeviceError(ValueError):
@@ -32,7 +34,8 @@ class Placement:
     Attributes:
         device: "cpu" or "cuda" (a ``cuda:N`` choice is made the current CUDA device).
         bf16: train under bf16 autocast (mixed precision: the master weights and AdamW state stay fp32, so the
-            pseudo-gradient is fp32 too); the global model stays fp32 on CPU.
+            pseudo-gradient is fp32 too; frozen linear weights are stored in bf16, `place`); the global model stays
+            fp32 on CPU.
         name: what the device is, for the log ("cpu" or the GPU's name with its index).
     """
 
@@ -56,22 +59,20 @@ class Placement:
 
         Args:
             choice: ``auto`` (the first CUDA GPU if there is one, else CPU), ``cpu`` or ``cuda:N``.
-            dtype: ``auto`` (bf16 on a CUDA GPU with native bf16, else fp32), ``fp32`` or ``bf16``.
+            dtype: ``auto`` (bf16 on a CUDA GPU with native bf16, else fp32), ``fp32`` or ``bf16`` (on a CPU: CPU
+                autocast, to rehearse a GPU run's precision; slower than fp32 where the CPU lacks native bf16).
         Returns:
             The placement; for ``cuda:N``, GPU N has been made torch's current CUDA device.
         Raises:
             DeviceError: an unknown ``--device`` or ``--dtype`` value, CUDA asked for where there is none or with a
-                GPU index out of range, or bf16 asked on CPU or on a GPU without native bf16.
+                GPU index out of range, or bf16 asked on a GPU without native bf16.
         """
         if dtype not in DTYPES:
             raise DeviceError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if choice == "auto":
             choice = "cuda:0" if torch.cuda.is_available() else "cpu"
-        if choice == "cpu":
-            if dtype == "bf16":
-                raise DeviceError("--dtype bf16 needs a CUDA GPU with bf16 support, but --device is cpu "
-                                  "(use --dtype fp32 or auto)")
-            return cls("cpu", False)
+        if choice == "cpu":  # bf16 on a CPU only when asked for: CPU autocast rehearses a GPU run's precision
+            return cls("cpu", dtype == "bf16")
         if not choice.startswith("cuda"):
             raise DeviceError(f"--device {choice!r} is not one of auto, cpu, cuda:N")
         index = choice.partition(":")[2] or "0"
@@ -89,8 +90,18 @@ class Placement:
         return cls("cuda", dtype == "bf16" or (dtype == "auto" and native_bf16), name)
 
     def place(self, model: nn.Module) -> nn.Module:
-        """Move the policy to the device (fp32 master weights; bf16 only under autocast)."""
-        return model.to("cuda" if self.device == "cuda" else "cpu")
+        """Move the policy to the device. Under bf16 its frozen linear weights (a ``[lora]`` base) are stored in bf16
+        and every forward runs under bf16 autocast (`composer_diloco.policy.precision`); the weights that train stay
+        fp32 (master weights), and the outputs are bit-identical to fp32 storage under autocast."""
+        model = model.to("cuda" if self.device == "cuda" else "cpu")
+        if self.bf16:
+            from composer_diloco.policy.precision import autocast_forward, frozen_linears_to_bf16
+
+            freed = frozen_linears_to_bf16(model)
+            autocast_forward(model, self.device)
+            if freed:
+                log.info("bf16: frozen linear weights stored in bf16 (%.1f MB freed on %s)", freed / 1e6, self.name)
+        return model
 
     def describe(self) -> str:
         """One phrase for the log, e.g. ``cpu, fp32`` or ``cuda:0 (NVIDIA H100 80GB HBM3), bf16``."""

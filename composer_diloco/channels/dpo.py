@@ -16,6 +16,7 @@ Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStat
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from composer_diloco.config import LossConfig, RunConfig
 
 __all__ = ["DPO_KEYS", "DpoChannel", "DpoStats", "dpo_loss", "split_dpo"]
+
+log = logging.getLogger(__name__)
 
 
 DPO_KEYS = ("dpo_chosen_ids", "dpo_chosen_attention_mask", "dpo_chosen_response_mask", "dpo_rejected_ids",
@@ -139,8 +142,9 @@ class DpoChannel(LossChannel):
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
-        """Off when ``[loss] beta_dpo`` is 0. Copies the policy as the reference (no RNG is drawn); a LoRA policy
-        (``peft.PeftModel``) is its own reference with its adapters disabled (`AdaptersDisabled`: the base, no copy).
+        """Off when ``[loss] beta_dpo`` is 0. Copies the policy as the reference (no RNG is drawn; under bf16 autocast
+        its linear weights are stored in bf16, `composer_diloco.policy.precision`); a LoRA policy (``peft.PeftModel``)
+        is its own reference with its adapters disabled (`AdaptersDisabled`: the base, no copy).
 
         Raises:
             ValueError: an unknown ``[preference] teachers`` name (`make_teachers`).
@@ -149,10 +153,17 @@ class DpoChannel(LossChannel):
         if cfg.loss.beta_dpo <= 0:
             return None
         from composer_diloco.policy.lora import AdaptersDisabled, is_lora
+        from composer_diloco.policy.precision import frozen_linears_to_bf16, is_autocast
 
-        # LoRA: the reference is the base, i.e. the policy with its adapters disabled (no copy); else a frozen copy
-        reference = (AdaptersDisabled(ctx.model) if is_lora(ctx.model)
-                     else copy.deepcopy(ctx.model).eval().requires_grad_(False))
+        # LoRA: the reference is the base, i.e. the policy with its adapters disabled (no copy); else a frozen copy,
+        # whose linear weights a bf16 node stores in bf16 (bit-identical under its autocast, half their bytes)
+        if is_lora(ctx.model):
+            reference = AdaptersDisabled(ctx.model)
+        else:
+            reference = copy.deepcopy(ctx.model).eval().requires_grad_(False)
+            if is_autocast(ctx.model):
+                log.info("DPO reference: a frozen copy of the policy, its linear weights in bf16 (%.1f MB saved)",
+                         frozen_linears_to_bf16(reference) / 1e6)
         return cls(cfg.loss.beta_dpo, config=cfg, reference_model=reference,
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
                    collator=ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=cfg.max_seq_len),

@@ -5,12 +5,14 @@ The figures follow what this code allocates (read from it, then checked against 
 (T = P with full fine-tuning, the adapter tensors with ``[lora]``):
 
 Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
-    weights      4 P   fp32 master weights (``--dtype bf16`` is autocast: the weights stay fp32)
+    weights      4 P   fp32 master weights; ``--dtype bf16`` (autocast) stores the frozen linear weights in bf16
+                       (`composer_diloco.policy.precision`): with ``[lora]`` the base's, 4 P - 2 L_frozen
     gradients    4 T   fp32 ``.grad`` of every trainable tensor
     optimizer    8 T   torch AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32, like the parameters)
     reference    4 P   full fine-tuning with ``[loss] beta_dpo > 0``: the DPO reference is a frozen deep copy of the
-                       policy (`composer_diloco.channels.dpo`); ``[grpo] beta > 0`` adds TRL's own reference, another
-                       4 P. With ``[lora]`` both are the base with adapters disabled: 0 bytes.
+                       policy (`composer_diloco.channels.dpo`), 4 P - 2 L under bf16 (L: the linear-only weights,
+                       stored in bf16); ``[grpo] beta > 0`` adds TRL's own reference, another 4 P. With ``[lora]``
+                       both are the base with adapters disabled: 0 bytes.
                        The SDPO teacher is the policy itself (no copy) in either mode.
     activations  the tensors autograd keeps for backward during one micro-batch (see `activation_bytes`).
 
@@ -27,9 +29,9 @@ Host RAM (`composer_diloco.outer`: always CPU, fp32)
     it moves to a GPU; on a CPU node that copy *is* the device's weights.
 
 Activations (an approximation, calibrated on CPU by `measure_training_bytes`): per token of a micro-batch row,
-``layers * (K_HIDDEN * hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * intermediate) * a`` for the decoder layers (a =
-4 bytes fp32, 2 under bf16 autocast) plus ``K_LOGITS * vocab * 4`` for the fp32 logits (the logits, their
-temperature-scaled copy and their gradient). Gradient checkpointing keeps only each layer's input (``hidden * a`` per
+``layers * (K_HIDDEN * hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * intermediate) * 4`` for the decoder layers
+(``BF16_DECODER_SHARE`` of it under bf16 autocast) plus ``K_LOGITS * vocab * 4`` for the fp32 logits (the logits, their
+temperature-scaled copy and their gradient). Gradient checkpointing keeps only each layer's input (``hidden * 4`` per
 layer and token) plus one layer's full activations while it is recomputed. With ``[lora]`` the decoder's share is
 ``LORA_DECODER_SHARE`` of that. A micro-batch's rows are its ``--batch-size`` episodes, as many SDPO student rows
 (``alpha_sdpo > 0``: at most one site row per episode is the bound used) and ``2 * ceil(max_sites * max_pairs_per_turn
@@ -68,6 +70,11 @@ K_FFN = 4
 """Intermediate-sized tensors a SwiGLU MLP keeps per token: gate, up, SiLU(gate), their product."""
 K_LOGITS = 3
 """Vocab-sized fp32 tensors alive per token at the logits: the logits, the temperature-scaled copy, their gradient."""
+BF16_DECODER_SHARE = 0.8
+"""Under bf16 autocast the decoder keeps about 80 % of fp32's activation bytes, not half: the residual stream and the
+norms stay fp32 and autocast saves a bf16 copy of each linear layer's fp32 input for backward (measured on CPU
+autocast, 0.75 to 0.87 over the embedded default and a 5.2M random model, full and LoRA; CUDA autocast casts the
+same ops)."""
 LORA_DECODER_SHARE = 0.65
 """With frozen base weights autograd keeps no input of a frozen linear layer for its weight gradient: the decoder's
 activations shrink to about 65 % (measured 0.60 at 28 layers to 0.71 at 4 on CPU)."""
@@ -93,6 +100,9 @@ class ModelShape:
         q_dim, kv_dim: heads x head_dim and kv_heads x head_dim (hidden and hidden when the config has no such field).
         largest_trainable: elements of the largest trainable tensor (the embedding with full fine-tuning).
         lora: whether ``params_trainable`` counts adapters.
+        linear: elements of the weights only linear layers use (not a tied embedding): what a bf16 node stores in
+            bf16 when they are frozen (`composer_diloco.policy.precision.bf16_linear_params`).
+        frozen_linear: those of them frozen in this mode (the LoRA base's; 0 with full fine-tuning).
     """
 
     params_total: int
@@ -105,6 +115,8 @@ class ModelShape:
     kv_dim: int = 0
     largest_trainable: int = 0
     lora: bool = False
+    linear: int = 0
+    frozen_linear: int = 0
 
 
 def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShape:
@@ -120,11 +132,15 @@ def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShap
     import torch
     from transformers import AutoModelForCausalLM
 
+    from composer_diloco.policy.precision import bf16_linear_params
+
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # no memory, and the caller's RNG untouched
         model = AutoModelForCausalLM.from_config(model_config)
         total = sum(p.numel() for p in model.parameters())
         trainable = total
         largest = max(p.numel() for p in model.parameters())
+        linear = sum(p.numel() for p in bf16_linear_params(model, frozen_only=False))
+        frozen_linear = 0
         if lora is not None:
             from composer_diloco.policy.lora import apply_lora
 
@@ -132,6 +148,7 @@ def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShap
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             largest = max(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
+            frozen_linear = sum(p.numel() for p in bf16_linear_params(model))
     text = getattr(model_config, "text_config", None) or model_config
     hidden = int(text.hidden_size)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
@@ -140,7 +157,7 @@ def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShap
     return ModelShape(total, trainable, int(text.num_hidden_layers), hidden,
                       int(getattr(text, "intermediate_size", 4 * hidden)), int(text.vocab_size),
                       q_dim=heads * head_dim or hidden, kv_dim=kv_heads * head_dim or hidden, largest_trainable=largest,
-                      lora=lora is not None)
+                      lora=lora is not None, linear=linear, frozen_linear=frozen_linear)
 
 
 def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool = False,
@@ -150,16 +167,17 @@ def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool =
     Args:
         shape: the model's sizes.
         rows, seq_len: the micro-batch's rows and their padded length in tokens.
-        bf16: bf16 autocast (2-byte activations; the logits stay fp32).
+        bf16: bf16 autocast (the decoder's share is ``BF16_DECODER_SHARE`` of fp32's; the logits stay fp32).
         gradient_checkpointing: keep only each layer's input, recompute the rest in backward.
     """
     tokens = rows * seq_len
-    a = 2 if bf16 else 4
     q_dim, kv_dim = shape.q_dim or shape.hidden, shape.kv_dim or shape.hidden
-    layer = (K_HIDDEN * shape.hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * shape.intermediate) * a
-    decoder = (shape.layers * shape.hidden * a + layer) if gradient_checkpointing else shape.layers * layer
+    layer = (K_HIDDEN * shape.hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * shape.intermediate) * 4
+    decoder = (shape.layers * shape.hidden * 4 + layer) if gradient_checkpointing else shape.layers * layer
     if shape.lora:
         decoder *= LORA_DECODER_SHARE
+    if bf16:
+        decoder *= BF16_DECODER_SHARE
     return int(tokens * (decoder + K_LOGITS * shape.vocab * 4))
 
 
@@ -274,12 +292,16 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
     if micro_batch < 1 or grad_accum < 1 or seq_len < 1:
         raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum}, seq_len {seq_len}: expected >= 1")
     p, t = shape.params_total, shape.params_trainable
-    copies = 0 if shape.lora else int(dpo_reference) + int(grpo_reference)
+    # bf16 (`composer_diloco.policy.precision`): frozen linear weights take 2 bytes, the LoRA base's and the DPO
+    # reference copy's; TRL's own GRPO reference is loaded by TRL (4 P)
+    weights = 4 * p - (2 * shape.frozen_linear if bf16 else 0)
+    dpo_copy = 0 if shape.lora or not dpo_reference else 4 * p - (2 * shape.linear if bf16 else 0)
+    grpo_copy = 0 if shape.lora or not grpo_reference else 4 * p
     rows = _rows(micro_batch, grad_accum, sdpo=sdpo, dpo_pairs=dpo_pairs)
     return MemoryPlan(
         shape=shape, device=device, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, rows=rows,
         bf16=bf16, gradient_checkpointing=gradient_checkpointing,
-        weights=4 * p, gradients=4 * t, optimizer=8 * t, reference=4 * p * copies,
+        weights=weights, gradients=4 * t, optimizer=8 * t, reference=dpo_copy + grpo_copy,
         activations=activation_bytes(shape, rows, seq_len, bf16=bf16, gradient_checkpointing=gradient_checkpointing),
         step_transient=2 * 4 * shape.largest_trainable,
         host=4 * t * (2 + outer_state_tensors + 2), host_model=4 * p, free=free, free_source=free_source)
@@ -434,7 +456,8 @@ def device_free_bytes(device: str) -> tuple[int | None, str]:
 
 
 def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bool, lora: bool = False,
-                           gradient_checkpointing: bool = False, temperature: float = 1.0) -> dict[str, int]:
+                           gradient_checkpointing: bool = False, temperature: float = 1.0,
+                           bf16: bool = False) -> dict[str, int]:
     """Measure on CPU what one inner step of ``model`` allocates: the peak resident-set growth (``VmHWM`` after
     resetting it through ``/proc/self/clear_refs``) over the state built here and one forward/backward + AdamW step.
 
@@ -450,6 +473,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         lora: the model is a ``peft.PeftModel``.
         gradient_checkpointing: ``model.gradient_checkpointing_enable()`` first.
         temperature: the sampling temperature the logits are divided by.
+        bf16: as a ``--dtype bf16`` node: frozen linear weights (a LoRA base, the reference copy) stored in bf16 and
+            every forward under CPU bf16 autocast (`composer_diloco.policy.precision`).
     Returns:
         ``{"state": measured bytes of the AdamW moments and the reference copy; "peak": measured peak bytes over the
         whole step (state, the gradients backward creates, activations, transients); "gradients": the trainable
@@ -480,6 +505,11 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         if lora:
             model.enable_input_require_grads()
     model.train()
+    if bf16:
+        from composer_diloco.policy.precision import autocast_forward, frozen_linears_to_bf16
+
+        frozen_linears_to_bf16(model)
+        autocast_forward(model, "cpu")
     with torch.no_grad():  # from_pretrained may map the safetensors file: fault the weights in before the baseline
         for p in model.parameters():
             p.sum()
@@ -494,6 +524,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
     ref = None
     if reference and not lora:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
+        if bf16:
+            frozen_linears_to_bf16(ref)
     state = rss("VmRSS:") - base
     gradients = sum(p.numel() * p.element_size() for p in params)
     with torch.no_grad():  # the reference's log-probs (the DPO collator computes them before the loss)
@@ -502,7 +534,7 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
                 model(input_ids=ids[:1], attention_mask=mask[:1])
         elif ref is not None:
             ref(input_ids=ids[:1], attention_mask=mask[:1])
-    logits = model(input_ids=ids, attention_mask=mask).logits / temperature
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature  # fp32 as accelerate returns it
     logps = selective_log_softmax(logits[:, :-1], ids[:, 1:])
     loss = -logps.mean()
     del logits, logps
