@@ -8,9 +8,9 @@ env's tools, generate one assistant turn (greedy, or sampled at a temperature), 
 server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a parsable
 call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
 
-    python bench/coding_eval.py ~/.cache/composer_diloco/warmstart/<key> RUN/checkpoints/round-000006 --temperature 0 0.6
+    python bench/coding_eval.py ~/.cache/composer_diloco/warmstart/KEY RUN/checkpoints/round-000006 --temperature 0 0.6
 
-(the warm start's ``<key>`` is in the coordinator's log: ``warm start cached at ...`` / ``reusing ... at ...``).
+(the warm start's ``KEY`` is in the coordinator's log: ``warm start cached at ...`` / ``reusing ... at ...``).
 
 Prints one JSON line per (policy, temperature): the mean reward and the mean per family.
 """

@@ -52,7 +52,7 @@ class Simulation:
     model: str | None = None
     device: str = "cpu"
     verbose: bool = False
-    peer_timeout_s: float = 3600.0  # the first run on a machine warm-starts the default policy: ~10 min on the coding env
+    peer_timeout_s: float = 3600.0  # a machine's first run warm-starts the default policy: ~10 min on the coding env
     procs: list[Proc] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
 
