@@ -17,7 +17,7 @@ import pytest
 
 from composer_diloco.policy import cache as cache_module
 from composer_diloco.policy import load as load_module
-from composer_diloco.policy import load_policy, warmstart_cache_dir
+from composer_diloco.policy import PolicyLoadError, load_policy, warmstart_cache_dir
 from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +187,14 @@ def test_a_killed_warm_start_leaves_no_entry_and_the_next_one_cleans_up(tmp_path
         got, built = get_or_build(entry, build, required=["a.json"])
     assert built and got == entry and calls == [entry] and not staging[0].exists()
     assert "left by an interrupted build" in caplog.text
+
+
+def test_an_unwritable_cache_is_a_one_line_error_naming_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "cache"))
+    with pytest.raises(PolicyLoadError, match=r"cannot cache the warm start in .*file/cache/warmstart: .*"
+                                              r"point COMPOSER_DILOCO_CACHE at a writable folder"):
+        load_policy(None, seed=0, warmstart_steps=0)
 
 
 def test_a_failing_build_leaves_no_entry_and_releases_the_lock(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
-from composer_diloco.policy.cache import cache_root, get_or_build
+from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
 from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_default_tokenizer
@@ -104,8 +104,13 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
                    env=env)
 
     t0 = time.monotonic()
-    entry, built = get_or_build(warmstart_cache_dir() / _default_cache_key(seed, warmstart_steps, config, env),
-                                build, required=_WARMSTART_FILES)
+    folder = warmstart_cache_dir()
+    try:
+        entry, built = get_or_build(folder / _default_cache_key(seed, warmstart_steps, config, env), build,
+                                    required=_WARMSTART_FILES)
+    except OSError as exc:
+        raise PolicyLoadError(f"cannot cache the warm start in {folder}: {exc}; point {CACHE_ENV} at a writable "
+                              "folder with space") from exc
     if built:
         logger.info("warm start cached at %s (%.1f s; later runs on this machine reuse it)", entry,
                     time.monotonic() - t0)
@@ -179,8 +184,8 @@ def load_policy(
 
     Raises:
         PolicyLoadError: (one line) if ``model`` names neither a loadable local directory nor a reachable hub
-            model, the shipped tokenizer is missing, or ``env`` has no demonstrations for a warm start.
-        OSError: the warm-start cache could not be created or written.
+            model, the shipped tokenizer is missing, ``env`` has no demonstrations for a warm start, or the
+            warm-start cache cannot be created or written (naming the folder and ``COMPOSER_DILOCO_CACHE``).
     """
     if model is None:
         return _load_default(seed, warmstart_steps, env)
