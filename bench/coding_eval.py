@@ -8,7 +8,9 @@ env's tools, generate one assistant turn (greedy, or sampled at a temperature), 
 server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a parsable
 call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
 
-    python bench/coding_eval.py RUN/warmstart/<key> RUN/checkpoints/round-000006 --temperature 0 0.6
+    python bench/coding_eval.py ~/.cache/composer_diloco/warmstart/KEY RUN/checkpoints/round-000006 --temperature 0 0.6
+
+(the warm start's ``KEY`` is in the coordinator's log: ``warm start cached at ...`` / ``reusing ... at ...``).
 
 Prints one JSON line per (policy, temperature): the mean reward and the mean per family.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from composer_diloco.policy import PolicyLoadError, evaluate_policy, load_policy
 from composer_diloco.rollout.env_process import EnvServerError, start_env_server
@@ -44,7 +45,7 @@ def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: 
     Raises:
         PolicyLoadError: ``model_dir`` cannot be loaded. EnvServerError: the server stops answering.
     """
-    model, tokenizer = load_policy(model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
+    model, tokenizer = load_policy(model_dir, seed=0, warmstart_steps=0)
     stats = evaluate_policy(model, tokenizer, episodes, seed, env_url=env_url, temperature=temperature,
                             max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=1,
                             reset_kwargs={"source": source},

@@ -34,11 +34,7 @@ def run_codec(codec: str, out: Path, nodes: int, rounds: int) -> dict:
     run_dir = out / codec
     config = out / f"{codec}.toml"
     config.write_text(f'compression = "{codec}"\nrounds = {rounds}\ninner_steps = 2\n')
-    warm = out / "warmstart"  # one warm start shared by all codecs
-    warm.mkdir(parents=True, exist_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "warmstart").exists():
-        (run_dir / "warmstart").symlink_to(warm.resolve(), target_is_directory=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # one warm start shared by all codecs: the per-user cache
     result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--nodes", str(nodes), "--config",
                              str(config), "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:

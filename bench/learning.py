@@ -112,10 +112,7 @@ def run_arm(arm: Arm, seed: int, budget: int, out: Path) -> Path:
         return run_dir
     if run_dir.exists():  # an interrupted attempt: start it over
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    run_dir.mkdir(parents=True)
-    warm = out / "warmstart"  # one warm start (the "pretrained" policy) shared by every arm and seed
-    warm.mkdir(parents=True, exist_ok=True)
-    (run_dir / "warmstart").symlink_to(warm.resolve(), target_is_directory=True)
+    run_dir.mkdir(parents=True)  # one warm start (the "pretrained" policy) for every arm and seed: the per-user cache
     rounds = arm.rounds(budget)
     config = run_dir / "config.toml"
     config.write_text(arm.config_toml(seed, rounds))

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="inner steps per arm run first and not measured")
     ap.add_argument("--warmstart-steps", type=int, default=None,
                     help=f"warm-start steps of the default policy (default {defaults.warmstart.steps}, "
-                         "0 with --smoke); cached in <out>/warmstart")
+                         "0 with --smoke); cached per user (composer_diloco.policy.cache)")
     ap.add_argument("--smoke", action="store_true", help="2 measured steps per arm, no warm-up, no warm start")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-overhead"))
     ap.add_argument("--verbose", action="store_true")
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     config = defaults
-    model, tokenizer = load_policy(None, run_dir=args.out, seed=config.warmstart.seed, warmstart_steps=warmstart_steps)
+    model, tokenizer = load_policy(None, seed=config.warmstart.seed, warmstart_steps=warmstart_steps)
     theta0 = [p.detach().clone() for p in model.parameters()]
     total = args.warmup + args.steps
     server, sessions = None, []

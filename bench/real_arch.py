@@ -234,8 +234,7 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
     config = load_config(config_path, model=str(model_dir))
     if not lora:
         config = config.model_copy(update={"lora": None})
-    model, tokenizer = load_policy(str(model_dir), run_dir=Path(tempfile.mkdtemp()), seed=config.seed,
-                                   warmstart_steps=0)
+    model, tokenizer = load_policy(str(model_dir), seed=config.seed, warmstart_steps=0)
     if config.lora is not None:
         model = apply_lora(model, config.lora)
     server = start_env_server(config.env.server_module, startup_timeout_s=60, args=config.env.server_args)

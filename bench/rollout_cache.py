@@ -14,8 +14,8 @@ a wider one (hidden 512, 8 layers, ~26M parameters, random weights): what re-enc
 grow.
 
 Run: ``python bench/rollout_cache.py [--episodes 16] [--repeats 3] [--run-dir runs/bench-rollout-cache]`` (the warm
-start is cached in the run dir; ~1 min on 2 CPU cores once it is there), ``python bench/rollout_cache.py --synthetic``
-(~3 min).
+start is cached per user, ``~/.cache/composer_diloco/warmstart``; ~1 min on 2 CPU cores once it is there),
+``python bench/rollout_cache.py --synthetic`` (~3 min).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
     torch.set_num_threads(2)
     if args.synthetic:
         return synthetic(args.repeats)
-    model, tok = load_policy(None, run_dir=args.run_dir, seed=0, warmstart_steps=200)
+    model, tok = load_policy(None, seed=0, warmstart_steps=200)
     model.eval()
     real = rollout.generate_turns
 

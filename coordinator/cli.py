@@ -16,7 +16,10 @@ log = logging.getLogger("composer.coordinator")
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Run config (TOML); default: built-in defaults.")]
 RoundsOpt = Annotated[Optional[int], typer.Option("--rounds", help="Override the config's number of rounds.")]
-RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Checkpoints, metrics, logs and caches go here.")]
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Checkpoints, metrics and logs go here (the warm start is "
+                                                          "cached per user: $COMPOSER_DILOCO_CACHE, else "
+                                                          "$XDG_CACHE_HOME/composer_diloco, else "
+                                                          "~/.cache/composer_diloco).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Hub id or local model directory (replaces the "
                                                                  "embedded tiny default).")]

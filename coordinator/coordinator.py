@@ -42,7 +42,8 @@ class CoordinatorOptions:
 
     Attributes:
         config: the validated run config.
-        run_dir: checkpoints, the warm-start cache and ``coordinator/metrics.jsonl`` go here.
+        run_dir: checkpoints and ``coordinator/metrics.jsonl`` go here (the embedded default's warm start is
+            cached per user: ``composer_diloco.policy.load.warmstart_cache_dir``).
         listen: multiaddr to listen on (default: 127.0.0.1, a free TCP port).
         announce: multiaddrs other machines should dial (for a public address behind NAT).
         resume: continue from the newest checkpoint in ``run_dir`` (theta, outer optimizer state, round), even with a
@@ -163,11 +164,11 @@ class Coordinator:
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
-            self.model, self.tokenizer = load_policy(config.model, run_dir=self.run_dir, seed=config.warmstart.seed,
+            self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
                                                      warmstart_steps=config.warmstart.steps,
                                                      env=config.env.server_module)
         else:
-            self.model, self.tokenizer = load_policy(str(checkpoint), run_dir=self.run_dir, seed=0, warmstart_steps=0)
+            self.model, self.tokenizer = load_policy(str(checkpoint), seed=0, warmstart_steps=0)
         if config.lora is not None:  # before any network: a [lora] that does not fit the model fails here
             from composer_diloco.policy.lora import apply_lora, load_adapters
 

@@ -52,7 +52,7 @@ class Simulation:
     model: str | None = None
     device: str = "cpu"
     verbose: bool = False
-    peer_timeout_s: float = 3600.0  # the first run warm-starts the default policy: ~10 min on the coding env
+    peer_timeout_s: float = 3600.0  # a machine's first run warm-starts the default policy: ~10 min on the coding env
     procs: list[Proc] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
 
@@ -154,7 +154,8 @@ def run_simulation(sim: Simulation, total_rounds: int) -> int:
     """Run it all; print the table to stdout; returns the exit code (0 = all succeeded and agreed)."""
     console = sim.console
     try:
-        console.print(f"starting the coordinator (run dir {sim.run_dir}; the first run warm-starts the policy)")
+        console.print(f"starting the coordinator (run dir {sim.run_dir}; the first run on this machine warm-starts "
+                      "the policy, cached per user)")
         peer = sim.start_coordinator()
         console.print(f"coordinator at {peer}; starting {sim.nodes} node(s)")
         sim.start_nodes(peer)

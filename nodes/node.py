@@ -239,7 +239,7 @@ class Node:
         n_sessions = self.batch.episodes_per_step
         if urls:  # round-robin over the URLs; each URL's protocol was detected above
             self.sessions = open_env_sessions(urls, n_sessions, protocols=protocols, **opening)
-        model, self.tokenizer = _policy_skeleton(config, Path(o.run_dir))
+        model, self.tokenizer = _policy_skeleton(config)
         if not urls:
             server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s,
                                       args=config.env.server_args)
@@ -430,24 +430,25 @@ def _model_config(config: RunConfig):
         return None
 
 
-def _policy_skeleton(config: RunConfig, run_dir: Path):
+def _policy_skeleton(config: RunConfig):
     """A model of the run's architecture (its weights are replaced by the global model) and its tokenizer.
 
-    With ``[lora]`` the base weights are not part of the global model: the node loads (or warm-starts, cached in
-    ``run_dir``) the run's base itself, as the coordinator does, and wraps it with the adapters
-    (`composer_diloco.policy.lora.apply_lora`); its base hash is checked against the run's at the state download."""
+    With ``[lora]`` the base weights are not part of the global model: the node loads (or warm-starts, cached once
+    per machine in ``composer_diloco.policy.load.warmstart_cache_dir()``) the run's base itself, as the coordinator
+    does, and wraps it with the adapters (`composer_diloco.policy.lora.apply_lora`); its base hash is checked
+    against the run's at the state download."""
     from composer_diloco.policy import build_tiny_model, load_default_tokenizer, load_policy
 
     if config.lora is not None:
         from composer_diloco.policy.lora import apply_lora
 
-        model, tokenizer = load_policy(config.model, run_dir=run_dir, seed=config.warmstart.seed,
+        model, tokenizer = load_policy(config.model, seed=config.warmstart.seed,
                                        warmstart_steps=config.warmstart.steps, env=config.env.server_module)
         return apply_lora(model, config.lora), tokenizer
     if config.model is None:
         tokenizer = load_default_tokenizer()
         return build_tiny_model(tokenizer, config.warmstart.seed), tokenizer
-    return load_policy(config.model, run_dir=Path("."), seed=config.seed, warmstart_steps=0)
+    return load_policy(config.model, seed=config.seed, warmstart_steps=0)
 
 
 __all__ = ["Node", "NodeError", "NodeOptions", "RoundCallback", "SwarmError", "ToolCallTally", "TrainedOnNothing"]

@@ -35,27 +35,38 @@ def reap_children():
         print(f"\nreaped {len(leaked)} leaked child process(es): {names}")
 
 
-@pytest.fixture(scope="session")
-def warm_cache(tmp_path_factory) -> Path:
-    """The embedded default's warm start, computed once per session (~45 s) and shared by the run tests.
-
-    ``COMPOSER_DILOCO_TEST_WARM_DIR=DIR`` keeps it in DIR across sessions (for rerunning a few tests by hand;
-    the cache key covers seed, steps, model config and tokenizer, so a stale entry is never reused).
-    """
-    from composer_diloco.config import load_config
-    from composer_diloco.policy import load_policy
+@pytest.fixture(autouse=True, scope="session")
+def user_cache(tmp_path_factory) -> Path:
+    """The session's per-user cache folder (``COMPOSER_DILOCO_CACHE``, inherited by every process a test starts), so
+    the suite never writes to the real ``~/.cache/composer_diloco``: a session temp dir, or
+    ``COMPOSER_DILOCO_TEST_WARM_DIR=DIR`` to keep it in DIR across sessions (for rerunning a few tests by hand; the
+    warm start's cache key covers seed, steps, recipe, model config, tokenizer and env source, so a stale entry is
+    never reused)."""
+    from composer_diloco.policy.cache import CACHE_ENV
 
     kept = os.environ.get("COMPOSER_DILOCO_TEST_WARM_DIR")
-    root = Path(kept) if kept else tmp_path_factory.mktemp("warm")
+    root = Path(kept).absolute() if kept else tmp_path_factory.mktemp("user-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def warm_cache(user_cache) -> Path:
+    """The folder of the embedded default's warm starts (``warmstart_cache_dir()``, under the session's
+    ``user_cache``), holding smoke.toml's, computed once per session (~45 s) and reused by every run test's
+    processes."""
+    from composer_diloco.config import load_config
+    from composer_diloco.policy import load_policy, warmstart_cache_dir
+
     cfg = load_config(SMOKE)
-    load_policy(None, run_dir=root, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
-    return root / "warmstart"
+    load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    return warmstart_cache_dir()
 
 
 @pytest.fixture
 def run_dir(tmp_path, warm_cache) -> Path:
-    """A fresh run directory whose warm-start cache is the session's (so no test repeats the warm start)."""
+    """A fresh run directory; the session's warm start is already cached (so no test repeats it)."""
     path = tmp_path / "run"
     path.mkdir()
-    (path / "warmstart").symlink_to(warm_cache, target_is_directory=True)
     return path

@@ -25,13 +25,6 @@ def test_collator_bench_smoke():
     assert row["turns"] == 8 and row["prefix_retokenize_s"] > 0 and row["ours_raw_trace_s"] > 0
 
 
-def _with_warm_start(out: Path, warm_cache: Path) -> Path:
-    """A bench --out folder whose shared warm start is the test session's (no second warm start)."""
-    out.mkdir()
-    (out / "warmstart").symlink_to(warm_cache, target_is_directory=True)
-    return out
-
-
 def _bench(script: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "bench" / script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
@@ -51,9 +44,8 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_learning_traffic_and_overhead_bench_smokes(tmp_path, warm_cache):
-    learning_out = _with_warm_start(tmp_path / "learning", warm_cache)
-    traffic_out = _with_warm_start(tmp_path / "traffic", warm_cache)
-    overhead_out = _with_warm_start(tmp_path / "overhead", warm_cache)
+    # the benches' processes inherit the session's COMPOSER_DILOCO_CACHE, where warm_cache is: no second warm start
+    learning_out, traffic_out, overhead_out = (tmp_path / "learning", tmp_path / "traffic", tmp_path / "overhead")
     procs = [
         _bench("learning.py", "run", "--smoke", "--out", str(learning_out)),
         _bench("compression.py", "--nodes", "1", "--rounds", "1", "--codecs", "int8", "--out", str(traffic_out)),

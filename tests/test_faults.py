@@ -192,7 +192,7 @@ def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loada
     assert list((tmp_path / "checkpoints").glob(".tmp-round-000002-*")), "the kill came before the files were written"
     assert latest_checkpoint(tmp_path).name == "round-000001"
     assert read_outer_state(latest_checkpoint(tmp_path))["global_sha256"] == good["global_sha256"]
-    load_policy(str(latest_checkpoint(tmp_path)), run_dir=tmp_path, seed=0, warmstart_steps=0)  # loads whole
+    load_policy(str(latest_checkpoint(tmp_path)), seed=0, warmstart_steps=0)  # loads whole
 
 
 

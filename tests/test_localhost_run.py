@@ -1,6 +1,7 @@
 """The main job end to end: `composer-coordinator simulate` with real coordinator, node and env-server processes."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,8 +72,12 @@ def test_coordinator_and_two_nodes_agree_every_round(run_dir):
 def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
     """A user's model directory loads and trains through a round; an untrained model never emits a parsed tool
     call, so the node refuses the run at its end (``trained on nothing``, exit 1) and the table warns of the round."""
-    from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer, warmstart_cache_dir
 
+    def cached() -> set[str]:
+        return set(os.listdir(warmstart_cache_dir())) if warmstart_cache_dir().is_dir() else set()
+
+    cached_before = cached()
     tokenizer = load_default_tokenizer()
     model = build_tiny_model(tokenizer, seed=3, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
     model_dir = tmp_path / "my-model"
@@ -93,4 +98,4 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
     assert saved["hidden_size"] == 64 and saved["num_hidden_layers"] == 2
     records = read_metrics(run_dir)
     assert records["node-0"][0]["global_sha256"] == records["coordinator"][0]["global_sha256"]
-    assert not (run_dir / "warmstart").exists()  # no warm start for a user's model
+    assert cached() == cached_before  # no warm start for a user's model

@@ -164,15 +164,16 @@ def test_checkpoint_is_a_peft_adapter_folder_that_loads_merges_and_resumes(token
 
 
 # -- a run: real processes ------------------------------------------------------------------------------------------
-def _perturbed_base(warm_cache: Path, out_run_dir: Path) -> None:
-    """``out_run_dir/warmstart`` = a copy of the warm cache with one base weight changed: another base, same layout."""
+def _perturbed_base(warm_cache: Path, out_cache: Path) -> None:
+    """``out_cache/warmstart`` = a copy of the warm cache with one base weight changed: another machine's base, the
+    same layout (a node started with ``COMPOSER_DILOCO_CACHE=out_cache`` loads it)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     for entry in warm_cache.iterdir():
         if (entry / "model.safetensors").is_file():
-            dst = out_run_dir / "warmstart" / entry.name
+            dst = out_cache / "warmstart" / entry.name
             shutil.copytree(entry, dst)
             tensors = load_file(str(dst / "model.safetensors"))
             name = sorted(n for n in tensors if n.endswith("down_proj.weight"))[0]
@@ -198,16 +199,17 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     from local_run import LocalRun, assert_agree
 
     cfg = load_config(LORA)
-    base, _ = load_policy(None, run_dir=run_dir, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    base, _ = load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
     run_base = base_sha256(base)
     full_bytes = 4 * sum(p.numel() for p in base.parameters())  # the full model's fp32 theta
-    bad_dir = tmp_path / "bad"
-    _perturbed_base(warm_cache, bad_dir)
+    bad_dir, bad_cache = tmp_path / "bad", tmp_path / "bad-cache"
+    _perturbed_base(warm_cache, bad_cache)
 
     run = LocalRun(run_dir, LORA)
     try:
         run.start_coordinator()
-        bad = run.start_node("node-bad", "--run-dir", str(bad_dir))  # the later --run-dir wins
+        bad = run.start_node("node-bad", "--run-dir", str(bad_dir),  # the later --run-dir wins
+                             env={"COMPOSER_DILOCO_CACHE": str(bad_cache)})
         assert run.wait_exit("node-bad", timeout_s=180) == 1
         last = run.log_tail("node-bad", 1)
         assert f"base_sha256 {run_base} in the run" in last, last
@@ -255,7 +257,7 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     assert state["round"] == cfg.rounds + 1 and state["base_sha256"] == run_base
     assert state["global_sha256"] == records["node-c"][0]["global_sha256"]
 
-    fresh, _ = load_policy(None, run_dir=run_dir, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    fresh, _ = load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
     loaded = PeftModel.from_pretrained(fresh, str(final))
     assert base_sha256(loaded) == run_base
     merged = subprocess.run([sys.executable, "-m", "composer_diloco.policy", "merge-lora", str(final), "--out",

@@ -218,13 +218,13 @@ def test_warm_start_failure_leaves_nothing(tok, tmp_path, monkeypatch):
 @pytest.mark.parametrize("value", ["/definitely/not/here", "./not-here-either", "no/such/deep/path"])
 def test_load_policy_missing_path_raises(value, tmp_path):
     with pytest.raises(PolicyLoadError, match=value.replace(".", r"\.")) as info:
-        load_policy(value, run_dir=tmp_path, seed=0, warmstart_steps=0)
+        load_policy(value, seed=0, warmstart_steps=0)
     assert "\n" not in str(info.value)
 
 
 def test_load_policy_rejects_a_directory_without_a_model(tmp_path):
     with pytest.raises(PolicyLoadError, match="config.json"):
-        load_policy(tmp_path, run_dir=tmp_path, seed=0, warmstart_steps=0)
+        load_policy(tmp_path, seed=0, warmstart_steps=0)
 
 
 @pytest.mark.timeout(30)
@@ -232,7 +232,7 @@ def test_load_policy_local_directory(tok, tmp_path):
     model = build_tiny_model(tok, seed=1).to(torch.float16)
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    loaded, loaded_tok = load_policy(str(tmp_path / "m"), run_dir=tmp_path, seed=0, warmstart_steps=0)
+    loaded, loaded_tok = load_policy(str(tmp_path / "m"), seed=0, warmstart_steps=0)
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu" and not loaded.training
     assert loaded_tok.chat_template == tok.chat_template
     ids = torch.tensor([[1, 5, 9, 30]])
@@ -241,8 +241,9 @@ def test_load_policy_local_directory(tok, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_load_policy_default_warm_starts_once_and_caches(tmp_path, monkeypatch):
-    model, tok = load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=2)
-    (cache,) = (tmp_path / "warmstart").iterdir()
+    monkeypatch.setenv("COMPOSER_DILOCO_CACHE", str(tmp_path))
+    model, tok = load_policy(None, seed=0, warmstart_steps=2)
+    (cache,) = (p for p in (tmp_path / "warmstart").iterdir() if p.is_dir())
     assert (cache / "model.safetensors").is_file()
     assert model.dtype == torch.float32 and tok.chat_template
 
@@ -250,7 +251,7 @@ def test_load_policy_default_warm_starts_once_and_caches(tmp_path, monkeypatch):
         raise AssertionError("should reuse the cache")
 
     monkeypatch.setattr(load_module, "warm_start", no_training)
-    again, _ = load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=2)
+    again, _ = load_policy(None, seed=0, warmstart_steps=2)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
@@ -280,7 +281,7 @@ def test_evaluate_policy_runs_episodes(tok, tool_env_url):
 def test_load_policy_unknown_hub_id_offline_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network attempt: local cache only
     with pytest.raises(PolicyLoadError, match="nonexistent-org/nonexistent-model"):
-        load_policy("nonexistent-org/nonexistent-model", run_dir=tmp_path, seed=0, warmstart_steps=0)
+        load_policy("nonexistent-org/nonexistent-model", seed=0, warmstart_steps=0)
 
 
 # ----------------------------------------------------------------------------------------- warm-start envs
@@ -308,9 +309,10 @@ def test_warm_start_data_comes_from_the_run_s_env(tok, tmp_path):
     assert json.loads((out / "warmstart.json").read_text())["env"] == "envs.coding_env"
 
 
-def test_an_env_without_demonstrations_is_a_clear_error(tmp_path):
+def test_an_env_without_demonstrations_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPOSER_DILOCO_CACHE", str(tmp_path))
     with pytest.raises(PolicyLoadError, match=r"envs\.nope\.server.*\[warmstart\] steps = 0"):
-        load_policy(None, run_dir=tmp_path, seed=0, warmstart_steps=5, env="envs.nope.server")
+        load_policy(None, seed=0, warmstart_steps=5, env="envs.nope.server")
     assert not (tmp_path / "warmstart").exists()
     with pytest.raises(PolicyLoadError, match="no scripted demonstrations"):
         policy.env_demonstrations("envs.schema")

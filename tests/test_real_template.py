@@ -69,7 +69,7 @@ def test_llama31_episodes_parse_calls_and_mask_tool_replies(llama_dir, tmp_path)
     from composer_diloco.rollout.episodes import play_episodes
     from composer_diloco.rollout.sessions import open_env_sessions
 
-    model, tokenizer = load_policy(str(llama_dir), run_dir=tmp_path, seed=0, warmstart_steps=0)
+    model, tokenizer = load_policy(str(llama_dir), seed=0, warmstart_steps=0)
     assert tokenizer.chat_template.startswith("{{- bos_token }}")  # the folder's own template, not the shipped one
     server = start_env_server("envs.tool_env.server", startup_timeout_s=60)
     sessions = []

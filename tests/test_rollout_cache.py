@@ -32,7 +32,7 @@ def _play(model, tok, sessions, keys, *, cached: bool, seed: int):
 def test_cached_turns_sample_what_full_re_encoding_samples(warm_cache):
     from composer_diloco.policy import load_policy
 
-    model, tok = load_policy(None, run_dir=warm_cache.parent, seed=0, warmstart_steps=200)
+    model, tok = load_policy(None, seed=0, warmstart_steps=200)
     model.eval()
     server = start_env_server("envs.tool_env.server", startup_timeout_s=60)
     try:

@@ -9,7 +9,10 @@ Modules, in the order a run uses them:
   ~0.9M-parameter ``Qwen3ForCausalLM``.
 * :mod:`~composer_diloco.policy.warmstart`: :func:`warm_start`, a short SFT pass with TRL's ``SFTTrainer`` on the run
   env's scripted demonstrations (taken through ``composer_diloco.rollout.env_package``).
-* :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project.
+* :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project;
+  the embedded default's warm start is cached once per machine in :func:`warmstart_cache_dir`
+  (:mod:`~composer_diloco.policy.cache`: ``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
+  ``~/.cache/composer_diloco``; a file lock, atomic renames).
 * :mod:`~composer_diloco.policy.evaluate`: :func:`evaluate_policy`, fixed fresh episodes against a served env or
   the env package in process (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
 * :mod:`~composer_diloco.policy.cli`: ``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``.
@@ -19,7 +22,7 @@ No module here names a concrete env except :mod:`~composer_diloco.policy.tokeniz
 
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.evaluate import evaluate_policy
-from composer_diloco.policy.load import load_policy
+from composer_diloco.policy.load import load_policy, warmstart_cache_dir
 from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
 from composer_diloco.policy.tokenizer import (
     DEFAULT_TOKENIZER_DIR,
@@ -52,4 +55,5 @@ __all__ = [
     "tokenize_episode",
     "trl_qwen3_chat_template",
     "warm_start",
+    "warmstart_cache_dir",
 ]

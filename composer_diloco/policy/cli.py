@@ -137,7 +137,7 @@ def evaluate(
     kwargs = _reset_kwargs(reset_kwarg)
     where = {"env_url": env_url} if env_url else {"env": env}
     try:
-        model, tokenizer = load_policy(model_dir, run_dir=Path("."), seed=0, warmstart_steps=0)
+        model, tokenizer = load_policy(model_dir, seed=0, warmstart_steps=0)
         for temp in temperature or [0.0, 1.0]:
             stats = evaluate_policy(model, tokenizer, episodes, seed, **where, temperature=temp, max_calls=max_calls,
                                     max_new_tokens=max_turn_tokens, batch_size=batch_size, reset_kwargs=kwargs)
@@ -152,8 +152,6 @@ def merge_lora(
     checkpoint: Annotated[Path, typer.Argument(help="A [lora] run's checkpoint folder (a PEFT adapter folder), e.g. "
                                                     "RUN_DIR/checkpoints/round-000003.")],
     out: Annotated[Path, typer.Option(help="Output directory of the merged save_pretrained model.")],
-    run_dir: Annotated[Path | None, typer.Option(help="The run dir whose warm-start cache holds the embedded "
-                                                      "default's base (default: the checkpoint's run dir).")] = None,
 ) -> None:
     """Merge a LoRA checkpoint's adapters into the run's base model (peft merge_and_unload) and save_pretrained it."""
     from composer_diloco.checkpoint import CheckpointError, read_outer_state
@@ -166,8 +164,7 @@ def merge_lora(
         config = RunConfig.from_json(state["config"])
         if config.lora is None or "base_sha256" not in state:
             raise LoraError(f"checkpoint {str(checkpoint)!r} is not from a [lora] run: it is a full model already")
-        base, tokenizer = load_policy(config.model, run_dir=run_dir or checkpoint.resolve().parents[1],
-                                      seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
+        base, tokenizer = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
                                       env=config.env.server_module)
         if base_sha256(base) != state["base_sha256"]:
             raise LoraError(f"the base model loaded for {str(checkpoint)!r} has base_sha256 {base_sha256(base)}, the "

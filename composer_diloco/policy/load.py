@@ -1,4 +1,4 @@
-"""Loading a run's policy: the embedded default (warm-started once per run dir, cached) or any causal LM."""
+"""Loading a run's policy: the embedded default (warm-started once per machine, cached per user) or any causal LM."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
+from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
 from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_default_tokenizer
@@ -25,7 +27,7 @@ from composer_diloco.policy.warmstart import (
 )
 from composer_diloco.rollout.env_package import package_of
 
-__all__ = ["load_policy"]
+__all__ = ["load_policy", "warmstart_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +76,19 @@ def _load_pretrained(source: str, *, local: bool) -> tuple[PreTrainedModel, PreT
     return model.to("cpu").float().eval(), tokenizer
 
 
-def _load_default(run_dir: Path, seed: int, warmstart_steps: int,
-                  env: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The embedded default, warm-started into (or reused from) ``run_dir / "warmstart" / <key>``."""
+_WARMSTART_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja", "warmstart.json")
+"""Files every warm-start cache entry holds (``warm_start`` writes them; one missing = a damaged entry)."""
+
+
+def warmstart_cache_dir() -> Path:
+    """Where the embedded default's warm starts are cached: ``cache_root() / "warmstart"``, one ``<key>`` folder
+    each (see ``composer_diloco.policy.cache``)."""
+    return cache_root() / "warmstart"
+
+
+def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The embedded default, warm-started into (or reused from) ``warmstart_cache_dir() / <key>``."""
     tokenizer = load_default_tokenizer()
     config = tiny_model_config(tokenizer, seed)
     if warmstart_steps > 0:
@@ -84,19 +96,27 @@ def _load_default(run_dir: Path, seed: int, warmstart_steps: int,
         env = package_of(env)  # one key, and one warmstart.json "env", per env package
     else:
         env = DEFAULT_WARMSTART_ENV  # untrained weights do not depend on the env
-    cache = run_dir / "warmstart" / _default_cache_key(seed, warmstart_steps, config, env)
-    if not (cache / "config.json").is_file():
+
+    def build(out_dir: Path) -> None:
         logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
-                    seed, cache)
-        try:
-            warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
-                       out_dir=cache, env=env)
-        except (FileExistsError, OSError):
-            if not (cache / "config.json").is_file():  # not a concurrent writer winning the rename
-                raise
+                    seed, out_dir)
+        warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps, out_dir=out_dir,
+                   env=env)
+
+    t0 = time.monotonic()
+    folder = warmstart_cache_dir()
+    try:
+        entry, built = get_or_build(folder / _default_cache_key(seed, warmstart_steps, config, env), build,
+                                    required=_WARMSTART_FILES)
+    except OSError as exc:
+        raise PolicyLoadError(f"cannot cache the warm start in {folder}: {exc}; point {CACHE_ENV} at a writable "
+                              "folder with space") from exc
+    if built:
+        logger.info("warm start cached at %s (%.1f s; later runs on this machine reuse it)", entry,
+                    time.monotonic() - t0)
     else:
-        logger.info("reusing the warm-started default policy at %s", cache)
-    return _load_pretrained(str(cache), local=True)
+        logger.info("reusing the warm-started default policy at %s", entry)
+    return _load_pretrained(str(entry), local=True)
 
 
 def _hub_offline() -> bool:
@@ -135,7 +155,6 @@ def _load_named(value: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
 def load_policy(
     model: str | os.PathLike[str] | None,
     *,
-    run_dir: str | Path,
     seed: int,
     warmstart_steps: int,
     env: str = DEFAULT_WARMSTART_ENV,
@@ -143,16 +162,18 @@ def load_policy(
     """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
 
     ``None``: the tiny Qwen3 of ``build_tiny_model`` with the shipped tokenizer, warm-started for
-    ``warmstart_steps`` steps on ``env``'s scripted demonstrations (``warm_start``), cached in
-    ``run_dir / "warmstart" / <hash>`` where the hash covers ``seed``, ``warmstart_steps``, the model config,
-    the tokenizer files and the env package's source; a cached copy is reused. Otherwise ``model`` is a local
+    ``warmstart_steps`` steps on ``env``'s scripted demonstrations (``warm_start``), cached once per machine in
+    ``warmstart_cache_dir() / <hash>`` (``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
+    ``~/.cache/composer_diloco``, then ``warmstart/``) where the hash covers ``seed``, ``warmstart_steps``, the
+    warm-start recipe, the model config, the tokenizer files and the env package's source; a whole cached copy
+    is reused by every run and process, concurrent callers compute it once (a file lock), and a damaged one is
+    rebuilt with a WARNING (``composer_diloco.policy.cache.get_or_build``). Otherwise ``model`` is a local
     directory (``save_pretrained`` layout) or a Hugging Face Hub id, loaded with ``AutoModelForCausalLM`` /
     ``AutoTokenizer``: first from local files only, then (unless ``HF_HUB_OFFLINE`` is set) from the Hub. A
     tokenizer without a pad token gets eos.
 
     Args:
         model: ``None``, a directory, or a hub id such as ``"Qwen/Qwen3-0.6B"``.
-        run_dir: the run's directory (holds the warm-start cache).
         seed: seed of the default policy's initialisation and warm start (ignored otherwise).
         warmstart_steps: warm-start optimizer steps of the default policy (ignored otherwise).
         env: the env (``[env] server_module`` or its package) whose demonstrations warm-start the default policy
@@ -163,9 +184,9 @@ def load_policy(
 
     Raises:
         PolicyLoadError: (one line) if ``model`` names neither a loadable local directory nor a reachable hub
-            model, the shipped tokenizer is missing, or ``env`` has no demonstrations for a warm start.
-        FileExistsError / OSError: the warm-start cache could not be written.
+            model, the shipped tokenizer is missing, ``env`` has no demonstrations for a warm start, or the
+            warm-start cache cannot be created or written (naming the folder and ``COMPOSER_DILOCO_CACHE``).
     """
     if model is None:
-        return _load_default(Path(run_dir), seed, warmstart_steps, env)
+        return _load_default(seed, warmstart_steps, env)
     return _load_named(os.fspath(model))
