@@ -129,6 +129,31 @@ def restore_outer_state(folder: Path, global_model: GlobalModel, base_sha256: st
     return int(state["round"])
 
 
+def load_checkpoint_policy(folder: Path) -> tuple[Any, Any]:
+    """The policy a checkpoint holds, as a plain ``transformers`` model or a ``peft.PeftModel``, and its tokenizer.
+
+    A full fine-tuning checkpoint is a ``save_pretrained`` folder; a ``[lora]`` checkpoint holds the adapters only, so
+    the run's base (its config's ``model``, or the warm-started default) is loaded and the adapters put on it.
+
+    Raises:
+        CheckpointError: no readable ``outer.pt``.
+        composer_diloco.policy.errors.PolicyLoadError: the model or the adapters cannot be loaded (one line).
+    """
+    from composer_diloco.config import RunConfig
+    from composer_diloco.policy import load_policy
+
+    config = RunConfig.from_json(read_outer_state(folder)["config"])
+    if config.lora is None:
+        return load_policy(str(folder), seed=0, warmstart_steps=0)
+    from composer_diloco.policy.lora import apply_lora, load_adapters
+
+    model, tokenizer = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
+                                   env=config.env.server_module)
+    model = apply_lora(model, config.lora)
+    load_adapters(model, folder)
+    return model, tokenizer
+
+
 def _lora_base_sha256(model: Any) -> str | None:
     from composer_diloco.policy.lora import base_sha256, is_lora
 

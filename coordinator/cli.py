@@ -103,10 +103,14 @@ def simulate(
     model: ModelOpt = None,
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
+    eval_episodes: Annotated[int, typer.Option(
+        "--eval-episodes", min=0, help="Held-out tasks on which the warm start and the final model are evaluated "
+                                       "after the run, sampled and greedy (0 = no evaluation).")] = 256,
     secret_file: SecretFileOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table."""
+    """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
+    against the final model on held-out tasks."""
     from composer_diloco.outer.auth import SECRET_ENV, SecretError, load_secret
     from composer_diloco.config import ConfigError
     from coordinator.simulate import Simulation, run_simulation
@@ -124,7 +128,7 @@ def simulate(
                    "(pick a new folder)", err=True)
         raise typer.Exit(1)
     sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, model=model, device=device,
-                     verbose=verbose)
+                     verbose=verbose, eval_episodes=eval_episodes)
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 
 

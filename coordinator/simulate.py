@@ -52,6 +52,8 @@ class Simulation:
     model: str | None = None
     device: str = "cpu"
     verbose: bool = False
+    eval_episodes: int = 256
+    max_idle_s: float = 600.0  # a node loading a large --model sends no heartbeat for minutes
     peer_timeout_s: float = 3600.0  # a machine's first run warm-starts the default policy: ~10 min on the coding env
     procs: list[Proc] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
@@ -73,7 +75,8 @@ class Simulation:
 
     def start_coordinator(self) -> str:
         """Start the coordinator and return its multiaddr (its ``peer:`` line). Raises SimulationError."""
-        args = ["-m", "coordinator", "start", "--run-dir", str(self.run_dir)]
+        # --max-idle: if every node dies, the coordinator ends (exit 1) instead of waiting for nodes that never come
+        args = ["-m", "coordinator", "start", "--run-dir", str(self.run_dir), "--max-idle", f"{self.max_idle_s:g}"]
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         if self.rounds is not None:
@@ -184,4 +187,44 @@ def run_simulation(sim: Simulation, total_rounds: int) -> int:
         console.print(f"[red]global_sha256 differs between peers in round(s) {disagree}[/red]")
     if len(rows) < total_rounds:
         console.print(f"[red]only {len(rows)} of {total_rounds} rounds completed[/red]")
-    return 0 if not failed and not disagree and len(rows) >= total_rounds else 1
+    ok = not failed and not disagree and len(rows) >= total_rounds
+    if ok and sim.eval_episodes > 0:
+        for line in evaluate_run(sim.run_dir, sim.eval_episodes):
+            print(line)
+    return 0 if ok else 1
+
+
+def evaluate_run(run_dir: Path, episodes: int, seed: int = 12345) -> list[str]:
+    """The fixed evaluation of a finished run: its first checkpoint (the warm start, round 0) against its last, on
+    ``episodes`` held-out tasks of its env (``reset(seed, "eval-i")``: ids no warm start or run draws), sampled at the
+    run's GRPO temperature and greedy, played in this process (`composer_diloco.policy.evaluate.compare_policies`).
+
+    Returns:
+        the lines to print under the table, each ``eval: ...``; one line saying why when the run cannot be evaluated
+        here (a ``[tasks]`` dataset run, whose tasks are not the env's own; a missing checkpoint; an env that fails).
+    """
+    from composer_diloco.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint_policy, read_outer_state
+    from composer_diloco.config import RunConfig
+    from composer_diloco.policy.evaluate import compare_policies
+
+    first, final = checkpoint_dir(run_dir) / "round-000000", latest_checkpoint(run_dir)
+    if final is None or not (first / "outer.pt").is_file():
+        return ["eval: skipped (the run has no round-0 and final checkpoint to compare)"]
+    config = RunConfig.from_json(read_outer_state(final)["config"])
+    if config.tasks.path is not None:
+        return [f"eval: skipped (tasks come from {config.tasks.path}, not the env's own generator; evaluate with "
+                "python -m composer_diloco.policy evaluate)"]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars between the table and the eval lines
+    try:
+        before, tokenizer = load_checkpoint_policy(first)
+        after, _ = load_checkpoint_policy(final)
+        comparisons = compare_policies(
+            before, after, tokenizer, episodes, seed, temperatures=(config.grpo.temperature, 0.0),
+            env=config.env.server_module, max_calls=config.env.max_tool_calls,
+            max_new_tokens=config.env.max_turn_tokens, reset_kwargs=config.env.reset_kwargs or None)
+    except Exception as e:  # noqa: BLE001 (the run itself succeeded: say why the evaluation did not)
+        return [f"eval: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+    rounds = int(read_outer_state(final)["round"])
+    return [f"eval: {c.describe('warm start', f'round {rounds}')}" for c in comparisons]

@@ -30,9 +30,21 @@ def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.C
 def test_coordinator_and_two_nodes_agree_every_round(run_dir):
     """Issue 2 and 3's main check: 3 peers agree on theta every round, theta moves, all channels train."""
     before = run_processes_snapshot()
-    result = simulate(run_dir, "--nodes", "2", "--config", str(SMOKE))
+    result = simulate(run_dir, "--nodes", "2", "--config", str(SMOKE), "--eval-episodes", "24")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert re.search(r"^\s+1\s+3\s", result.stdout, re.M), result.stdout  # table row: round 1, 3 peers
+    # under the table: the warm start (round 0) against the final model on 24 held-out tasks, sampled and greedy
+    evals = re.findall(r"^eval: (sampled T=1|greedy): warm start ([\d.]+) -> round 2 ([\d.]+) \(([-+][\d.]+) \+- "
+                       r"([\d.]+) paired se, 24 tasks\)$", result.stdout, re.M)
+    assert [e[0] for e in evals] == ["sampled T=1", "greedy"], result.stdout
+    from composer_diloco.checkpoint import load_checkpoint_policy
+    from composer_diloco.policy.evaluate import evaluate_policy
+
+    start, tokenizer = load_checkpoint_policy(run_dir / "checkpoints" / "round-000000")
+    sampled = evaluate_policy(start, tokenizer, 24, 12345, env="envs.tool_env.server", temperature=1.0, max_calls=6,
+                              max_new_tokens=40)
+    assert abs(float(evals[0][1]) - sampled["mean_reward"]) < 6e-4, (evals, sampled)  # the same fixed episodes
+    assert all(abs(float(e[2]) - float(e[1]) - float(e[3])) < 2e-3 for e in evals), evals
 
     metrics = read_metrics(run_dir)
     assert set(metrics) == {"coordinator", "node-0", "node-1"}

@@ -277,6 +277,28 @@ def test_evaluate_policy_runs_episodes(tok, tool_env_url):
     assert model.training == mode  # train/eval mode restored
 
 
+@pytest.mark.timeout(400)  # the session's warm start (~1 min) may be paid here
+def test_compare_policies_is_paired_on_the_same_episodes(tok, warm_cache):
+    """A policy against itself: the same rewards episode by episode (difference 0, standard error 0); the warm start
+    against an untrained model: the untrained one solves nothing, the difference is the warm start's whole reward,
+    and its paired standard error is the per-episode differences' (sampled: the same sampling seed for both)."""
+    from composer_diloco.config import load_config
+    from composer_diloco.policy.evaluate import compare_policies
+
+    cfg = load_config(None)
+    warm, _ = load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    same = compare_policies(warm, warm, tok, 24, 7, env="envs.tool_env.server", temperatures=(1.0,))
+    assert (same[0].diff, same[0].diff_se, same[0].n_episodes) == (0.0, 0.0, 24) and same[0].before > 0.2
+    untrained = build_tiny_model(tok, seed=5)
+    worse = compare_policies(warm, untrained, tok, 24, 7, env="envs.tool_env.server", temperatures=(1.0, 0.0))
+    for c in worse:
+        assert c.after == 0.0 and c.diff == -c.before
+        p = c.before  # rewards are 0/1: the differences are -1 on the episodes the warm start solved, else 0
+        assert c.diff_se == pytest.approx((p * (1 - p) * 24 / 23 / 24) ** 0.5, abs=1e-9)
+    assert worse[0].before == same[0].before  # sampled, seed 7, the same episodes: the same draws
+    assert "greedy: warm start" in worse[1].describe() and "paired se, 24 tasks" in worse[1].describe()
+
+
 @pytest.mark.timeout(30)
 def test_load_policy_unknown_hub_id_offline_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network attempt: local cache only

@@ -18,6 +18,7 @@ figures in README.md and :mod:`composer_diloco.policy.warmstart` were taken.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from composer_diloco.rollout.chat import episode_messages, parse_tool_call
 from composer_diloco.rollout.episodes import EnvSession
 
-__all__ = ["EVAL_EPISODE_PREFIX", "FamilyFn", "evaluate_policy"]
+__all__ = ["EVAL_EPISODE_PREFIX", "Comparison", "FamilyFn", "compare_policies", "evaluate_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,11 @@ def _summary(outcomes: list[_Outcome], keys: list[tuple[int, str]], family: Fami
              seconds: float) -> dict[str, Any]:
     n = max(len(outcomes), 1)
     calls = sum(o.tool_calls for o in outcomes)
+    mean = sum(o.reward for o in outcomes) / n
+    var = sum((o.reward - mean) ** 2 for o in outcomes) / max(len(outcomes) - 1, 1)
     stats: dict[str, Any] = dict(
-        mean_reward=sum(o.reward for o in outcomes) / n,
+        mean_reward=mean,
+        reward_se=math.sqrt(var / n),
         success_rate=sum(o.reward >= 1.0 for o in outcomes) / n,
         format_error_rate=sum(o.format_error for o in outcomes) / n,
         tool_error_rate=sum(o.tool_errors for o in outcomes) / max(calls, 1),
@@ -146,6 +150,7 @@ def evaluate_policy(
     batch_size: int = 32,
     reset_kwargs: Mapping[str, Any] | None = None,
     family: FamilyFn | None = None,
+    per_episode: bool = False,
 ) -> dict[str, Any]:
     """Play ``n_episodes`` fixed fresh episodes against the env server at ``env_url``, or the env package ``env`` in
     this process (see the module docstring).
@@ -169,9 +174,12 @@ def evaluate_policy(
         batch_size: episodes generated together (``>= 1``).
         reset_kwargs: more keywords for every ``reset`` (``[env] reset_kwargs``, e.g. ``{"source": "generated"}``).
         family: ``(seed, episode_id) -> family`` to also report per family; None: no ``by_family``.
+        per_episode: also return ``episode_rewards``, the reward of each episode in order (for paired comparisons,
+            `compare_policies`).
 
     Returns:
-        ``mean_reward`` (the env's final reward per episode, 0 without one), ``success_rate`` (episodes with
+        ``mean_reward`` (the env's final reward per episode, 0 without one), ``reward_se`` (its standard error: the
+        episodes' sample standard deviation / sqrt(n)), ``success_rate`` (episodes with
         reward >= 1), ``format_error_rate`` (episodes ended by an unparsable turn), ``tool_error_rate`` (failed
         calls / all calls), ``mean_tool_calls`` (per episode), ``n_episodes``, ``seconds`` (wall clock), and with
         ``family`` ``by_family``: ``{family: {"episodes", "mean_reward", "success_rate"}}``, sorted by name.
@@ -206,6 +214,63 @@ def evaluate_policy(
             session.close()
         model.train(was_training)
     stats = _summary(outcomes, keys, family, time.monotonic() - t0)
+    if per_episode:
+        stats["episode_rewards"] = [o.reward for o in outcomes]
     logger.info("evaluated %d episodes at temperature %g: mean reward %.3f in %.1f s", n_episodes, temperature,
                 stats["mean_reward"], stats["seconds"])
     return stats
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two policies on the same episodes at one temperature: a paired comparison.
+
+    Attributes:
+        temperature: 0 = greedy.
+        n_episodes: episodes each policy played (the same ``(seed, "eval-i")`` and, sampled, the same seed).
+        before, after: mean rewards.
+        diff_se: standard error of ``after - before`` from the per-episode differences (paired: the tasks' own
+            difficulty cancels, so it is smaller than either mean's standard error when the policies agree often).
+    """
+
+    temperature: float
+    n_episodes: int
+    before: float
+    after: float
+    diff_se: float
+
+    @property
+    def diff(self) -> float:
+        """``after - before``."""
+        return self.after - self.before
+
+    def describe(self, before: str = "warm start", after: str = "final") -> str:
+        """One line, e.g. ``sampled T=1: warm start 0.555 -> final 0.602 (+0.047 +- 0.018 paired se, 256 tasks)``."""
+        how = "greedy" if self.temperature == 0 else f"sampled T={self.temperature:g}"
+        return (f"{how}: {before} {self.before:.3f} -> {after} {self.after:.3f} ({self.diff:+.3f} +- "
+                f"{self.diff_se:.3f} paired se, {self.n_episodes} tasks)")
+
+
+def compare_policies(before: PreTrainedModel, after: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                     n_episodes: int, seed: int, *, temperatures: Sequence[float] = (1.0, 0.0),
+                     **kwargs: Any) -> list[Comparison]:
+    """Evaluate two policies (e.g. a run's warm start and its final model) on the same fixed episodes
+    (`evaluate_policy` with ``per_episode=True``), one `Comparison` per temperature.
+
+    Args:
+        before, after: the two policies (the same tokenizer).
+        n_episodes, seed: as `evaluate_policy` (``>= 2`` for a standard error).
+        temperatures: 0 = greedy; others sample (the same sampling seed for both policies).
+        kwargs: passed to `evaluate_policy` (``env`` or ``env_url``, ``max_calls``, ``max_new_tokens`` ...).
+    Raises:
+        as `evaluate_policy`.
+    """
+    out = []
+    for t in temperatures:
+        a = evaluate_policy(before, tokenizer, n_episodes, seed, temperature=t, per_episode=True, **kwargs)
+        b = evaluate_policy(after, tokenizer, n_episodes, seed, temperature=t, per_episode=True, **kwargs)
+        d = [y - x for x, y in zip(a["episode_rewards"], b["episode_rewards"], strict=True)]
+        mean = sum(d) / len(d)
+        var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
+        out.append(Comparison(t, len(d), a["mean_reward"], b["mean_reward"], math.sqrt(var / len(d))))
+    return out
