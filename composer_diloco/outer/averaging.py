@@ -39,6 +39,7 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -290,8 +291,10 @@ class SparseGatherRunner:
                 total = int(data.tensor_part.size[0])
                 chunks.append(data.tensor_part.buffer)
                 received += len(data.tensor_part.buffer)
-                if received >= total:
+                if received > total:  # more than announced: not a message of this protocol
                     break
+                # read on to the sender's end of stream: a reply written before it makes the sender's
+                # end-of-stream write fail (BrokenPipeError) once this handler closes the stream
         except Exception as e:
             log.warning("all-gather: the message of %s broke off: %r", context.remote_id, e)
         complete = total is not None and received == total and not self._done[sender].is_set()
@@ -342,6 +345,12 @@ class ExactAverager(DecentralizedAverager):
             raise ValueError(f"sparse codec over {sparse_codec.numel} elements, averaged tensors hold "
                              f"{sum(t.numel() for t in averaged_tensors)}")
         self._messages: dict[int, bytes] = {}  # by round, in the averager process (sparse codec only)
+        # the message goes from this process to the averager's through shared memory allocated before hivemind forks
+        # (like the averaged tensors): hivemind's control pipe is non-blocking on the averager's side, and a message
+        # of a few KB sent through it fails there with EAGAIN half-read (BlockingIOError), which breaks its loop
+        self._message_buffer = None if sparse_codec is None else \
+            torch.zeros(sparse_codec.max_message_bytes(), dtype=torch.uint8).share_memory_()
+        self._message_lock = threading.Lock()
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
         self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
@@ -374,14 +383,31 @@ class ExactAverager(DecentralizedAverager):
     def set_message(self, round_: int, message: bytes) -> None:
         """Hand this peer's compressed message of round ``round_`` to the averager process (``sparse_codec`` only):
         the next ``step`` whose gathered metadata says ``round == round_`` sends it. Older rounds' messages are
-        dropped."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_message", [], dict(round_=round_, message=message, future=future)))
-        future.result()
+        dropped. The bytes travel through a shared-memory buffer of `SparseCodec.max_message_bytes` bytes; the
+        control pipe carries only their length, and this call returns once the averager process has copied them.
 
-    async def _set_message(self, round_: int, message: bytes, future: MPFuture) -> None:
-        self._messages = {round_: message}
-        future.set_result(None)
+        Raises:
+            ValueError: no sparse codec, or a message longer than the codec's bound (not one of its messages).
+        """
+        if self._message_buffer is None:
+            raise ValueError("set_message: this averager has no sparse codec")
+        if len(message) > self._message_buffer.numel():
+            raise ValueError(f"set_message: message of {len(message)} bytes, the codec's bound is "
+                             f"{self._message_buffer.numel()}")
+        with self._message_lock:  # one message in the buffer at a time
+            if message:
+                self._message_buffer[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+            future = MPFuture()
+            self._outer_pipe.send(("_set_message", [], dict(round_=round_, length=len(message), future=future)))
+            future.result()
+
+    async def _set_message(self, round_: int, length: int, future: MPFuture) -> None:
+        try:
+            self._messages = {round_: self._message_buffer[:length].numpy().tobytes()}
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> dict[Any, Contribution]:
         # hivemind's, returning with each member's metadata the verdict `_run_allreduce_inplace_` applied to it

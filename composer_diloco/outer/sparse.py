@@ -116,6 +116,17 @@ class SparseCodec:
             raise ValueError("SparseCodec: the layout holds no elements")
         self.chunks = sum(g.chunks for g in self.groups)
         self.kept = sum(g.kept for g in self.groups)
+        # a gap is < the longest chunk, so with b = its bit length every index costs exactly 1 + b bits: the encoder
+        # never does worse than that (`_rice_parameter`), which bounds the message (`max_message_bytes`)
+        self._b_cap = max(g.length for g in self.groups).bit_length()
+
+    def max_message_bytes(self) -> int:
+        """Upper bound (bytes) of any message of this layout: header, codebooks (8 bytes a chunk), 2-bit codes, and
+        at most ``kept x (1 + b_cap)`` bits of indices, where ``b_cap`` is the bit length of the longest chunk (the
+        encoder always weighs b = b_cap, at which every index costs 1 + b_cap bits). What the averager's
+        shared-memory message buffer is sized to (`composer_diloco.outer.averaging.ExactAverager`)."""
+        return (_HEADER.size + self.chunks * 8 + _ceil_div(self.kept, 4)
+                + _ceil_div(self.kept * self._b_cap, 8) + _ceil_div(self.kept, 8) + 1)
 
     def _k(self, length: int) -> int:
         return max(1, min(length, math.ceil(self.topk_fraction * length - 1e-9)))
@@ -146,7 +157,7 @@ class SparseCodec:
             codes.append(code.reshape(-1))
             books.append(book.reshape(-1))
         gap_np = torch.cat(gaps).numpy()
-        b = _rice_parameter(gap_np)
+        b = _rice_parameter(gap_np, self._b_cap)
         unary_bits, unary = _unary_stream(gap_np >> b)
         low = _pack_bits(gap_np & ((1 << b) - 1), b)
         code_bytes = _pack_2bit(torch.cat(codes).to(torch.uint8).numpy())
@@ -380,14 +391,16 @@ def _quantize_2bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, (sums / counts.clamp(min=1)).float().to(torch.bfloat16)
 
 
-def _rice_parameter(gaps: np.ndarray) -> int:
-    """The b in 0..`_MAX_RICE_BITS` that makes ``sum(gap >> b) + len(gaps) * (1 + b)`` bits smallest."""
+def _rice_parameter(gaps: np.ndarray, cap: int) -> int:
+    """The b that makes ``sum(gap >> b) + len(gaps) * (1 + b)`` bits smallest among the few around the optimum for a
+    geometric source (log2(mean gap x ln 2)) and ``cap`` (<= `_MAX_RICE_BITS`; every gap < 2**cap, so b = cap costs
+    exactly 1 + cap bits a gap: the result never costs more)."""
     if gaps.size == 0:
         return 0
     mean = float(gaps.mean())
     guess = max(0, int(math.log2(max(mean * math.log(2), 1.0))))
-    candidates = range(max(0, guess - 1), min(_MAX_RICE_BITS, guess + 2) + 1)
-    return min(candidates, key=lambda b: int((gaps >> b).sum()) + gaps.size * (1 + b))
+    candidates = {b for b in range(max(0, guess - 1), guess + 3) if b <= cap} | {min(cap, _MAX_RICE_BITS)}
+    return min(sorted(candidates), key=lambda b: int((gaps >> b).sum()) + gaps.size * (1 + b))
 
 
 def _unary_stream(high: np.ndarray) -> tuple[int, bytes]:
