@@ -38,8 +38,11 @@ Encoding (top-k, quantization) runs only on the sender, so it needs no determini
 Where the error-feedback buffer lives: in the node's own process (`ErrorFeedback`, held by
 `composer_diloco.outer.peer.DiLoCoPeer`), never in the global state. A node that resyncs (downloads a peer's theta)
 keeps it: e_i is the part of the node's own pseudo-gradients that the swarm has not received yet, which the resync
-does not deliver. `ErrorFeedback.settle` documents what each way a round ends does to it. `ErrorFeedback.state_dict`
-is what a checkpoint stores (`composer_diloco.checkpoint.save_checkpoint`'s ``codec_state``).
+does not deliver. `ErrorFeedback.settle` documents what each way a round ends does to it (a resync: "kept", or
+"idle" when the node took the run's theta before preparing a message). `ErrorFeedback.state_dict` is what a node
+saves: in ``<run-dir>/<node>/codec_state.pt`` every ``checkpoint_every`` rounds, read back when it restarts under the
+same name, and in a checkpoint it writes itself (`composer_diloco.checkpoint.save_codec_state`,
+`composer_diloco.checkpoint.save_checkpoint`'s ``codec_state``).
 """
 
 from __future__ import annotations
