@@ -307,3 +307,16 @@ def test_three_processes_average_to_bit_identical_means(tmp_path):
     # round 1's messages carry round 0's residual: a peer's round-1 message differs from a fresh encode of its delta
     fresh = codec.encode(sparse_peer.known_delta(1, 1))
     assert bytes.fromhex(results[1][1]["message"]) != fresh
+
+
+def test_memory_plan_counts_the_error_feedback():
+    """A node with the sparse codec holds two more theta-sized fp32 tensors in host RAM: e and its next value."""
+    from composer_diloco.config import load_config
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+    from composer_diloco.policy.memory_plan import plan_for_run
+
+    cfg = tiny_model_config(load_default_tokenizer(), 0)
+    kw = dict(micro_batch=8, grad_accum=1, device="cuda:0", bf16=True, gradient_checkpointing=False, free=None)
+    plain = plan_for_run(load_config(None, model="some/model"), cfg, **kw)
+    sparse = plan_for_run(RunConfig.model_validate({"model": "some/model", "compression": "sparse-2bit"}), cfg, **kw)
+    assert sparse.host - plain.host == 8 * plain.shape.params_trainable

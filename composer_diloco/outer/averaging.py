@@ -220,6 +220,8 @@ class SparseGatherRunner:
         self._future: asyncio.Future = asyncio.get_event_loop().create_future()
 
     async def run(self) -> tuple[torch.Tensor | None, list[int]]:
+        """Send our message to every other member, wait for the contributors' messages (or their timeouts), and
+        return ``(mean, missing)`` (class docstring)."""
         sends = [asyncio.create_task(self._send_to(peer_id)) for i, peer_id in enumerate(self.ordered_peer_ids)
                  if i != self._me and self.message is not None]
         try:

@@ -306,9 +306,11 @@ class ErrorFeedback:
             ``(message, norm)``: the bytes to send, and the L2 norm of ``D(message)`` (what the all-reduce averages,
             so what screening judges; fp64 accumulation), NaN when ``beta * e + Delta`` holds NaN or Inf.
         """
-        flat = self.codec._flat(delta)
-        base = self.buffer if self.buffer is not None else torch.zeros_like(flat)
-        self._next = torch.add(torch.mul(base, self.decay), flat) if self.decay != 1.0 else torch.add(base, flat)
+        flat = self.codec._flat(delta)  # a sequence is concatenated into a new tensor; one tensor may be a view
+        nxt = flat.clone() if isinstance(delta, torch.Tensor) else flat
+        if self.buffer is not None:  # in place: e and its next value are the only theta-sized tensors held here
+            nxt.add_(self.buffer, alpha=self.decay)
+        self._next = nxt
         message = self.codec.encode(self._next)
         positions, values = self.codec.decode_sparse(message)
         self._sent = (positions, values)
