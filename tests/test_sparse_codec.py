@@ -320,3 +320,45 @@ def test_memory_plan_counts_the_error_feedback():
     plain = plan_for_run(load_config(None, model="some/model"), cfg, **kw)
     sparse = plan_for_run(RunConfig.model_validate({"model": "some/model", "compression": "sparse-2bit"}), cfg, **kw)
     assert sparse.host - plain.host == 8 * plain.shape.params_trainable
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_all_gather_does_not_wait_for_a_sender_whose_connection_closed(whole):
+    """hivemind cancels a handler whose sender's connection closed. A message whose bytes all came still counts; a
+    message cut half-way is missing; either way the gather ends at once instead of waiting out the averaging
+    timeout."""
+    import asyncio
+
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from composer_diloco.outer.averaging import SparseGatherRunner
+
+    c = _codec()
+    message = c.encode(_randn(14))
+    sent = message if whole else message[:len(message) // 2]
+
+    async def scenario():
+        runner = SparseGatherRunner(p2p=types.SimpleNamespace(peer_id="me"), servicer_type=None, prefix=None,
+                                    group_id=b"g", ordered_peer_ids=["me", "them"], codec=c, contributors={1: 2.0},
+                                    message=None, bytes_sent=None, sender_timeout=30.0)
+
+        async def stream():
+            part = runtime_pb2.Tensor(buffer=sent, size=[len(message)], dtype="uint8")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", tensor_part=part)
+            await asyncio.sleep(3600)  # no end of stream: the connection is gone
+
+        async def handle():
+            async for _ in runner.rpc_aggregate_part(stream(), types.SimpleNamespace(remote_id="them")):
+                pass
+
+        gather = asyncio.create_task(runner.run())
+        handler = asyncio.create_task(handle())
+        await asyncio.sleep(0.2)
+        handler.cancel()
+        return await asyncio.wait_for(gather, 5.0)
+
+    mean, missing = asyncio.run(scenario())
+    if whole:
+        assert missing == [] and torch.equal(mean, weighted_mean(c, [message], [2.0]))
+    else:
+        assert missing == [1] and mean is None

@@ -26,8 +26,9 @@ every contributor sends its one compressed message to every other member, and ev
 forms the weighted mean itself, in group order (`composer_diloco.outer.sparse.weighted_mean`, bit-identical on
 every peer). SparseLoCo and DeMo aggregate the same way. A node then sends ``(group size - 1) x message`` bytes a
 round: that grows with N, where the butterfly's ``2 (n - 1) / n x vector`` does not. Its failure behaviour:
-- a contributor whose message has not started arriving within ``sender_timeout``, or stalls between pieces for as
-  long, is missing for this peer: the mean is formed without it and ``failed_size`` is set to the vector's size, so
+- a contributor whose message has not started arriving within ``sender_timeout``, stalls between pieces for as
+  long, or whose connection closes before all its bytes came, is missing for this peer (one whose bytes all came
+  counts, even if it died before its end of stream): the mean is formed without it and ``failed_size`` is set to the vector's size, so
   that `composer_diloco.outer.recovery.settle` brings this peer to a member that received every message;
 - a member that does not acknowledge our message only costs that member our contribution (it counts it missing);
 - screened-out members and members of weight 0 (the coordinator) send nothing, and every member leaves them out.
@@ -299,10 +300,12 @@ class SparseGatherRunner:
                 # end-of-stream write fail (BrokenPipeError) once this handler closes the stream
         except Exception as e:
             log.warning("all-gather: the message of %s broke off: %r", context.remote_id, e)
-        complete = total is not None and received == total and not self._done[sender].is_set()
-        if complete:
-            self.received[sender] = b"".join(chunks)
-        self._done[sender].set()
+        finally:  # also when hivemind cancels this handler (the sender's connection closed): `run` waits for _done
+            # a message whose bytes all came counts, even if its end of stream did not (its sender died just after)
+            complete = total is not None and received == total and not self._done[sender].is_set()
+            if complete:
+                self.received[sender] = b"".join(chunks)
+            self._done[sender].set()
         yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART if complete else
                                           averaging_pb2.INTERNAL_ERROR)
 
