@@ -1,4 +1,5 @@
-"""Bytes on the wire per round for each pseudo-gradient codec (none / fp16 / int8), against data-parallel training.
+"""Bytes on the wire per round for each pseudo-gradient codec (none / fp16 / int8 / sparse-2bit), against data-parallel
+training.
 
 Each codec runs the same short localhost simulation (`composer-coordinator simulate`: a coordinator and N nodes
 as real processes over real hivemind all-reduces); the bytes are the payload each peer counted while sending
@@ -9,7 +10,12 @@ Data-parallel training of the same samples would all-reduce one fp32 gradient pe
 butterfly) all-reduce among N peers sends ``2 (N - 1) / N * 4 P`` bytes per peer per step (P parameters; the
 standard bandwidth-optimal figure, e.g. NCCL's "bus bandwidth"), so ``H`` times that per round. That figure is
 computed, not measured; ours is measured. Note that our all-reduce has N + 1 peers (the coordinator joins it
-with weight 0 to receive the mean), so a node sends ``2 N / (N + 1) * b P`` per round. Run:
+with weight 0 to receive the mean), so a node sends ``2 N / (N + 1) * b P`` per round.
+
+``sparse-2bit`` (`composer_diloco.outer.sparse`) is all-gathered instead (`SparseGatherRunner`, bytes counted the
+same way): a node sends its one message to each of the other N members (N - 1 nodes and the coordinator), so its
+bytes grow with N while data-parallel's per-node bytes do not. A last table scales the measured bytes per message to
+other N (``N x measured bytes / N measured``), computed, not measured. Run:
 
     python bench/compression.py --nodes 2 --rounds 2 --out runs/bench-compression
 """
@@ -26,7 +32,7 @@ from pathlib import Path
 from composer_diloco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ("none", "fp16", "int8")
+CODECS = ("none", "fp16", "int8", "sparse-2bit")
 
 
 def run_codec(codec: str, out: Path, nodes: int, rounds: int) -> dict:
@@ -67,6 +73,11 @@ def data_parallel_bytes(params: int, nodes: int, inner_steps: int) -> float:
     return inner_steps * 2 * (nodes - 1) / nodes * 4 * params
 
 
+def _ratio(r: float) -> str:
+    """``ours / data-parallel`` as a share and as "1/x" (x = times fewer bytes)."""
+    return f"{r:.4f} (1/{1 / r:,.0f})" if r > 0 else "0"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
@@ -96,7 +107,18 @@ def main() -> None:
     print("| data-parallel | " + " | ".join(f"{data_parallel_bytes(params, n, h):,.0f} B" for h in hs) + " |")
     for row in rows:
         print(f"| {row['codec']} | " + " | ".join(
-            f"{row['per_node_per_round'] / data_parallel_bytes(params, n, h):.4f}" for h in hs) + " |")
+            _ratio(row['per_node_per_round'] / data_parallel_bytes(params, n, h)) for h in hs) + " |")
+    sparse = [row for row in rows if row["codec"] == "sparse-2bit"]
+    if sparse and args.nodes >= 1:
+        per_message = sparse[0]["per_node_per_round"] / args.nodes  # a node sends one message to each of N members
+        print(f"\nsparse-2bit against N (computed from the measured {per_message:,.0f} B a message: a node sends N "
+              "messages a round, data-parallel 2 (N - 1) / N x 4 P a step; ratio = data-parallel / ours):\n")
+        ns = (2, 4, 8, 16, 32)
+        print("| H | " + " | ".join(f"N = {n_}" for n_ in ns) + " |")
+        print("|---|" + "---|" * len(ns))
+        for h in hs:
+            print(f"| {h} | " + " | ".join(
+                f"{data_parallel_bytes(params, n_, h) / (n_ * per_message):,.0f}x" for n_ in ns) + " |")
     (args.out / "traffic.json").write_text(json.dumps({"params": params, "nodes": args.nodes, "rows": rows}))
 
 

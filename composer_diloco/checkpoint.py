@@ -8,6 +8,13 @@ optimizer's ``state_dict`` and class, theta's SHA-256, the run config). In a ``[
 base model's ``base_sha256`` (`composer_diloco.policy.lora`). It is written into a temporary sibling folder and renamed into place, and
 ``checkpoints/latest`` is replaced atomically after that, so a process killed while writing leaves the previous
 checkpoint as the latest loadable one.
+
+With ``compression = "sparse-2bit"`` a node also has codec state of its own, its error-feedback buffer
+(`composer_diloco.outer.sparse.ErrorFeedback`): the part of its pseudo-gradients the swarm has not received yet. It is
+not global state (the coordinator holds none), so it lives beside the node's metrics, in
+``<run-dir>/<node>/codec_state.pt`` (`save_codec_state` every ``checkpoint_every`` rounds, read back by a node that
+restarts under the same name, `load_codec_state`), and in ``outer.pt`` under ``codec_state`` of a checkpoint a node
+writes itself (`save_checkpoint`'s ``codec_state``, `read_codec_state`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, global_model: GlobalModel,
-                    config_json: str) -> Path:
+                    config_json: str, codec_state: dict[str, Any] | None = None) -> Path:
     """Write theta_round (and the outer optimizer state) atomically; returns the checkpoint folder.
 
     Args:
@@ -44,6 +51,8 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         tokenizer: saved beside the weights.
         global_model: theta and the outer optimizer (`GlobalModel.checkpoint_state`).
         config_json: the run config (canonical JSON) recorded with the checkpoint.
+        codec_state: a node's codec state (`composer_diloco.outer.peer.DiLoCoPeer.codec_state`: the sparse codec's
+            error feedback), stored under ``codec_state``; None stores nothing.
     Raises:
         OSError: the run dir cannot be written.
     """
@@ -63,6 +72,7 @@ def save_checkpoint(run_dir: Path, round_: int, model: Any, tokenizer: Any, glob
         "global_sha256": global_model.sha256(),
         "config": config_json,
         **({"base_sha256": base} if base is not None else {}),
+        **({"codec_state": codec_state} if codec_state is not None else {}),
     }, tmp / "outer.pt")
     _fsync_tree(tmp)
     faults.point("checkpoint_written", round_)
@@ -152,6 +162,50 @@ def load_checkpoint_policy(folder: Path) -> tuple[Any, Any]:
     model = apply_lora(model, config.lora)
     load_adapters(model, folder)
     return model, tokenizer
+
+
+def read_codec_state(folder: Path) -> dict[str, Any] | None:
+    """The ``codec_state`` a checkpoint's ``outer.pt`` holds (a node's error feedback), or None (a coordinator's
+    checkpoint, or a run without the sparse codec). Raises CheckpointError: ``outer.pt`` is missing or unreadable."""
+    return read_outer_state(folder).get("codec_state")
+
+
+CODEC_STATE_FILE = "codec_state.pt"
+
+
+def save_codec_state(path: Path, state: dict[str, Any], round_: int, config_digest: str) -> None:
+    """Write a node's codec state (`composer_diloco.outer.peer.DiLoCoPeer.codec_state`) to ``path`` atomically, with
+    the round it was settled after and the run config's digest (`RunConfig.digest`).
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save({"round": int(round_), "config_digest": config_digest, "codec_state": state}, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_codec_state(path: Path, config_digest: str) -> tuple[int, dict[str, Any]] | None:
+    """``(round, codec state)`` saved by `save_codec_state`, or None when ``path`` does not exist.
+
+    Raises:
+        CheckpointError: unreadable, or saved by a run with another config digest than ``config_digest`` (one line).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"codec state {str(path)!r} is unreadable: {e}") from None
+    if saved.get("config_digest") != config_digest:
+        raise CheckpointError(f"codec state {str(path)!r} belongs to run config {saved.get('config_digest')}, this "
+                              f"run's is {config_digest}")
+    return int(saved["round"]), saved["codec_state"]
 
 
 def _lora_base_sha256(model: Any) -> str | None:

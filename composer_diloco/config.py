@@ -260,6 +260,23 @@ class LoraSection(_Section):
     )
 
 
+class SparseCodecConfig(_Section):
+    """Parameters of ``compression = "sparse-2bit"``: chunked top-k with 2-bit values and error feedback
+    (SparseLoCo, arXiv 2508.15706; `composer_diloco.outer.sparse`). Every peer of a run uses the same."""
+
+    topk_fraction: float = Field(
+        1 / 64, gt=0, le=1,
+        description="Share of each chunk's entries a node sends per round (k = ceil(share x chunk length), at least "
+                    "1). 1/64 is SparseLoCo's ~1.5% density: k = 64 of a 4096-element chunk.",
+    )
+    chunk_elems: int = Field(4096, ge=64, le=2**24, description="Elements per top-k chunk (within one tensor).")
+    error_decay: float = Field(
+        1.0, ge=0, le=1,
+        description="beta of the error feedback e <- beta e + Delta (1: nothing is lost; SparseLoCo tunes beta < 1 "
+                    "to play the outer momentum it drops).",
+    )
+
+
 class RunConfig(_Section):
     """Everything that must be the same on every peer of a run."""
 
@@ -272,8 +289,13 @@ class RunConfig(_Section):
     inner_steps: int = Field(4, ge=1, description="H: inner optimizer steps per round.")
     max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample.")
     checkpoint_every: int = Field(1, ge=1, description="Rounds between coordinator checkpoints.")
-    compression: Literal["none", "fp16", "int8"] = Field(
-        "none", description="hivemind codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform."
+    compression: Literal["none", "fp16", "int8", "sparse-2bit"] = Field(
+        "none", description="Codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform (hivemind's, in the "
+                            "butterfly), or sparse-2bit: top-k + 2-bit values with error feedback, all-gathered "
+                            "(its parameters in [sparse_codec]).",
+    )
+    sparse_codec: SparseCodecConfig | None = Field(
+        None, description="Parameters of compression = \"sparse-2bit\" (`SparseCodecConfig`); only with that codec.",
     )
     env: EnvConfig = EnvConfig()
     tasks: TasksConfig = TasksConfig()
@@ -307,6 +329,13 @@ class RunConfig(_Section):
             return data
         return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **{k: v for k, v in outer.items() if v is not None}}}
 
+    @model_validator(mode="after")
+    def _sparse_codec_needs_its_codec(self) -> "RunConfig":
+        if self.sparse_codec is not None and self.compression != "sparse-2bit":
+            raise ValueError(f"[sparse_codec] sets the parameters of compression = \"sparse-2bit\", but compression "
+                             f"is {self.compression!r}")
+        return self
+
     @property
     def batch_size(self) -> int:
         """Episodes per inner step: tasks_per_step * num_generations."""
@@ -317,11 +346,12 @@ class RunConfig(_Section):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
-        """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` has no
-        ``lora`` key, so its JSON and `digest` are those of a config written before LoRA existed."""
+        """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
+        ``[sparse_codec]``) has no such key, so its JSON and `digest` are those of a config written before it existed."""
         data = self.model_dump(mode="json")
-        if data.get("lora") is None:
-            data.pop("lora", None)
+        for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
+            if data.get(optional) is None:
+                data.pop(optional, None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

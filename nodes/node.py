@@ -255,11 +255,45 @@ class Node:
         self.swarm_round = self.peer.join_at_round_boundary(
             join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)
         self.peer.global_model.load_into(model)
+        self._restore_codec_state()
         self.model = self.placement.place(model)
         self.swarm.set_round(self.peer.round)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
         log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
                  self.peer.global_model.sha256()[:12], self.placement.describe())
+
+    def _codec_state_path(self) -> Path:
+        from composer_diloco.checkpoint import CODEC_STATE_FILE
+
+        return Path(self.options.run_dir) / self.options.name / CODEC_STATE_FILE
+
+    def _restore_codec_state(self) -> None:
+        """A node restarting under the same name takes back its sparse codec's error feedback from its own folder
+        (`composer_diloco.checkpoint.load_codec_state`); one of another config or layout is set aside with a warning
+        (the node starts with none: only the unsent residual of its earlier life is lost)."""
+        if self.peer.error_feedback is None:
+            return
+        from composer_diloco.checkpoint import CheckpointError, load_codec_state
+
+        path = self._codec_state_path()
+        try:
+            saved = load_codec_state(path, self.config.digest())
+            if saved is not None:
+                self.peer.load_codec_state(saved[1])
+                log.info("error feedback of round %d restored from %s", saved[0], path)
+        except (CheckpointError, ValueError) as e:
+            log.warning("error feedback not restored, starting from zero: %s", e)
+
+    def _save_codec_state(self, round_: int) -> None:
+        state = self.peer.codec_state()
+        if state is None or (round_ + 1) % self.config.checkpoint_every:
+            return
+        from composer_diloco.checkpoint import save_codec_state
+
+        try:
+            save_codec_state(self._codec_state_path(), state, round_, self.config.digest())
+        except OSError as e:
+            log.warning("round %d: could not save the error feedback: %s", round_, e)
 
     def plan_memory(self, config: RunConfig):
         """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), log it, and refuse
@@ -344,7 +378,7 @@ class Node:
 
         own_dir = Path(self.options.run_dir) / self.options.name
         folder = save_checkpoint(own_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
-                                 self.config.to_json())
+                                 self.config.to_json(), codec_state=self.peer.codec_state())
         log.warning("no coordinator is alive at the end of the run: saved the final global model to %s "
                     "(`composer-coordinator start --resume --run-dir %s` continues from it)", folder, own_dir)
 
@@ -366,6 +400,7 @@ class Node:
         if result is None:
             return
         self.trainer.refresh_reference()
+        self._save_codec_state(result.round)
         record = {
             "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
             **stats.record(), "inner_steps": self._steps_in_round,

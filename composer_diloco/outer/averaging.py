@@ -18,6 +18,20 @@ Failure behaviour (what the round protocol relies on):
 - a contribution that `composer_diloco.outer.screening.screen` drops (non-finite, or a norm outlier) is averaged with
   weight 0 by every reducer, and its owner sends zeros: the group goes on without it. ``step`` hands back the
   verdicts it applied (`Contribution.rejection`), so the caller never decides the drop a second time.
+
+The ``sparse-2bit`` codec (`composer_diloco.outer.sparse`) is not a per-part codec: top-k messages of different peers
+keep different entries, so a reducer could not sum them without re-encoding the sum (more bytes, and an error no
+error feedback carries). With it, `ExactAverager` runs an all-gather instead of the butterfly (`SparseGatherRunner`):
+every contributor sends its one compressed message to every other member, and every member decodes the messages and
+forms the weighted mean itself, in group order (`composer_diloco.outer.sparse.weighted_mean`, bit-identical on
+every peer). SparseLoCo and DeMo aggregate the same way. A node then sends ``(group size - 1) x message`` bytes a
+round: that grows with N, where the butterfly's ``2 (n - 1) / n x vector`` does not. Its failure behaviour:
+- a contributor whose message has not started arriving within ``sender_timeout``, stalls between pieces for as
+  long, or whose connection closes before all its bytes came, is missing for this peer (one whose bytes all came
+  counts, even if it died before its end of stream): the mean is formed without it and ``failed_size`` is set to the vector's size, so
+  that `composer_diloco.outer.recovery.settle` brings this peer to a member that received every message;
+- a member that does not acknowledge our message only costs that member our contribution (it counts it missing);
+- screened-out members and members of weight 0 (the coordinator) send nothing, and every member leaves them out.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +51,15 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
-from hivemind.proto import averaging_pb2
-from hivemind.p2p import PeerID
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, anext, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 
 from composer_diloco import faults
 from composer_diloco.outer.compression import roundtrip
 from composer_diloco.outer.screening import Rejection, screen
+from composer_diloco.outer.sparse import CodecError, SparseCodec, weighted_mean
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +180,143 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+class SparseGatherRunner:
+    """All-gather of one compressed message per contributor, then the same weighted mean on every member.
+
+    Stands in for hivemind's `AllReduceRunner` when the codec is ``sparse-2bit`` (module docstring): it serves the
+    same RPC (``rpc_aggregate_part``, dispatched by `DecentralizedAverager` to the group's runner), so it needs no new
+    RPC and a closed run's membership check (`composer_diloco.outer.auth.MembersOnlyAverager`) covers it unchanged.
+
+    Args:
+        p2p, servicer_type, prefix, group_id, ordered_peer_ids: as hivemind's `AllReduceRunner`.
+        codec: the run's `SparseCodec`.
+        contributors: ``{index in ordered_peer_ids: weight}`` of the members whose messages are averaged (weight > 0,
+            not screened out), the same on every member.
+        message: this peer's message when it is a contributor, else None.
+        bytes_sent: an ``mp.Value('Q')`` incremented by the serialized size (bytes) of every piece sent.
+        sender_timeout: seconds a contributor may take to start its message, and between two of its pieces.
+        piece_bytes: a message travels in pieces of at most this many bytes (libp2p caps one frame at 4 MiB).
+        round_: the DiLoCo round (fault injection only).
+
+    ``await run()`` returns ``(mean, missing)``: the fp32 (numel,) mean of the messages received (`weighted_mean`,
+    group order), or None when none arrived; ``missing`` lists the contributors whose message did not arrive.
+    """
+
+    def __init__(self, *, p2p: Any, servicer_type: Any, prefix: str | None, group_id: bytes,
+                 ordered_peer_ids: Sequence[PeerID], codec: SparseCodec, contributors: dict[int, float],
+                 message: bytes | None, bytes_sent: Any, sender_timeout: float | None, piece_bytes: int = 2**19,
+                 round_: int | None = None):
+        self._p2p, self._servicer_type, self._prefix = p2p, servicer_type, prefix
+        self.peer_id, self.group_id, self.ordered_peer_ids = p2p.peer_id, group_id, list(ordered_peer_ids)
+        self.codec, self.contributors, self.message = codec, dict(contributors), message
+        self._bytes_sent, self.sender_timeout, self.piece_bytes = bytes_sent, sender_timeout or 30.0, piece_bytes
+        self._round = round_
+        self._me = self.ordered_peer_ids.index(self.peer_id)
+        if (self._me in self.contributors) != (message is not None):
+            raise ValueError("a contributor must send a message, and only a contributor")
+        self.received: dict[int, bytes] = {self._me: message} if message is not None else {}
+        others = [i for i in self.contributors if i != self._me]
+        self._started = {i: asyncio.Event() for i in others}  # its first piece came
+        self._done = {i: asyncio.Event() for i in others}  # its message came whole, or never will
+        self._future: asyncio.Future = asyncio.get_event_loop().create_future()
+
+    async def run(self) -> tuple[torch.Tensor | None, list[int]]:
+        """Send our message to every other member, wait for the contributors' messages (or their timeouts), and
+        return ``(mean, missing)`` (class docstring)."""
+        sends = [asyncio.create_task(self._send_to(peer_id)) for i, peer_id in enumerate(self.ordered_peer_ids)
+                 if i != self._me and self.message is not None]
+        try:
+            await asyncio.gather(*(self._wait_for(i) for i in self._done))
+            await asyncio.gather(*sends, return_exceptions=True)  # failures are logged in _send_to
+        finally:
+            for task in sends:
+                task.cancel()
+            self.finalize()
+        order = sorted(self.received)  # group order: the same on every member
+        missing = sorted(set(self.contributors) - set(order))
+        if not order:
+            return None, missing
+        loop = asyncio.get_event_loop()
+        mean = await loop.run_in_executor(None, lambda: weighted_mean(
+            self.codec, [self.received[i] for i in order], [self.contributors[i] for i in order]))
+        return mean, missing
+
+    async def _wait_for(self, index: int) -> None:
+        """Until contributor ``index``'s message is in or given up: it must start within ``sender_timeout`` (a
+        message under way is timed piece by piece in `rpc_aggregate_part`)."""
+        try:
+            await asyncio.wait_for(self._started[index].wait(), self.sender_timeout)
+        except asyncio.TimeoutError:
+            if not self._started[index].is_set():
+                log.warning("all-gather: no message from %s within %.0f s", self.ordered_peer_ids[index],
+                            self.sender_timeout)
+                self._done[index].set()
+        await self._done[index].wait()
+
+    async def _send_to(self, peer_id: PeerID) -> None:
+        message = self.message
+        total = len(message)
+
+        async def pieces() -> AsyncIterator[averaging_pb2.AveragingData]:
+            for at in range(0, total, self.piece_bytes):
+                part = runtime_pb2.Tensor(buffer=message[at:at + self.piece_bytes], size=[total], dtype="uint8",
+                                          compression=runtime_pb2.CompressionType.NONE)
+                with self._bytes_sent.get_lock():
+                    self._bytes_sent.value += part.ByteSize()
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                                  tensor_part=part)
+                faults.point("allreduce_part_sent", self._round)
+
+        try:
+            stub = self._servicer_type.get_stub(self._p2p, peer_id, namespace=self._prefix)
+            stream = await stub.rpc_aggregate_part(pieces())
+            reply = await asyncio.wait_for(anext(stream), 2 * self.sender_timeout)
+            if reply.code != averaging_pb2.AVERAGED_PART:
+                log.warning("all-gather: %s refused our message: %s", peer_id,
+                            averaging_pb2.MessageCode.Name(reply.code))
+        except Exception as e:
+            log.warning("all-gather: could not send our message to %s: %r", peer_id, e)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Receive one contributor's message (its pieces, in order) and acknowledge it."""
+        sender = self.ordered_peer_ids.index(context.remote_id) if context.remote_id in self.ordered_peer_ids else -1
+        if sender not in self._done or self._started[sender].is_set() or self._done[sender].is_set():
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        self._started[sender].set()
+        chunks: list[bytes] = []
+        received, total = 0, None
+        try:
+            async for data in aiter_with_timeout(stream, self.sender_timeout):
+                if data.group_id != self.group_id or not data.tensor_part.size:
+                    break
+                total = int(data.tensor_part.size[0])
+                chunks.append(data.tensor_part.buffer)
+                received += len(data.tensor_part.buffer)
+                if received > total:  # more than announced: not a message of this protocol
+                    break
+                # read on to the sender's end of stream: a reply written before it makes the sender's
+                # end-of-stream write fail (BrokenPipeError) once this handler closes the stream
+        except Exception as e:
+            log.warning("all-gather: the message of %s broke off: %r", context.remote_id, e)
+        finally:  # also when hivemind cancels this handler (the sender's connection closed): `run` waits for _done
+            # a message whose bytes all came counts, even if its end of stream did not (its sender died just after)
+            complete = total is not None and received == total and not self._done[sender].is_set()
+            if complete:
+                self.received[sender] = b"".join(chunks)
+            self._done[sender].set()
+        yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART if complete else
+                                          averaging_pb2.INTERNAL_ERROR)
+
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
+        """Stop waiting for messages (those not in yet count as missing); idempotent."""
+        for event in self._done.values():
+            event.set()
+        if not self._future.done():
+            self._future.set_result(None)
+
+
 class ExactAverager(DecentralizedAverager):
     """A `DecentralizedAverager` whose ``step`` replaces the averaged tensors by bit-identical weighted means.
 
@@ -182,12 +335,27 @@ class ExactAverager(DecentralizedAverager):
         bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
         failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
         max_norm_ratio: screening threshold handed to `composer_diloco.outer.screening.screen` (None = NaN/Inf only).
+        sparse_codec: the ``sparse-2bit`` codec (`SparseCodec` over the layout of ``averaged_tensors``): ``step``
+            all-gathers messages instead of running the butterfly (module docstring). Each member's gathered metadata
+            must then be a dict with its ``weight``, and a member of weight > 0 must hand over its message with
+            `set_message` before each ``step``. None: the butterfly with ``compression``.
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,
-                 max_norm_ratio: float | None = None, **kwargs: Any):
+                 max_norm_ratio: float | None = None, sparse_codec: SparseCodec | None = None, **kwargs: Any):
         self._state_provider = state_provider
         self.max_norm_ratio = max_norm_ratio
+        self.sparse_codec = sparse_codec
+        if sparse_codec is not None and sparse_codec.numel != sum(t.numel() for t in averaged_tensors):
+            raise ValueError(f"sparse codec over {sparse_codec.numel} elements, averaged tensors hold "
+                             f"{sum(t.numel() for t in averaged_tensors)}")
+        self._messages: dict[int, bytes] = {}  # by round, in the averager process (sparse codec only)
+        # the message goes from this process to the averager's through shared memory allocated before hivemind forks
+        # (like the averaged tensors): hivemind's control pipe is non-blocking on the averager's side, and a message
+        # of a few KB sent through it fails there with EAGAIN half-read (BlockingIOError), which breaks its loop
+        self._message_buffer = None if sparse_codec is None else \
+            torch.zeros(sparse_codec.max_message_bytes(), dtype=torch.uint8).share_memory_()
+        self._message_lock = threading.Lock()
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
         self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
@@ -217,6 +385,35 @@ class ExactAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
+    def set_message(self, round_: int, message: bytes) -> None:
+        """Hand this peer's compressed message of round ``round_`` to the averager process (``sparse_codec`` only):
+        the next ``step`` whose gathered metadata says ``round == round_`` sends it. Older rounds' messages are
+        dropped. The bytes travel through a shared-memory buffer of `SparseCodec.max_message_bytes` bytes; the
+        control pipe carries only their length, and this call returns once the averager process has copied them.
+
+        Raises:
+            ValueError: no sparse codec, or a message longer than the codec's bound (not one of its messages).
+        """
+        if self._message_buffer is None:
+            raise ValueError("set_message: this averager has no sparse codec")
+        if len(message) > self._message_buffer.numel():
+            raise ValueError(f"set_message: message of {len(message)} bytes, the codec's bound is "
+                             f"{self._message_buffer.numel()}")
+        with self._message_lock:  # one message in the buffer at a time
+            if message:
+                self._message_buffer[:len(message)].copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+            future = MPFuture()
+            self._outer_pipe.send(("_set_message", [], dict(round_=round_, length=len(message), future=future)))
+            future.result()
+
+    async def _set_message(self, round_: int, length: int, future: MPFuture) -> None:
+        try:
+            self._messages = {round_: self._message_buffer[:length].numpy().tobytes()}
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> dict[Any, Contribution]:
         # hivemind's, returning with each member's metadata the verdict `_run_allreduce_inplace_` applied to it
         try:
@@ -234,6 +431,8 @@ class ExactAverager(DecentralizedAverager):
         self._verdicts[group_info.group_id] = verdicts
         dropped = frozenset(i for i, v in enumerate(verdicts) if v is not None)
         me = group_info.peer_ids.index(self.peer_id)
+        if self.sparse_codec is not None:
+            return await self._all_gather(tensors, group_info, group_id, gathered, dropped, **kwargs)
         if me in dropped:  # send zeros with weight 0: 0 * NaN would still poison the reducers' sums
             for t in tensors:
                 t.zero_()
@@ -258,6 +457,38 @@ class ExactAverager(DecentralizedAverager):
         async for tensor, average in azip(as_aiter(*tensors), runner):
             tensor.copy_(average)
         self.failed_size.value = runner.tensor_part_container.failed_size
+
+    async def _all_gather(self, tensors, group_info, group_id: bytes, gathered: list, dropped: frozenset[int],
+                          **kwargs) -> None:
+        """The ``sparse-2bit`` round: all-gather the contributors' messages, write their weighted mean into
+        ``tensors`` (module docstring). Raises ValueError when a member's metadata carries no weight."""
+        weights = []
+        for g in gathered:
+            if not isinstance(g, dict) or not isinstance(g.get("weight"), (int, float)):
+                raise ValueError("the sparse codec needs each member's weight in its gathered metadata")
+            weights.append(float(g["weight"]))
+        contributors = {i: w for i, w in enumerate(weights) if w > 0 and i not in dropped}
+        me = group_info.peer_ids.index(self.peer_id)
+        round_ = gathered[me].get("round")
+        message = self._messages.pop(round_, None) if me in contributors else None
+        if me in contributors and message is None:
+            raise ValueError(f"no message was set for round {round_} (ExactAverager.set_message)")
+        runner = SparseGatherRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, codec=self.sparse_codec, contributors=contributors,
+            message=message, bytes_sent=self.bytes_sent, sender_timeout=kwargs.get("sender_timeout"), round_=round_,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        try:
+            mean, missing = await runner.run()
+        except CodecError as e:  # a member sent a message that does not decode: no mean this peer can trust
+            raise ValueError(f"all-gather: {e}") from e
+        if mean is None:
+            mean = torch.zeros(self.sparse_codec.numel)
+        for tensor, part in zip(tensors, self.sparse_codec.split(mean), strict=True):
+            tensor.copy_(part.view_as(tensor))
+        self.failed_size.value = self.sparse_codec.numel if missing else 0
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, *,
                               peer: str | None = None) -> tuple[Any, list[torch.Tensor]] | None:

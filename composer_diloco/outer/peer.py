@@ -32,10 +32,11 @@ from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer import recovery
 from composer_diloco.outer.averaging import Contribution, ExactAverager
-from composer_diloco.outer.compression import make_compression
+from composer_diloco.outer.compression import make_compression, make_sparse_codec
 from composer_diloco.outer.global_model import GlobalModel, optimizer_factory
 from composer_diloco.outer.recovery import RoundFailed
 from composer_diloco.outer.screening import pseudo_gradient_norm
+from composer_diloco.outer.sparse import ErrorFeedback
 from composer_diloco.outer.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,10 @@ class DiLoCoPeer:
         self._lock = threading.Lock()  # guards theta while a peer downloads our state
         self._built = threading.Event()  # set once theta exists: a state request waits for it
         self.delta = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters() if p.requires_grad]
+        # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
+        codec = make_sparse_codec(config, [d.shape for d in self.delta])
+        self.error_feedback = None if codec is None else ErrorFeedback(
+            codec, decay=(config.sparse_codec.error_decay if config.sparse_codec else 1.0))
         # hivemind forks its averager process here: before theta and the outer optimizer state exist, so that the
         # child does not keep copy-on-write pages of them (twice their memory, and a slow first outer step, on big
         # models)
@@ -185,6 +190,7 @@ class DiLoCoPeer:
             next_chunk_timeout=min(10.0, net.averaging_timeout_s / 3),
             compression=make_compression(config.compression),
             max_norm_ratio=config.outer.max_norm_ratio,
+            sparse_codec=None if self.error_feedback is None else self.error_feedback.codec,
             declare_state_period=5.0,
             shutdown_timeout=5.0,
         )
@@ -287,13 +293,21 @@ class DiLoCoPeer:
         Raises:
             ArchitectureMismatch: a peer whose state this peer must take has another model.
         """
+        result = self._sync(model, weight, stop)
+        if result is not None and self.error_feedback is not None and model is not None:
+            rule = self.error_feedback.settle(result.status, rejected=self.swarm.name in result.rejected,
+                                              contributed=weight > 0)
+            log.debug("%s round %d: error feedback %s", self.swarm.name, result.round, rule)
+        return result
+
+    def _sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None) -> SyncResult | None:
         r = self.round
         clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
         healed = recovery.heal_split(self, model, r, clock)  # 0. replicas that disagree take the run's theta
         if healed is not None:
             return healed
         try:
-            norm = self._pseudo_gradient(model, r)                            # 1. Delta_i = theta - theta_i
+            norm = self._pseudo_gradient(model, r, weight)                    # 1. Delta_i = theta - theta_i
             barrier = self._barrier(r, weight, stop, clock)                   # 2. wait for the round's peers
             if barrier is None:
                 return None  # stopped
@@ -309,9 +323,10 @@ class DiLoCoPeer:
         return self._finish(model, clock, peers=len(reduced.members),          # 5. load theta into the policy
                             weight_total=reduced.weight_total, status=status, rejected=reduced.rejected)
 
-    def _pseudo_gradient(self, model: nn.Module | None, r: int) -> float:
+    def _pseudo_gradient(self, model: nn.Module | None, r: int, weight: float = 0.0) -> float:
         """Write Delta_i into the averager's buffers (zeros on the coordinator); returns its L2 norm (NaN/Inf
-        when it has non-finite entries)."""
+        when it has non-finite entries). With the sparse codec, a contributing node also folds Delta_i into its error
+        feedback and hands the message to the averager; the norm is then the message's (what is averaged)."""
         with self.averager.get_tensors() as delta:
             if model is None:
                 for d in delta:
@@ -319,7 +334,29 @@ class DiLoCoPeer:
             else:
                 self.global_model.pseudo_gradient(model, delta)
                 faults.point("pseudo_gradient", r, tensors=delta)
-            return pseudo_gradient_norm(delta)
+            if self.error_feedback is None or model is None or weight <= 0:
+                return pseudo_gradient_norm(delta)
+            message, norm = self.error_feedback.prepare(delta)
+        self.averager.set_message(r, message)
+        return norm
+
+    def codec_state(self) -> dict | None:
+        """This node's codec state for a checkpoint (`composer_diloco.checkpoint.save_checkpoint`'s ``codec_state``):
+        the error feedback's `ErrorFeedback.state_dict`, or None without the sparse codec."""
+        return None if self.error_feedback is None else self.error_feedback.state_dict()
+
+    def load_codec_state(self, state: dict | None) -> None:
+        """Adopt a `codec_state` (from `composer_diloco.checkpoint.read_codec_state`); None leaves it as it is.
+
+        Raises:
+            ValueError: a state of another codec or layout, or a state given to a run without the sparse codec.
+        """
+        if state is None:
+            return
+        if self.error_feedback is None:
+            raise ValueError(f"codec state of {state.get('codec')!r} given to a run with compression "
+                             f"{self.config.compression!r}")
+        self.error_feedback.load_state_dict(state)
 
     def _barrier(self, r: int, weight: float, stop: threading.Event | None,
                  clock: _RoundClock) -> tuple[float, list[PeerRecord]] | None:

@@ -24,7 +24,8 @@ with full fine-tuning, and within 10 % where the activations do).
 
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
-    none for parameter averaging) + 8 T transient at the outer step (the averaged delta's copy and the ``.grad`` the
+    none for parameter averaging; ``compression = "sparse-2bit"`` adds 8 T: the error feedback and its next value,
+    `composer_diloco.outer.sparse.ErrorFeedback`) + 8 T transient at the outer step (the averaged delta's copy and the ``.grad`` the
     outer optimizer reads), plus the policy as loaded: ``from_pretrained`` builds it in fp32 on the CPU (4 P) before
     it moves to a GPU; on a CPU node that copy *is* the device's weights.
 
@@ -330,7 +331,8 @@ def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad
         gradient_checkpointing=gradient_checkpointing, sdpo=config.loss.alpha_sdpo > 0,
         dpo_pairs=pref.max_sites * pref.max_pairs_per_turn if config.loss.beta_dpo > 0 else 0,
         dpo_reference=config.loss.beta_dpo > 0, grpo_reference=config.grpo.beta > 0,
-        outer_state_tensors=_outer_state_tensors(config), free=free, free_source=free_source)
+        outer_state_tensors=_outer_state_tensors(config) + (2 if config.compression == "sparse-2bit" else 0),
+        free=free, free_source=free_source)
 
 
 def refusal(plan: MemoryPlan, alternatives: list[tuple[str, MemoryPlan]]) -> str:
