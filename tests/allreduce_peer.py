@@ -4,15 +4,14 @@ For each compression it averages a known tensor with the other peers through `Ex
 step, and writes what it ended with (SHA-256 of the mean, the mean, bytes sent, new theta) as JSON.
 """
 
-import argparse
 import hashlib
 import json
 
 import torch
-from hivemind import DHT
 from torch import nn
 
 from composer_diloco.outer.averaging import ExactAverager
+from tests_support import peer_script_args
 from composer_diloco.outer.compression import make_compression
 from composer_diloco.outer.global_model import GlobalModel
 
@@ -25,16 +24,7 @@ def known_delta(index: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--peer", default=None)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--addr-out", default=None)
-    args = ap.parse_args()
-    dht = DHT(initial_peers=[args.peer] if args.peer else None, start=True)
-    if args.addr_out:
-        with open(args.addr_out, "w") as f:
-            f.write(str(dht.get_visible_maddrs()[0]))
+    args, dht = peer_script_args()
     results = {}
     for compression in ("none", "fp16", "int8"):
         buffers = [torch.zeros(50_000), torch.zeros(7, 3)]

@@ -6,14 +6,13 @@ all-gather, `SparseGatherRunner`) -> `ErrorFeedback.settle`, with weights 1, 2, 
 round, the group order, its own message (hex), the SHA-256 of the mean it ended with, and bytes sent, as JSON.
 """
 
-import argparse
 import hashlib
 import json
 
 import torch
-from hivemind import DHT
 
 from composer_diloco.outer.averaging import ExactAverager
+from tests_support import peer_script_args
 from composer_diloco.outer.sparse import ErrorFeedback, SparseCodec
 
 SHAPES = [(20_000,), (64, 64), (7, 3)]
@@ -34,16 +33,7 @@ def known_delta(index: int, round_: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--peer", default=None)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--addr-out", default=None)
-    args = ap.parse_args()
-    dht = DHT(initial_peers=[args.peer] if args.peer else None, start=True)
-    if args.addr_out:
-        with open(args.addr_out, "w") as f:
-            f.write(str(dht.get_visible_maddrs()[0]))
+    args, dht = peer_script_args()
     c = codec()
     buffers = [torch.zeros(s) for s in SHAPES]
     averager = ExactAverager(buffers, dht, state_provider=lambda: ({}, []), prefix="tsparse", start=True,

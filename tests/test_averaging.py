@@ -1,16 +1,12 @@
 """The exact all-reduce across real processes: known pseudo-gradients and weights give the hand-computed weighted
 mean and Nesterov step, bit-identical on every peer, for each compression."""
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests_support import stop_processes
+from tests_support import run_peer_trio
 
 HERE = Path(__file__).parent
 WEIGHTS = [0.0, 1.0, 3.0]
@@ -19,24 +15,7 @@ WEIGHTS = [0.0, 1.0, 3.0]
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_three_peers_agree_bit_for_bit(tmp_path):
-    procs = []
-    try:
-        addr_file = tmp_path / "addr"
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "allreduce_peer.py"), "--index", "0",
-                                       "--out", str(tmp_path / "0.json"), "--addr-out", str(addr_file)]))
-        deadline = time.monotonic() + 60
-        while not addr_file.exists() or not addr_file.read_text():
-            assert procs[0].poll() is None, "peer 0 died"
-            assert time.monotonic() < deadline, "peer 0 printed no address"
-            time.sleep(0.2)
-        for i in (1, 2):
-            procs.append(subprocess.Popen([sys.executable, str(HERE / "allreduce_peer.py"), "--index", str(i),
-                                           "--peer", addr_file.read_text(), "--out", str(tmp_path / f"{i}.json")]))
-        for p in procs:
-            assert p.wait(timeout=200) == 0
-    finally:
-        stop_processes(procs)
-    results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
+    results = run_peer_trio(HERE / "allreduce_peer.py", tmp_path, timeout_s=200)
 
     for compression in ("none", "fp16", "int8"):
         per_peer = [r[compression] for r in results]

@@ -3,12 +3,9 @@ across rounds (and a test that fails without it), the settle rules (resync inclu
 three real processes averaging through `ExactAverager`'s all-gather to bit-identical means."""
 
 import hashlib
-import json
 import math
 import struct
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from composer_diloco.config import RunConfig
 from composer_diloco.outer.compression import make_sparse_codec
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.outer.sparse import CodecError, ErrorFeedback, SparseCodec, weighted_mean
-from tests_support import stop_processes
+from tests_support import run_peer_trio
 
 HERE = Path(__file__).parent
 SHAPES = [(5000,), (64, 64), (7, 3)]
@@ -271,24 +268,7 @@ def test_three_processes_average_to_bit_identical_means(tmp_path):
     sys.path.insert(0, str(HERE))
     import sparse_peer
 
-    procs = []
-    try:
-        addr_file = tmp_path / "addr"
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "sparse_peer.py"), "--index", "0",
-                                       "--out", str(tmp_path / "0.json"), "--addr-out", str(addr_file)]))
-        deadline = time.monotonic() + 60
-        while not addr_file.exists() or not addr_file.read_text():
-            assert procs[0].poll() is None, "peer 0 died"
-            assert time.monotonic() < deadline, "peer 0 printed no address"
-            time.sleep(0.2)
-        for i in (1, 2):
-            procs.append(subprocess.Popen([sys.executable, str(HERE / "sparse_peer.py"), "--index", str(i),
-                                           "--peer", addr_file.read_text(), "--out", str(tmp_path / f"{i}.json")]))
-        for p in procs:
-            assert p.wait(timeout=100) == 0
-    finally:
-        stop_processes(procs)
-    results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
+    results = run_peer_trio(HERE / "sparse_peer.py", tmp_path, timeout_s=100)
     codec = sparse_peer.codec()
     for r in range(sparse_peer.ROUNDS):
         per_peer = [res[r] for res in results]

@@ -94,3 +94,50 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def run_peer_trio(script: Path, out_dir: Path, timeout_s: float) -> list:
+    """Run three processes of a peer script (``--index i --out DIR/i.json``; peer 0 also ``--addr-out``, the others
+    ``--peer`` its multiaddr), wait for all to exit 0 within ``timeout_s``, stop any left; returns the three JSON
+    results in index order."""
+    import json
+    import time
+
+    procs: list[subprocess.Popen] = []
+    try:
+        addr_file = out_dir / "addr"
+        procs.append(subprocess.Popen([sys.executable, str(script), "--index", "0", "--out", str(out_dir / "0.json"),
+                                       "--addr-out", str(addr_file)]))
+        deadline = time.monotonic() + 60
+        while not addr_file.exists() or not addr_file.read_text():
+            assert procs[0].poll() is None, "peer 0 died"
+            assert time.monotonic() < deadline, "peer 0 printed no address"
+            time.sleep(0.2)
+        for i in (1, 2):
+            procs.append(subprocess.Popen([sys.executable, str(script), "--index", str(i), "--peer",
+                                           addr_file.read_text(), "--out", str(out_dir / f"{i}.json")]))
+        for p in procs:
+            assert p.wait(timeout=timeout_s) == 0
+    finally:
+        stop_processes(procs)
+    return [json.loads((out_dir / f"{i}.json").read_text()) for i in range(3)]
+
+
+def peer_script_args():
+    """A trio peer script's arguments (``--index``, ``--peer``, ``--out``, ``--addr-out``) and its started hivemind
+    DHT (peer 0 writes its visible multiaddr to ``--addr-out``). Returns ``(args, dht)``."""
+    import argparse
+
+    from hivemind import DHT
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--peer", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--addr-out", default=None)
+    args = ap.parse_args()
+    dht = DHT(initial_peers=[args.peer] if args.peer else None, start=True)
+    if args.addr_out:
+        with open(args.addr_out, "w") as f:
+            f.write(str(dht.get_visible_maddrs()[0]))
+    return args, dht
