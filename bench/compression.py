@@ -41,7 +41,7 @@ def run_codec(codec: str, out: Path, nodes: int, rounds: int) -> dict:
     config = out / f"{codec}.toml"
     config.write_text(f'compression = "{codec}"\nrounds = {rounds}\ninner_steps = 2\n')
     run_dir.mkdir(parents=True, exist_ok=True)  # one warm start shared by all codecs: the per-user cache
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--nodes", str(nodes), "--config",
+    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--eval-episodes", "0", "--nodes", str(nodes), "--config",
                              str(config), "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{codec}: simulate exited {result.returncode}\n{result.stderr[-3000:]}")

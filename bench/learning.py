@@ -117,7 +117,7 @@ def run_arm(arm: Arm, seed: int, budget: int, out: Path) -> Path:
     config = run_dir / "config.toml"
     config.write_text(arm.config_toml(seed, rounds))
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--nodes", str(arm.nodes),
+    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--eval-episodes", "0", "--nodes", str(arm.nodes),
                              "--config", str(config), "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
                             text=True)
     if result.returncode != 0:

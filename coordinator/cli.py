@@ -103,9 +103,10 @@ def simulate(
     model: ModelOpt = None,
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
-    eval_episodes: Annotated[int, typer.Option(
+    eval_episodes: Annotated[Optional[int], typer.Option(
         "--eval-episodes", min=0, help="Held-out tasks on which the warm start and the final model are evaluated "
-                                       "after the run, sampled and greedy (0 = no evaluation).")] = 256,
+                                       "after the run, sampled and greedy, on this process's CPU (0 = no evaluation; "
+                                       "default: 256 for the embedded default, 0 with --model).")] = None,
     secret_file: SecretFileOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -128,7 +129,8 @@ def simulate(
                    "(pick a new folder)", err=True)
         raise typer.Exit(1)
     sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, model=model, device=device,
-                     verbose=verbose, eval_episodes=eval_episodes)
+                     verbose=verbose,
+                     eval_episodes=eval_episodes if eval_episodes is not None else (256 if cfg.model is None else 0))
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 
 

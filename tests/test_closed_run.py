@@ -175,7 +175,7 @@ def test_bad_secret_is_a_one_line_error(tmp_path):
           "--secret-file", str(missing)], env_with(None), str(missing)),
         (["coordinator", "start", "--config", str(SMOKE), "--run-dir", str(tmp_path / "c"),
           "--secret-file", str(empty)], env_with(None), str(empty)),
-        (["coordinator", "simulate", "--config", str(SMOKE), "--run-dir", str(tmp_path / "s")], env_with("short"),
+        (["coordinator", "simulate", "--eval-episodes", "0", "--config", str(SMOKE), "--run-dir", str(tmp_path / "s")], env_with("short"),
          SECRET_ENV),
     ]
     for args, env, named in cases:

@@ -17,7 +17,7 @@ SMOKE = ROOT / "configs" / "smoke.toml"
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_resume_continues_from_the_last_checkpoint(run_dir):
-    first = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--nodes", "1", "--rounds", "1",
+    first = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--eval-episodes", "0", "--nodes", "1", "--rounds", "1",
                             "--config", str(SMOKE), "--run-dir", str(run_dir)], capture_output=True, text=True,
                            timeout=600, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
