@@ -253,7 +253,9 @@ def _serve_until(argv: list[str], pattern: str, timeout_s: float = 40.0) -> tupl
     import subprocess
     import time
 
-    proc = subprocess.Popen(argv, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own process group: the nobody launcher forks the server, so ending the launcher alone leaked the server
+    proc = subprocess.Popen(argv, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     log = []
     try:
         deadline = time.monotonic() + timeout_s
@@ -271,13 +273,19 @@ def _serve_until(argv: list[str], pattern: str, timeout_s: float = 40.0) -> tupl
                 return proc.poll(), "".join(log)
         raise AssertionError(f"no {pattern!r} within {timeout_s} s: {''.join(log)[-1500:]}")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the whole group: the launcher and the server it forked
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
             try:
                 proc.wait(timeout=10)
+                time.sleep(0.5)  # the forked server's own exit after the TERM
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                continue
+        proc.wait()
 
 
 SERVE = ["-m", "envs.coding_env.server", "--port", "0", "--log-level", "info"]
