@@ -366,34 +366,9 @@ class Node:
             if peer.round == before and not self.stop.event.is_set():
                 raise NodeError(f"round {peer.round}: training on after a heal ended no round")
         if peer.round >= config.rounds and not self.stop.event.is_set():
-            self._linger_while_the_last_round_settles()
             self._keep_final_model()
             self.tool_calls.check()
         return peer.round - first
-
-    def _linger_while_the_last_round_settles(self) -> None:
-        """At the run's end, keep this node's averager up (it serves the last all-reduce's parts and its state) until
-        the coordinator has ended the last round too and no live peer is still settling it (`recovery.settle`),
-        at most ``averaging_timeout_s`` + 5 s. A node that exited at once could cut the coordinator's last
-        all-reduce short (seen once in CI: the coordinator missed 128 elements, then found the node gone when it
-        asked for its state, and the run ended with two thetas)."""
-        last = self.config.rounds
-        deadline = time.monotonic() + self.config.network.averaging_timeout_s + 5.0
-        waiting: list[str] = []
-        while time.monotonic() < deadline and not self.stop.event.is_set():
-            try:
-                peers = [p for p in self.swarm.live_peers() if p.name != self.options.name]
-            except Exception as e:  # the DHT is shutting down: nothing more to wait for
-                log.debug("end of run: reading heartbeats failed: %r", e)
-                return
-            waiting = [p.name for p in peers if (p.role == "coordinator" and p.round < last)
-                       or (p.round == last and not p.settled)]
-            if not waiting:
-                return
-            time.sleep(0.2)
-        if waiting and not self.stop.event.is_set():
-            log.warning("end of run: %s had not settled round %d when this node stopped waiting",
-                        ", ".join(waiting), last - 1)
 
     def _keep_final_model(self) -> None:
         """At the run's end with no coordinator alive to checkpoint theta, save it under this node's folder."""
