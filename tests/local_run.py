@@ -74,6 +74,19 @@ class LocalRun:
         return self._spawn(name, ["-m", "nodes", "join", "--peer", peer or self.peer, "--run-dir", str(self.run_dir),
                                   "--name", name, "--device", "cpu", *extra], env, prefix=prefix)
 
+    def restart_while_held(self, name: str, hold: Path, ready: Callable[[], bool], what: str) -> float:
+        """Restart node ``name`` (the same command) while ``hold`` exists, so that a peer pausing on it keeps the run
+        from ending; remove ``hold`` once ``ready()`` (``what``, for the timeout message), then wait for a round of
+        the restarted node. Returns the wall time (time.time()) of the restart."""
+        hold.touch()
+        restarted_at = time.time()
+        self.start_node(name)
+        self.wait_until(ready, 240, what)
+        hold.unlink()
+        self.wait_until(lambda: any(r["time"] > restarted_at for r in self.records().get(name, [])), 240,
+                        f"a round of the restarted {name}")
+        return restarted_at
+
     def kill(self, name: str) -> float:
         """SIGKILL the peer's whole process group (a lost machine); returns the wall time (time.time())."""
         proc = self.procs[name]

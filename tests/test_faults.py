@@ -54,14 +54,9 @@ def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
 
         # node-0 pauses until the restarted node-1 has downloaded the global model: however slow the machine,
         # the run cannot end before node-1 is back. node-1 then starts its env server while the swarm moves on.
-        hold.touch()
-        restarted_at = time.time()
-        run.start_node("node-1")  # the same command
-        run.wait_until(lambda: run.log("node-1").count("state from a peer") >= 2, 240,  # its log is appended to
-                       "the restarted node-1 to download the global model")
-        hold.unlink()
-        run.wait_until(lambda: any(r["time"] > restarted_at for r in run.records().get("node-1", [])), 240,
-                       "a round of the restarted node-1")
+        restarted_at = run.restart_while_held(  # its log is appended to: the second download is the restart's
+            "node-1", hold, lambda: run.log("node-1").count("state from a peer") >= 2,
+            "the restarted node-1 to download the global model")
         for name in ("node-0", "node-1", "coordinator"):
             assert run.wait_exit(name) == 0, run.log_tail(name)
     finally:

@@ -2,7 +2,6 @@
 its error feedback from ``<run-dir>/<node>/codec_state.pt`` (`nodes.node.Node._restore_codec_state`), and every
 peer agrees on ``global_sha256`` in every round, before and after."""
 
-import time
 
 import pytest
 import torch
@@ -39,14 +38,9 @@ def test_restarted_node_takes_back_its_error_feedback_and_replicas_agree(run_dir
         before = torch.load(saved, weights_only=True)
         assert before["round"] >= 0 and before["codec_state"]["buffer"].abs().sum() > 0
 
-        hold.touch()  # the run cannot end before node-1 is back
-        restarted_at = time.time()
-        run.start_node("node-1")
-        run.wait_until(lambda: f"error feedback of round {before['round']} restored" in run.log("node-1"), 240,
-                       "the restarted node-1 to restore its error feedback")
-        hold.unlink()
-        run.wait_until(lambda: any(r["time"] > restarted_at for r in run.records().get("node-1", [])), 240,
-                       "a round of the restarted node-1")
+        restarted_at = run.restart_while_held(  # the run cannot end before node-1 is back
+            "node-1", hold, lambda: f"error feedback of round {before['round']} restored" in run.log("node-1"),
+            "the restarted node-1 to restore its error feedback")
         for name in ("node-0", "node-1", "coordinator"):
             assert run.wait_exit(name) == 0, run.log_tail(name)
     finally:
