@@ -210,7 +210,8 @@ def evaluate_run(run_dir: Path, episodes: int, seed: int = 12345) -> list[str]:
     first, final = checkpoint_dir(run_dir) / "round-000000", latest_checkpoint(run_dir)
     if final is None or not (first / "outer.pt").is_file():
         return ["eval: skipped (the run has no round-0 and final checkpoint to compare)"]
-    config = RunConfig.from_json(read_outer_state(final)["config"])
+    final_state = read_outer_state(final)
+    config = RunConfig.from_json(final_state["config"])
     if config.tasks.path is not None:
         return [f"eval: skipped (tasks come from {config.tasks.path}, not the env's own generator; evaluate with "
                 "python -m composer_diloco.policy evaluate)"]
@@ -226,5 +227,5 @@ def evaluate_run(run_dir: Path, episodes: int, seed: int = 12345) -> list[str]:
             max_new_tokens=config.env.max_turn_tokens, reset_kwargs=config.env.reset_kwargs or None)
     except Exception as e:  # noqa: BLE001 (the run itself succeeded: say why the evaluation did not)
         return [f"eval: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
-    rounds = int(read_outer_state(final)["round"])
+    rounds = int(final_state["round"])
     return [f"eval: {c.describe('warm start', f'round {rounds}')}" for c in comparisons]

@@ -96,15 +96,22 @@ def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sess
     return outcomes
 
 
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n)); (0, 0) for no values."""
+    n = max(len(values), 1)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+    return mean, math.sqrt(var / n)
+
+
 def _summary(outcomes: list[_Outcome], keys: list[tuple[int, str]], family: FamilyFn | None,
              seconds: float) -> dict[str, Any]:
     n = max(len(outcomes), 1)
     calls = sum(o.tool_calls for o in outcomes)
-    mean = sum(o.reward for o in outcomes) / n
-    var = sum((o.reward - mean) ** 2 for o in outcomes) / max(len(outcomes) - 1, 1)
+    mean, se = _mean_se([o.reward for o in outcomes])
     stats: dict[str, Any] = dict(
         mean_reward=mean,
-        reward_se=math.sqrt(var / n),
+        reward_se=se,
         success_rate=sum(o.reward >= 1.0 for o in outcomes) / n,
         format_error_rate=sum(o.format_error for o in outcomes) / n,
         tool_error_rate=sum(o.tool_errors for o in outcomes) / max(calls, 1),
@@ -270,7 +277,5 @@ def compare_policies(before: PreTrainedModel, after: PreTrainedModel, tokenizer:
         a = evaluate_policy(before, tokenizer, n_episodes, seed, temperature=t, per_episode=True, **kwargs)
         b = evaluate_policy(after, tokenizer, n_episodes, seed, temperature=t, per_episode=True, **kwargs)
         d = [y - x for x, y in zip(a["episode_rewards"], b["episode_rewards"], strict=True)]
-        mean = sum(d) / len(d)
-        var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
-        out.append(Comparison(t, len(d), a["mean_reward"], b["mean_reward"], math.sqrt(var / len(d))))
+        out.append(Comparison(t, len(d), a["mean_reward"], b["mean_reward"], _mean_se(d)[1]))
     return out
