@@ -219,3 +219,21 @@ def test_a_failing_build_leaves_no_entry_and_releases_the_lock(tmp_path):
 
     with pytest.raises(RuntimeError, match="missing b.json"):
         get_or_build(tmp_path / "other", half, required=["b.json"])
+
+
+def test_the_entry_key_covers_the_torch_and_transformers_versions(monkeypatch):
+    """An entry built under another torch or transformers release is not reused: its key differs."""
+    import torch
+    import transformers
+
+    from composer_diloco.policy.tiny_model import tiny_model_config
+    from composer_diloco.policy.tokenizer import load_default_tokenizer
+
+    config = tiny_model_config(load_default_tokenizer())
+    key = load_module._default_cache_key(0, 200, config)
+    assert load_module._default_cache_key(0, 200, config) == key
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert load_module._default_cache_key(0, 200, config) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    assert load_module._default_cache_key(0, 200, config) != key

@@ -42,14 +42,21 @@ def _package_dir(env: str) -> Path:
 
 def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV) -> str:
     """Short hash of what determines the default warm-started weights: seed, steps, the warm-start
-    recipe, the model config, the tokenizer files and the source of the env package's top-level modules
-    (tasks, tools, demonstrations)."""
+    recipe, the model config, the tokenizer files, the source of the env package's top-level modules
+    (tasks, tools, demonstrations) and the torch and transformers versions (a new release may change the
+    kernels' numerics or the trainer's defaults, so an entry built under another version would not be the
+    weights this install builds)."""
+    import torch
+    import transformers
+
     h = hashlib.sha256()
     cfg = config.to_dict()
     cfg.pop("transformers_version", None)
     recipe = dict(batch_size=WARMSTART_BATCH_SIZE, lr=WARMSTART_LR, error_rate=WARMSTART_ERROR_RATE,
                   version=_CACHE_KEY_VERSION)
-    h.update(json.dumps({"seed": seed, "steps": steps, "recipe": recipe, "config": cfg}, sort_keys=True).encode())
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    h.update(json.dumps({"seed": seed, "steps": steps, "recipe": recipe, "config": cfg, "versions": versions},
+                        sort_keys=True).encode())
     for path in sorted(_package_dir(env).glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -165,7 +172,8 @@ def load_policy(
     ``warmstart_steps`` steps on ``env``'s scripted demonstrations (``warm_start``), cached once per machine in
     ``warmstart_cache_dir() / <hash>`` (``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
     ``~/.cache/composer_diloco``, then ``warmstart/``) where the hash covers ``seed``, ``warmstart_steps``, the
-    warm-start recipe, the model config, the tokenizer files and the env package's source; a whole cached copy
+    warm-start recipe, the model config, the tokenizer files, the env package's source and the torch and
+    transformers versions; a whole cached copy
     is reused by every run and process, concurrent callers compute it once (a file lock), and a damaged one is
     rebuilt with a WARNING (``composer_diloco.policy.cache.get_or_build``). Otherwise ``model`` is a local
     directory (``save_pretrained`` layout) or a Hugging Face Hub id, loaded with ``AutoModelForCausalLM`` /
