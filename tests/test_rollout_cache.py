@@ -99,3 +99,52 @@ def test_other_architectures_sample_the_same_and_sliding_windows_re_encode(famil
     assert played[True][0] == played[False][0]
     kept = played[True][1].past is not None
     assert kept == (family != "gemma3-sliding-window")
+
+
+def test_cached_turns_decode_greedily_what_full_re_encoding_decodes(monkeypatch):
+    """Greedy decoding (``do_sample=False``: no random numbers that a shared seed could line up): the turns that keep
+    their `TurnCache` pick, token for token, what re-encoding every history picks. Rows of different lengths (left
+    padding inside the cache, `TurnCache.compact`), some ending at EOS mid-turn (masked tails), over 4 turns; the
+    embedded default architecture with random weights (seed 0)."""
+    from types import SimpleNamespace
+
+    from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    vocab = len(tok) - 8
+    model = build_tiny_model(tok, 0).eval()
+    sample = model.generate
+
+    def greedy(**kwargs):  # generate_turns samples; the same call, decoded greedily
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        return sample(**kwargs)
+
+    monkeypatch.setattr(model, "generate", greedy)
+
+    def contexts() -> tuple[torch.Generator, list[list[int]]]:
+        g = torch.Generator().manual_seed(3)
+        return g, [torch.randint(5, vocab, (15 + 11 * i,), generator=g).tolist() for i in range(4)]
+
+    # an EOS that greedy decoding reaches mid-turn: the token row 0 picks 6th on its first turn
+    first, _ = rollout.generate_turns(model, SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=None),
+                                      contexts()[1], 12, 1.0)
+    eos_tok = SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=first[0][5])
+    played = {}
+    for cached in (False, True):
+        g, ctx = contexts()
+        cache = rollout.TurnCache() if cached else None
+        turns, logps = [], []
+        for turn in range(4):
+            ids, lps = rollout.generate_turns(model, eos_tok, ctx, 12, 1.0, cache=cache)
+            turns.append(ids)
+            logps.append(lps)
+            ctx = [c + i + torch.randint(5, vocab, (3 + 5 * k,), generator=g).tolist()
+                   for k, (c, i) in enumerate(zip(ctx, ids))]
+        played[cached] = (turns, logps, cache)
+    turns = played[False][0]
+    assert len({len(ids) for turn in turns for ids in turn}) > 1, turns  # some rows ended at EOS, some did not
+    assert played[True][0] == turns
+    assert played[True][2].past is not None  # the cache was kept, not re-encoded
+    worst = max(abs(a - b) for t_f, t_c in zip(played[False][1], played[True][1])
+                for r_f, r_c in zip(t_f, t_c) for a, b in zip(r_f, r_c))
+    assert worst < 1e-4, worst
