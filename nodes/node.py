@@ -469,9 +469,12 @@ class Node:
         flight and load theta into the policy, as the blocking path leaves it; writes that round's line."""
         if self.overlap is None:
             return
+        entered = time.monotonic()
         done = self.overlap.drain(model)
         if done is not None:
-            self._phases.get(done.round, {}).setdefault("blocked_seconds", 0.0)
+            phase = self._phases.get(done.round)
+            if phase is not None:  # the trainer stood still for this wait too
+                phase["blocked_seconds"] = phase.get("blocked_seconds", 0.0) + time.monotonic() - entered
             self._settle_overlapped([done])
 
     # -- leaving ------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ same outer step: it always holds the canonical theta (DiLoCo, arXiv 2311.08105; 
 `DiLoCoPeer.sync` is five steps, in order: the pseudo-gradient Delta_i = theta - theta_i; the barrier (wait for
 the round's peers); the weighted all-reduce Delta = sum_i w_i Delta_i / sum_i w_i (`ExactAverager`, which also
 screens the contributions and hands back its verdicts); the outer step theta <- OuterOpt(theta, Delta)
-(`GlobalModel`); and loading theta into the policy.
+(`GlobalModel`); and loading theta into the policy. With ``[outer] overlap`` a node runs the same steps in two
+halves instead: `DiLoCoPeer.hand_off` (the pseudo-gradient, in the trainer's thread) and `DiLoCoPeer.complete` (the
+rest, in a background thread, theta never loaded into the policy); `composer_diloco.outer.overlap` folds theta in.
 
 Failure behaviour: a step that leaves this peer without an average it can apply raises `RoundFailed`, handled in
 one place, `composer_diloco.outer.recovery.recover` (take the state of a peer past the round, or step alone by a
