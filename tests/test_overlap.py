@@ -106,3 +106,45 @@ def test_node_killed_in_a_background_all_reduce_then_restarted(run_dir, tmp_path
     print(f"\nrestarted node-1 rejoined at round {rejoined[0]['round']}; node-0's folds: "
           f"{[(r['round'], r['status'], r.get('fold')) for r in records['node-0']]}")
     assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[rounds - 1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_coordinator_lost_mid_reply_fails_closed_then_restarts(run_dir, tmp_path):
+    import time
+
+    rounds = 6
+    hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
+    held = {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}
+    run = LocalRun(run_dir, config(tmp_path, rounds))
+    try:
+        # in round 2's background all-reduce the coordinator returns its averaged part to one node only, then dies:
+        # the node that missed it takes the other's theta ("resynced"), which is not the normal outcome, so it drops
+        # its overlapped phase and loads theta (fail closed)
+        run.start_coordinator(env={"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"})
+        for name in ("node-0", "node-1"):
+            run.start_node(name, env=held)
+        run.procs["coordinator"].wait(timeout=300)
+        killed_at = time.time()
+        at_2 = [run.wait_round(n, 2, timeout_s=180) for n in ("node-0", "node-1")]
+        assert_agree({n: run.records()[n] for n in ("node-0", "node-1")}, [2])
+        assert sorted(r["status"] for r in at_2) == ["averaged", "resynced"], at_2
+        assert sorted(r["fold"] for r in at_2) == ["dropped", "rebased"], at_2
+
+        hold.touch()  # the nodes pause until the restarted coordinator is back in the swarm
+        run.start_coordinator()
+        # it resumes from its own checkpoint or, when the nodes have gone past it, from a live node
+        run.wait_until(lambda: "resumed from" in run.log("coordinator")
+                       or "the newest checkpoint was round" in run.log("coordinator"), 240,
+                       "the restarted coordinator to take the run's state")
+        hold.unlink()
+        for name in ("coordinator", "node-0", "node-1"):
+            assert run.wait_exit(name) == 0, run.log_tail(name)
+    finally:
+        hold.unlink(missing_ok=True)
+        run.stop()
+    records = run.records()
+    shas = assert_agree(records, range(rounds))
+    assert any(r["time"] > killed_at for r in records["coordinator"]), records["coordinator"]
+    final = read_outer_state(latest_checkpoint(run_dir))
+    assert final["round"] == rounds and final["global_sha256"] == shas[rounds - 1]

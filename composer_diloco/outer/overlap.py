@@ -34,7 +34,9 @@ local progress: the policy loads theta as the blocking path does, and no pseudo-
 dropped phase (a zero one weighted by its samples would dilute the average). The node's next inner phase then
 trains the round the peer is in. An exception of the background thread (`ArchitectureMismatch`) is raised in the
 foreground at the next fold. At the end of training (the run's end, a stop) the in-flight round is waited for (at
-most ``averaging_timeout_s`` x 2 + 10 s) and theta is loaded, so the final policy is theta, as in blocking mode.
+most ``averaging_timeout_s`` x 2 + 10 s; on a stop (SIGTERM) at most ``STOP_JOIN_S``, then given up as failed) and
+theta is loaded, so the final policy is theta, as in blocking mode; `OverlappedSync.close` (a cleanup, run before the
+averager is shut down) joins the thread the same way.
 The coordinator has no inner phase: it always syncs blocking.
 
 Threads: the policy is touched only in the foreground (the trainer's thread): `hand_off` reads it, the fold writes
@@ -56,6 +58,8 @@ from torch import nn
 from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
 
 log = logging.getLogger(__name__)
+
+STOP_JOIN_S = 3.0  # seconds a stopping node waits for its background round (the hard exit comes at 8 s)
 
 Fold = Literal["rebased", "dropped", "final"]
 """How a settled background round reached the policy: "rebased" (x <- theta + (x' - a)), "dropped" (the overlapped
@@ -138,13 +142,13 @@ class OverlappedSync:
                     log.warning("%s: the overlapped round %d ended %s (round %d now): dropping this phase's local "
                                 "progress and loading theta", self.peer.swarm.name, done.round, done.result.status,
                                 self.peer.round)
-                self.peer.global_model.load_into(model)
+                self._load_theta(model)
                 out.settled.append(Settled(done.round, done.result, "dropped"))
                 return out
             _rebase(model, self.peer.global_model.params, done.anchor)
             out.settled.append(Settled(done.round, done.result, "rebased"))
         if self.peer.round >= self.peer.config.rounds or self.stop.is_set():
-            self.peer.global_model.load_into(model)
+            self._load_theta(model)
             return out
         self._start(model, weight)
         out.handed_off = self._inflight.round
@@ -159,25 +163,26 @@ class OverlappedSync:
         Raises:
             ArchitectureMismatch: raised by the background round.
         """
-        if self._inflight is None:
-            if model is not None:
-                self.peer.global_model.load_into(model)
-            return None
-        done = self._wait()
+        done = self._wait() if self._inflight is not None else None
         if model is not None:
-            self.peer.global_model.load_into(model)
-        return Settled(done.round, done.result, "final")
+            self._load_theta(model)
+        return None if done is None else Settled(done.round, done.result, "final")
 
     def close(self) -> None:
         """Join the background thread (at most ``join_timeout_s``); idempotent, never raises (a cleanup)."""
         flight, self._inflight = self._inflight, None
         if flight is not None:
-            flight.thread.join(self.join_timeout_s)
+            flight.thread.join(STOP_JOIN_S if self.stop.is_set() else self.join_timeout_s)
             if flight.thread.is_alive():
                 log.warning("%s: the background sync of round %d did not end within %.0f s", self.peer.swarm.name,
                             flight.round, self.join_timeout_s)
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _load_theta(self, model: nn.Module) -> None:
+        """theta into the policy, under the peer's lock (a background round given up on may still step theta)."""
+        with self.peer._lock:
+            self.peer.global_model.load_into(model)
+
     def _normal(self, done: _InFlight) -> bool:
         """True when theta is the outer step of exactly the round handed off (nothing to fail closed on)."""
         r = done.result
@@ -201,7 +206,9 @@ class OverlappedSync:
     def _wait(self) -> _InFlight:
         flight, self._inflight = self._inflight, None
         started = time.monotonic()
-        flight.thread.join(self.join_timeout_s)
+        # on a stop the barrier gives up at once; an all-reduce under way is not waited out (the hard exit would come
+        # first): its round is failed closed
+        flight.thread.join(STOP_JOIN_S if self.stop.is_set() else self.join_timeout_s)
         if flight.thread.is_alive():
             log.error("%s: the background sync of round %d is still running after %.0f s: treating it as failed",
                       self.peer.swarm.name, flight.round, time.monotonic() - started)
