@@ -84,21 +84,22 @@ def summarize(mode: str, lines: list[dict], rounds: int) -> dict:
 def handoff_seconds(elems: int, repeats: int = 3) -> dict:
     """Seconds of the overlapped mode's foreground work per round for a policy of ``elems`` fp32 CPU elements (split
     into tensors of 4M): the pseudo-gradient into the averager's buffers (`GlobalModel.pseudo_gradient`, what
-    `DiLoCoPeer.hand_off` runs), the anchor copy (`OverlappedSync._start`) and the rebase (`overlap._rebase`), each
-    the median of ``repeats``. The all-reduce and outer step are not in it: they run in the background."""
+    `DiLoCoPeer.hand_off` runs), the anchor copy (`OverlappedSync._start`) and the fold (`overlap._apply_correction`),
+    each the median of ``repeats``; ``foreground`` is their sum. ``correction`` (`overlap._correction`) runs in the
+    background thread, like the all-reduce and the outer step, which are not in it."""
     import time
 
     import torch
     from torch import nn
 
     from composer_diloco.outer.global_model import GlobalModel
-    from composer_diloco.outer.overlap import _rebase
+    from composer_diloco.outer.overlap import _apply_correction, _correction
 
     sizes = [4 * 2**20] * (elems // (4 * 2**20)) + ([elems % (4 * 2**20)] if elems % (4 * 2**20) else [])
     model = nn.ParameterList([nn.Parameter(torch.randn(n)) for n in sizes])
     theta = GlobalModel(model, lr=1.0, momentum=0.0)
     delta = [torch.empty(n) for n in sizes]
-    timings: dict[str, list[float]] = {"pseudo_gradient": [], "anchor": [], "rebase": []}
+    timings: dict[str, list[float]] = {"pseudo_gradient": [], "anchor": [], "fold": [], "correction": []}
     for _ in range(repeats):
         t = time.perf_counter()
         theta.pseudo_gradient(model, delta)
@@ -107,11 +108,14 @@ def handoff_seconds(elems: int, repeats: int = 3) -> dict:
         anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
         timings["anchor"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        _rebase(model, theta.params, anchor)
-        timings["rebase"].append(time.perf_counter() - t)
+        _correction(theta.params, anchor)
+        timings["correction"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        _apply_correction(model, anchor)
+        timings["fold"].append(time.perf_counter() - t)
         del anchor
     out = {k: statistics.median(v) for k, v in timings.items()}
-    out["total"] = sum(out.values())
+    out["foreground"] = out["pseudo_gradient"] + out["anchor"] + out["fold"]
     out["elems"] = elems
     return out
 

@@ -29,7 +29,7 @@ def config(tmp_path, rounds: int):
 
 
 def test_rebase_keeps_the_overlapped_progress_on_the_new_theta():
-    from composer_diloco.outer.overlap import _rebase
+    from composer_diloco.outer.overlap import _apply_correction, _correction
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -39,7 +39,8 @@ def test_rebase_keeps_the_overlapped_progress_on_the_new_theta():
             p.add_(torch.randn_like(p))  # the overlapped inner phase: x' = a + progress
     progress = [p.detach() - a for p, a in zip(model.parameters(), anchor)]
     theta = [torch.randn_like(a) for a in anchor]  # theta_{t+1}, arrived late
-    _rebase(model, theta, anchor)
+    _correction(theta, anchor)  # in the background: a <- theta_{t+1} - a
+    _apply_correction(model, anchor)  # the fold, in the trainer's thread
     for p, g, d in zip(model.parameters(), theta, progress):
         torch.testing.assert_close(p.detach(), g + d)  # x <- theta_{t+1} + (x' - a)
         torch.testing.assert_close(g - p.detach(), -d)  # the next pseudo-gradient is that phase's update alone

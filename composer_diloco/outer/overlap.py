@@ -8,10 +8,11 @@ outer gradients of Kale et al., "Eager Updates For Overlapped Communication and 
     end of round t's inner phase, local weights x_t:
         Delta_t = theta_t - x_t                       (a copy, into the averager's buffers: `DiLoCoPeer.hand_off`)
         background: barrier -> all-reduce -> theta_{t+1} = OuterOpt(theta_t, mean Delta_t)   (`DiLoCoPeer.complete`)
-        foreground: train round t+1 on from x_t (anchor a = x_t, an fp32 CPU copy)
+        foreground: train round t+1 on from x_t (anchor a = x_t, an fp32 CPU copy; once theta_{t+1} is there, the
+                    background turns it into the correction c = theta_{t+1} - a)
     end of round t+1's inner phase, local weights x':
         wait for theta_{t+1} (the only seconds the inner loop is blocked, plus the hand-off)
-        x <- theta_{t+1} + (x' - a)                    (rebase: the overlapped round's progress on the new theta)
+        x <- x' + c = theta_{t+1} + (x' - a)           (rebase: the overlapped round's progress on the new theta)
         Delta_{t+1} = theta_{t+1} - x = a - x'         (exactly the overlapped inner phase's own update)
 
 So each round's pseudo-gradient is still the local update of one inner phase of H steps, as in DiLoCo
@@ -145,7 +146,7 @@ class OverlappedSync:
                 self._load_theta(model)
                 out.settled.append(Settled(done.round, done.result, "dropped"))
                 return out
-            _rebase(model, self.peer.global_model.params, done.anchor)
+            _apply_correction(model, done.anchor)  # the background turned a into theta_{t+1} - a
             out.settled.append(Settled(done.round, done.result, "rebased"))
         if self.peer.round >= self.peer.config.rounds or self.stop.is_set():
             self._load_theta(model)
@@ -196,6 +197,9 @@ class OverlappedSync:
         def run() -> None:
             try:
                 flight.result = self.peer.complete(handoff, stop=self.stop)
+                if flight.result is not None and flight.result.status == "averaged":
+                    with self.peer._lock:  # off the trainer's critical path: the fold is then one add per element
+                        _correction(self.peer.global_model.params, flight.anchor)
             except BaseException as e:  # raised in the foreground at the next fold
                 flight.error = e
 
@@ -219,13 +223,21 @@ class OverlappedSync:
 
 
 @torch.no_grad()
-def _rebase(model: nn.Module, theta: list[torch.Tensor], anchor: list[torch.Tensor]) -> None:
-    """x <- theta + (x - a) for each trainable parameter x of ``model`` (any dtype/device; the arithmetic in fp32 on
-    CPU, then cast back). ``theta`` and ``anchor``: fp32 CPU tensors in the order of the trainable parameters."""
+def _correction(theta: list[torch.Tensor], anchor: list[torch.Tensor]) -> None:
+    """anchor <- theta - anchor, in place (fp32 CPU tensors of one layout): the rebase's correction c = theta_{t+1} - a,
+    computed in the background thread."""
+    for g, a in zip(theta, anchor, strict=True):
+        torch.sub(g, a, out=a)
+
+
+@torch.no_grad()
+def _apply_correction(model: nn.Module, correction: list[torch.Tensor]) -> None:
+    """x <- x + c for each trainable parameter x of ``model`` (c cast to x's dtype and device): with
+    c = theta_{t+1} - a (`_correction`) this is the rebase x <- theta_{t+1} + (x - a), up to fp32 rounding (bf16: the
+    parameter's)."""
     local = [p for p in model.parameters() if p.requires_grad]
-    for p, g, a in zip(local, theta, anchor, strict=True):
-        new = p.detach().to("cpu", torch.float32, copy=True).sub_(a).add_(g)
-        p.copy_(new.to(device=p.device, dtype=p.dtype))
+    for p, c in zip(local, correction, strict=True):
+        p.add_(c.to(device=p.device, dtype=p.dtype))
 
 
 __all__ = ["Fold", "OverlappedSync", "RoundEnd", "Settled"]
