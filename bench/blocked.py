@@ -12,9 +12,9 @@ off, the second on (`composer_diloco.outer.overlap`). The node's own metrics lin
 
 and utilization = sum(inner) / sum(inner + blocked) over the rounds, the last round included and reported apart.
 
-Run (2 CPU cores here; about 3 min):
+Run (2 CPU cores here; about 4 min under load):
 
-    python bench/blocked.py --rounds 6 --out runs/bench-blocked
+    python bench/blocked.py --rounds 5 --out runs/bench-blocked
 
 ``--handoff-elems N`` times only the overlapped mode's foreground work at a size of N fp32 elements (the
 pseudo-gradient copy, the anchor copy and the rebase: `handoff_seconds`), e.g. to scale it to a 0.5B policy:
