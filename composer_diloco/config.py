@@ -177,6 +177,12 @@ class OuterOptimizer(_Section):
         10.0, gt=1, description="Drop a pseudo-gradient whose norm exceeds this multiple of the round's median "
                                 "(NaN/Inf ones are always dropped); null = no norm screening.",
     )
+    overlap: bool = Field(
+        False, description="Overlapped sync: a node's barrier, all-reduce and outer step of round t run in the "
+                           "background while it trains round t+1; the new theta is folded in one round late "
+                           "(x <- theta_{t+1} + (x' - x_t), `composer_diloco.outer.overlap`). Off by default until the "
+                           "learning bench says otherwise.",
+    )
 
     @property
     def is_sgd(self) -> bool:
@@ -347,11 +353,14 @@ class RunConfig(_Section):
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
-        ``[sparse_codec]``) has no such key, so its JSON and `digest` are those of a config written before it existed."""
+        ``[sparse_codec]``), or with ``outer.overlap`` off, has no such key, so its JSON and `digest` are those of a
+        config written before it existed."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
             if data.get(optional) is None:
                 data.pop(optional, None)
+        if not data["outer"].get("overlap"):  # overlap off: the JSON (and digest) of configs written before it
+            data["outer"].pop("overlap", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -167,6 +167,8 @@ class Node:
         self._steps_in_round = 0
         self.tool_calls = ToolCallTally()
         self.memory_plan = None  # composer_diloco.policy.memory_plan.MemoryPlan, once `plan_memory` ran
+        self.overlap = None  # composer_diloco.outer.overlap.OverlappedSync when the run's [outer] overlap is on
+        self._phases: dict[int, dict] = {}  # overlap: the metrics of each handed-off round's inner phase, by round
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -248,6 +250,11 @@ class Node:
             self.sessions = open_env_sessions([server.url], n_sessions, **opening)
         self.peer = DiLoCoPeer(model, config, self.swarm)
         self.stop.add_cleanup(self.peer.shutdown)
+        if config.outer.overlap:  # `[outer] overlap`: sync in the background (composer_diloco.outer.overlap)
+            from composer_diloco.outer.overlap import OverlappedSync
+
+            self.overlap = OverlappedSync(self.peer, self.stop.event)
+            self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
 
@@ -388,33 +395,87 @@ class Node:
         return budget is not None and time.monotonic() - self._round_started >= budget
 
     def end_round(self, model: torch.nn.Module) -> None:
-        """Close the current round: sync with the swarm and write the round's metrics line."""
-        inner_seconds = time.monotonic() - self._round_started
+        """Close the current inner phase: sync with the swarm (blocking, or handed off to the background with
+        ``[outer] overlap``) and write each finished round's metrics line.
+
+        ``blocked_seconds`` in the line: the wall seconds the inner loop stood still at the end of that round's inner
+        phase (blocking: the whole sync; overlapped: waiting for the previous round's theta, the fold and the hand-off;
+        for the run's last round also its own sync).
+        """
+        entered = time.monotonic()
+        inner_seconds = entered - self._round_started
         stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
         samples = stats.samples
         self.tool_calls.add(stats, self.peer.round, self.options.name)
         if stats.episodes_env_error:
             log.warning("round %d: the env failed %d of the %d episodes (ended with reward 0, see the warnings above)",
                         self.peer.round, stats.episodes_env_error, samples)
-        result = self.peer.sync(model, float(samples), stop=self.stop.event)
-        if result is None:
-            return
-        self.trainer.refresh_reference()
-        self._save_codec_state(result.round)
-        record = {
-            "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
-            **stats.record(), "inner_steps": self._steps_in_round,
-            "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
-            "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
-            "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
-            "deadline_hit": self._steps_in_round < self.config.inner_steps, "time": time.time(),
-        }
-        self.metrics.write(record)
-        log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, %d peers, %s",
-                 result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"], inner_seconds,
-                 result.sync_seconds, result.peers, result.status)
+        phase = {"stats": stats, "inner_seconds": inner_seconds, "inner_steps": self._steps_in_round}
+        if self.overlap is not None:
+            self._end_overlapped(model, phase, entered)
+        else:
+            result = self.peer.sync(model, float(samples), stop=self.stop.event)
+            if result is None:
+                return
+            self.trainer.refresh_reference()
+            phase["blocked_seconds"] = time.monotonic() - entered
+            self._write_round(result, phase)
         self._steps_in_round = 0
         self._round_started = time.monotonic()
+
+    def _end_overlapped(self, model: torch.nn.Module, phase: dict, entered: float) -> None:
+        """`end_round` with ``[outer] overlap``: fold the round in flight into the policy and hand this one off
+        (`composer_diloco.outer.overlap.OverlappedSync.end_round`); a dropped phase writes no line of its own."""
+        ended = self.overlap.end_round(model, float(phase["stats"].samples))
+        if ended.handed_off is not None:
+            self._phases[ended.handed_off] = phase
+        elif ended.settled:
+            log.warning("%s: the inner phase of %d steps was dropped (theta of round %d loaded)", self.options.name,
+                        phase["inner_steps"], self.peer.round)
+        phase["blocked_seconds"] = time.monotonic() - entered
+        self._settle_overlapped(ended.settled)
+        self.trainer.refresh_reference()  # the policy moved: the rebase or theta
+
+    def _settle_overlapped(self, settled: list) -> None:
+        """Write the metrics line of each background round that ended (`composer_diloco.outer.overlap.Settled`)."""
+        for done in settled:
+            phase = self._phases.pop(done.round, None)
+            if done.result is not None and phase is not None:
+                self._write_round(done.result, phase, fold=done.fold)
+
+    def _write_round(self, result, phase: dict, fold: str | None = None) -> None:
+        """One round's metrics line (`SyncResult` ``result`` of the inner phase ``phase``) and its log line."""
+        self._save_codec_state(result.round)
+        stats, inner_seconds = phase["stats"], phase["inner_seconds"]
+        record = {
+            "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
+            **stats.record(), "inner_steps": phase["inner_steps"],
+            "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
+            "blocked_seconds": round(phase["blocked_seconds"], 3),
+            "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
+            "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
+            "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(),
+        }
+        if fold is not None:
+            record["fold"] = fold
+        self.metrics.write(record)
+        log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, blocked %.1f s, "
+                 "%d peers, %s%s", result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"],
+                 inner_seconds, result.sync_seconds, phase["blocked_seconds"], result.peers, result.status,
+                 f" ({fold})" if fold else "")
+
+    def end_training(self, model: torch.nn.Module | None) -> None:
+        """The trainer stopped (the run's end, a stop, steps run out): with ``[outer] overlap``, wait for the round in
+        flight and load theta into the policy, as the blocking path leaves it; writes that round's line."""
+        if self.overlap is None:
+            return
+        entered = time.monotonic()
+        done = self.overlap.drain(model)
+        if done is not None:
+            phase = self._phases.get(done.round)
+            if phase is not None:  # the trainer stood still for this wait too
+                phase["blocked_seconds"] = phase.get("blocked_seconds", 0.0) + time.monotonic() - entered
+            self._settle_overlapped([done])
 
     # -- leaving ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -446,6 +507,12 @@ class RoundCallback(TrainerCallback):
             node.end_round(model)
         if node.peer.round >= node.config.rounds or node.stop.event.is_set():
             control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        """The trainer stopped: an overlapped round still in flight is waited for and theta loaded
+        (`Node.end_training`)."""
+        self.node.end_training(model)
         return control
 
 

@@ -7,7 +7,9 @@ same outer step: it always holds the canonical theta (DiLoCo, arXiv 2311.08105; 
 `DiLoCoPeer.sync` is five steps, in order: the pseudo-gradient Delta_i = theta - theta_i; the barrier (wait for
 the round's peers); the weighted all-reduce Delta = sum_i w_i Delta_i / sum_i w_i (`ExactAverager`, which also
 screens the contributions and hands back its verdicts); the outer step theta <- OuterOpt(theta, Delta)
-(`GlobalModel`); and loading theta into the policy.
+(`GlobalModel`); and loading theta into the policy. With ``[outer] overlap`` a node runs the same steps in two
+halves instead: `DiLoCoPeer.hand_off` (the pseudo-gradient, in the trainer's thread) and `DiLoCoPeer.complete` (the
+rest, in a background thread, theta never loaded into the policy); `composer_diloco.outer.overlap` folds theta in.
 
 Failure behaviour: a step that leaves this peer without an average it can apply raises `RoundFailed`, handled in
 one place, `composer_diloco.outer.recovery.recover` (take the state of a peer past the round, or step alone by a
@@ -105,6 +107,23 @@ class _Reduced:
     rejected: list[str]
     mean: list[torch.Tensor] | None
     missed: int
+
+
+@dataclass
+class HandOff:
+    """A round handed off by `DiLoCoPeer.hand_off`: its pseudo-gradient sits in the averager's buffers.
+
+    Attributes:
+        round: the round being synced (theta_round is what the pseudo-gradient was taken against).
+        weight: samples the node trained on in that round.
+        norm: L2 norm of the pseudo-gradient (or of the sparse codec's message).
+        clock: when the hand-off happened (``sync_seconds`` counts from it) and the bytes sent before it.
+    """
+
+    round: int
+    weight: float
+    norm: float
+    clock: _RoundClock
 
 
 def _check_layout(theirs: list, ours: list) -> None:
@@ -294,10 +313,49 @@ class DiLoCoPeer:
             ArchitectureMismatch: a peer whose state this peer must take has another model.
         """
         result = self._sync(model, weight, stop)
-        if result is not None and self.error_feedback is not None and model is not None:
+        if model is not None:
+            self._settle_feedback(result, weight)
+        return result
+
+    def _settle_feedback(self, result: SyncResult | None, weight: float) -> None:
+        """A node's sparse codec: fold the round's outcome into its error feedback (`ErrorFeedback.settle`)."""
+        if result is not None and self.error_feedback is not None:
             rule = self.error_feedback.settle(result.status, rejected=self.swarm.name in result.rejected,
                                               contributed=weight > 0)
             log.debug("%s round %d: error feedback %s", self.swarm.name, result.round, rule)
+
+    # -- one round, in two halves (overlapped sync, `composer_diloco.outer.overlap`) -----------------------------
+    def hand_off(self, model: nn.Module, weight: float) -> HandOff:
+        """The first half of a round on a node, in the caller's thread: write Delta_i = theta - theta_i of ``model``
+        into the averager's buffers (a copy: the policy may train on at once) and start the round's clock.
+
+        Args:
+            model: the locally trained policy at the end of its inner phase (read only).
+            weight: samples it trained on this round.
+        Returns:
+            The `HandOff` that `complete` takes, in any thread, before the next `hand_off` or `sync`.
+        """
+        r = self.round
+        clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
+        norm = self._pseudo_gradient(model, r, weight)
+        return HandOff(round=r, weight=float(weight), norm=norm, clock=clock)
+
+    def complete(self, handoff: HandOff, stop: threading.Event | None = None) -> SyncResult | None:
+        """The second half of a handed-off round: heal check, barrier, all-reduce, outer step, as `sync` does, but
+        theta is never loaded into a policy (the caller folds it in: `composer_diloco.outer.overlap`). Safe to run in
+        a background thread while the policy trains: it reads and writes only the averager's buffers, theta, the
+        outer optimizer state and this peer's DHT records.
+
+        Returns:
+            The round's `SyncResult` (a failed round ends "resynced" or "alone", as in `sync`), or None when stopped.
+        Raises:
+            ArchitectureMismatch: a peer whose state this peer must take has another model.
+        """
+        r, clock = handoff.round, handoff.clock
+        result = recovery.heal_split(self, None, r, clock)
+        if result is None:
+            result = self._reduce_and_step(None, r, handoff.weight, handoff.norm, clock, stop)
+        self._settle_feedback(result, handoff.weight)
         return result
 
     def _sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None) -> SyncResult | None:
@@ -306,8 +364,14 @@ class DiLoCoPeer:
         healed = recovery.heal_split(self, model, r, clock)  # 0. replicas that disagree take the run's theta
         if healed is not None:
             return healed
+        norm = self._pseudo_gradient(model, r, weight)                        # 1. Delta_i = theta - theta_i
+        return self._reduce_and_step(model, r, weight, norm, clock, stop)
+
+    def _reduce_and_step(self, model: nn.Module | None, r: int, weight: float, norm: float, clock: _RoundClock,
+                         stop: threading.Event | None) -> SyncResult | None:
+        """Steps 2 to 5 of round ``r`` (the pseudo-gradient is in the averager's buffers); ``model`` None: theta is
+        not loaded into any policy."""
         try:
-            norm = self._pseudo_gradient(model, r, weight)                    # 1. Delta_i = theta - theta_i
             barrier = self._barrier(r, weight, stop, clock)                   # 2. wait for the round's peers
             if barrier is None:
                 return None  # stopped
