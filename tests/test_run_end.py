@@ -43,3 +43,30 @@ def test_node_leaving_after_its_last_round_leaves_one_theta(run_dir, tmp_path):
     shas = assert_agree(records, [0])
     assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[0]
 
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_peers_settling_the_last_round_find_the_others_still_up(run_dir, tmp_path):
+    """node-1 dies in the last round's all-reduce after returning its averaged parts to one peer only, so the
+    coordinator and node-0 leave it with different averages: the one that missed a part takes the other's theta
+    (`recovery.settle`), which has finished the run by then and stays up until that is done
+    (`recovery.serve_until_settled`). The last round's version of test_faults' lost reducer; it does not fail
+    without the node's wait at the run's end: the dead node's heartbeat, alive for its TTL at an earlier round,
+    holds the coordinator's wait (and the node's) open long enough anyway."""
+    run = LocalRun(run_dir, write_config(tmp_path / "two-rounds.toml", ONE_ROUND.replace("rounds = 1", "rounds = 2")))
+    try:
+        run.start_coordinator()
+        run.start_node("node-0")
+        run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": "kill_in_reply:1"})
+        for name in ("node-0", "coordinator"):
+            assert run.wait_exit(name, timeout_s=300) == 0, run.log_tail(name)
+        assert run.procs["node-1"].wait(timeout=30) != 0
+    finally:
+        run.stop()
+    assert "fault injection: SIGKILL (after answering one peer" in run.log("node-1"), run.log_tail("node-1")
+    records = {n: run.records()[n] for n in ("coordinator", "node-0")}
+    shas = assert_agree(records, [0, 1])
+    last = [next(r for r in recs if r["round"] == 1) for recs in records.values()]
+    # the peer that missed node-1's part took the theta of the one that received it
+    assert sorted(r["status"] for r in last) == ["averaged", "resynced"], last
+    assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[1]

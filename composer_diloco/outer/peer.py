@@ -41,10 +41,11 @@ from composer_diloco.outer.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
 
-SyncStatus = Literal["averaged", "alone", "resynced", "skipped"]
+SyncStatus = Literal["averaged", "alone", "resynced", "skipped", "unsettled"]
 """How a round ended for a peer: "averaged" (outer step on the group's mean), "alone" (on its own pseudo-gradient),
-"resynced" (state downloaded from a peer after a failure) or "skipped" (every contribution dropped: theta
-unchanged)."""
+"resynced" (state downloaded from a peer after a failure), "skipped" (every contribution dropped: theta
+unchanged) or "unsettled" (the all-reduce missed elements and no member with another theta sent it: this peer's
+theta differs from theirs, `recovery.settle`)."""
 
 
 @dataclass
@@ -60,7 +61,8 @@ class SyncResult:
         wait_seconds: the part of ``sync_seconds`` spent waiting at the barrier for other peers.
         bytes_sent: payload bytes this peer sent in the all-reduce.
         global_sha256: SHA-256 of theta after the outer step (`GlobalModel.sha256`).
-        status: a `SyncStatus` ("averaged", "alone", "resynced" or "skipped"; the string is what metrics record).
+        status: a `SyncStatus` ("averaged", "alone", "resynced", "skipped" or "unsettled"; the string is what
+            metrics record).
         rejected: names of the peers whose pseudo-gradient was dropped this round (`screening.screen`).
     """
 
