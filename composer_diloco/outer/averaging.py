@@ -185,6 +185,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         kill_in_reply = faults.withholds_replies(self._round)
         answer = not (kill_in_reply and self._answered_one)
         self._answered_one = True
+        if not answer:  # withheld on purpose: this peer's step does not wait for it (`replies_sent`)
+            self._replied[self.sender_peer_ids[sender_index]].set()
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -211,6 +213,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
             if kill_in_reply:
                 if answer:
+                    self._replied[self.sender_peer_ids[sender_index]].set()  # every part is written: served
                     await asyncio.sleep(1.0)  # let the answered sender receive its last part
                     faults.point("reducer_answered", self._round)
                 await asyncio.sleep(3600.0)
