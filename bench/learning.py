@@ -14,6 +14,7 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     avg-N{2,4}-H{4,16,64}      the same with outer lr 1, no momentum: theta becomes the weighted mean of the
                          nodes' models every round (parameter averaging, FedAvg / DiLoCo with the outer step off)
     grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside avg-N2-H16 (= GRPO + SDPO + DPO)
+    sparse-N4-H16        avg-N4-H16 with the sparse-2bit codec (top-k 1/64 + 2-bit values + error feedback)
 
 The curve of a run is the on-policy training reward of every inner step (``step_rewards`` of the nodes'
 ``metrics.jsonl``), placed at the samples trained so far by the whole swarm, binned every ``--bin`` samples;
@@ -55,6 +56,7 @@ class Arm:
         sync: the synchronous baseline (one process; outer lr 1, no momentum).
         averaging: outer lr 1 and no momentum (parameter averaging) instead of DiLoCo's Nesterov 0.7 / 0.9.
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
+        compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
     """
 
     name: str
@@ -65,6 +67,7 @@ class Arm:
     averaging: bool = False
     alpha_sdpo: float = 0.2
     beta_dpo: float = 0.2
+    compression: str = "none"
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -83,7 +86,8 @@ class Arm:
                  else "lr = 0.7\nmomentum = 0.9\n")  # DiLoCo's; the embedded default's config default is averaging
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
-                f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
+                + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
+                + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
                 f"[outer]\n{outer}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
@@ -96,6 +100,7 @@ ARMS = [
     Arm("grpo-N2-H16", nodes=2, inner_steps=16, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0),
     Arm("grpo+sdpo-N2-H16", nodes=2, inner_steps=16, averaging=True, beta_dpo=0.0),
     *(Arm(f"diloco-N{n}-H{h}", nodes=n, inner_steps=h) for n in (2, 4) for h in (4, 16, 64)),
+    Arm("sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit"),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
