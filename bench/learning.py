@@ -16,6 +16,7 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     grpo-N2-H16, grpo+sdpo-N2-H16   the channel ablation beside avg-N2-H16 (= GRPO + SDPO + DPO)
     overlap-N4-H16       avg-N4-H16 with ``[outer] overlap = true`` (each round's sync overlapped with the next
                          round's inner phase, theta folded in one round late: `composer_diloco.outer.overlap`)
+    sparse-N4-H16        avg-N4-H16 with the sparse-2bit codec (top-k 1/64 + 2-bit values + error feedback)
 
 The curve of a run is the on-policy training reward of every inner step (``step_rewards`` of the nodes'
 ``metrics.jsonl``), placed at the samples trained so far by the whole swarm, binned every ``--bin`` samples;
@@ -58,6 +59,7 @@ class Arm:
         averaging: outer lr 1 and no momentum (parameter averaging) instead of DiLoCo's Nesterov 0.7 / 0.9.
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
         overlap: ``[outer] overlap`` (the sync of round t in the background while round t+1 trains).
+        compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
     """
 
     name: str
@@ -69,6 +71,7 @@ class Arm:
     alpha_sdpo: float = 0.2
     beta_dpo: float = 0.2
     overlap: bool = False
+    compression: str = "none"
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -87,7 +90,8 @@ class Arm:
                  else "lr = 0.7\nmomentum = 0.9\n")  # DiLoCo's; the embedded default's config default is averaging
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
-                f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
+                + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
+                + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
                 f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
@@ -101,6 +105,7 @@ ARMS = [
     Arm("grpo+sdpo-N2-H16", nodes=2, inner_steps=16, averaging=True, beta_dpo=0.0),
     *(Arm(f"diloco-N{n}-H{h}", nodes=n, inner_steps=h) for n in (2, 4) for h in (4, 16, 64)),
     Arm("overlap-N4-H16", nodes=4, inner_steps=16, averaging=True, overlap=True),  # beside avg-N4-H16
+    Arm("sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit"),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 

@@ -1,15 +1,18 @@
 """Seconds of all-reduce plus outer step per DiLoCo round against parameter count, on loopback and throttled links.
 
-Two peers, each its own process (and its own hivemind DHT peer and p2pd daemon), run the project's real sync path:
-`composer_diloco.outer.averaging.ExactAverager` built as `DiLoCoPeer` builds it (min group 2, the default config's
-matchmaking time, the codec of ``--codecs``, one group key per step) and then `GlobalModel.outer_step` (fp32 CPU,
-SGD-Nesterov, lr 0.7, momentum 0.9) on the averaged pseudo-gradient, cloned first as `DiLoCoPeer.sync` does. Per
-step it records:
+``--peers`` peers (2 by default), each its own process (and its own hivemind DHT peer and p2pd daemon), run the
+project's real sync path: `composer_diloco.outer.averaging.ExactAverager` built as `DiLoCoPeer` builds it (min group
+2, the default config's matchmaking time, the codec of ``--codecs``, one group key per step) and then
+`GlobalModel.outer_step` (fp32 CPU, SGD-Nesterov, lr 0.7, momentum 0.9) on the averaged pseudo-gradient, cloned first
+as `DiLoCoPeer.sync` does. ``sparse-2bit`` all-gathers one top-k message per peer instead of the butterfly, each
+encoded from the peer's error feedback first (`composer_diloco.outer.sparse`). Per step it records:
 
     allreduce_s    wall seconds of hivemind's all-reduce itself (`_run_allreduce_inplace_`: split, compress,
-                   send, reduce, send back, decompress), the slower of the two peers
-    outer_s        clone of the mean + `GlobalModel.outer_step`, the slower peer
+                   send, reduce, send back, decompress; or the all-gather and the weighted mean), the slowest peer
+    outer_s        clone of the mean + `GlobalModel.outer_step`, the slowest peer
+    encode_s       sparse-2bit only: error feedback + encoding the message + handing it to the averager
     matchmaking_s  the rest of `averager.step` (group formation; a real round pays it once, after its barrier)
+    bytes_sent     payload bytes the peer sent (per peer: mean, least and most; the mean received equals the mean sent)
 
 Group formation (``--group-close``): ``window``, hivemind's default, waits out ``min_matchmaking_time`` (the
 config's ``matchmaking_time_s``, 2 s) before the group forms; ``full``, what `DiLoCoPeer` does since its barrier
@@ -47,6 +50,14 @@ Run (as root for the throttled links; on this 2-core machine ~2.5 min, ~10 min, 
         --out runs/bench-sync-cost/1.5B-check          # checks the extrapolation where it is bandwidth-bound
     python bench/sync_cost.py --sizes 0.5B --extrapolate "" --links 100mbit+20ms --codecs int8,fp16 \
         --out runs/bench-sync-cost/delay
+
+Scaling in N (loopback only; N peer processes share this machine's 2 cores, so the seconds are CPU-bound and
+contended, the bytes exact):
+
+    for n in 2 4; do python bench/sync_cost.py --sizes default --extrapolate "" --links loopback \
+        --codecs none,int8,sparse-2bit --peers $n --rounds 3 --out runs/bench-sync-cost/peers-$n; done
+    python bench/sync_cost.py --sizes default --extrapolate "" --links loopback --codecs none,int8,sparse-2bit \
+        --peers 8 --rounds 3 --matchmaking-s 10 --out runs/bench-sync-cost/peers-8   # 8 processes need > 2 s to meet
 
 ``--smoke`` (CI, < 60 s): loopback, the default size, fp32, one round.
 """
@@ -117,15 +128,21 @@ def chunk_layout(numel: int, chunk_elems: int) -> tuple[int, list[list[int]]]:
 def run_peer(args: argparse.Namespace) -> None:
     """One peer of a case: DHT, warm-up all-reduce, then ``rounds * chunks`` timed all-reduce + outer steps.
 
-    Writes ``{"steps": [{"round", "chunk", "step_s", "allreduce_s", "outer_s", "bytes_sent"}], ...}`` (seconds,
-    bytes) to ``args.result``. Raises RuntimeError when a step ends without a group of two.
+    With ``--codec sparse-2bit`` the averager all-gathers each peer's message (`ExactAverager`'s ``sparse_codec``), and
+    each step first folds the pseudo-gradient into the peer's error feedback and encodes its message
+    (`ErrorFeedback.prepare`, handed over with `ExactAverager.set_message`), as `DiLoCoPeer` does: ``encode_s``.
+
+    Writes ``{"steps": [{"round", "chunk", "step_s", "allreduce_s", "outer_s", "encode_s", "bytes_sent"}], ...}``
+    (seconds, bytes) to ``args.result``. Raises RuntimeError when a step ends without a group of ``args.peers``.
     """
     import torch
     from hivemind.utils.timed_storage import get_dht_time
     from torch import nn
 
     from composer_diloco.outer.averaging import ExactAverager
-    from composer_diloco.outer.compression import make_compression
+    from composer_diloco.config import RunConfig
+    from composer_diloco.outer.compression import SPARSE, make_compression, make_sparse_codec
+    from composer_diloco.outer.sparse import ErrorFeedback
     from composer_diloco.outer.peer import round_group_bits
     from composer_diloco.outer.global_model import GlobalModel
     from composer_diloco.outer.swarm import start_dht, visible_multiaddr
@@ -153,25 +170,28 @@ def run_peer(args: argparse.Namespace) -> None:
                     announce=[args.announce] if args.announce else None)
     averagers: list[TimedAverager] = []
 
-    def make_averager(tensors: list[torch.Tensor], prefix: str) -> TimedAverager:
+    def make_averager(tensors: list[torch.Tensor], prefix: str, codec: str) -> TimedAverager:
         # as DiLoCoPeer._make_averager, with the long timeout the slow links need
         mm = args.matchmaking_s
+        sparse = make_sparse_codec(RunConfig(compression=codec), [t.shape for t in tensors])
         averagers.append(TimedAverager(
             tensors, dht, state_provider=lambda: ({}, []), prefix=prefix, start=True, min_group_size=2,
             min_matchmaking_time=mm, request_timeout=min(5.0, mm),
             allreduce_timeout=args.timeout_s, next_chunk_timeout=min(10.0, args.timeout_s / 3),
-            compression=make_compression(args.codec), declare_state_period=5.0, shutdown_timeout=5.0,
+            compression=make_compression(codec), sparse_codec=sparse, declare_state_period=5.0,
+            shutdown_timeout=5.0,
         ))
         return averagers[-1]
 
     def step(averager: TimedAverager, index: int) -> float:
         averager.set_group_bits(round_group_bits(index))
-        averager.set_target_group_size(2 if args.group_close == "full" else None)
+        averager.set_target_group_size(args.peers if args.group_close == "full" else None)
         t0 = time.monotonic()
-        gathered = averager.step(weight=1.0, gather={"i": args.index}, timeout=args.timeout_s, allow_retries=False,
+        gathered = averager.step(weight=1.0, gather={"i": args.index, "round": index, "weight": 1.0},
+                                 timeout=args.timeout_s, allow_retries=False,
                                  scheduled_time=get_dht_time() + args.matchmaking_s)
-        if not gathered or len(gathered) != 2:
-            raise RuntimeError(f"peer {args.index} step {index}: no group of two ({gathered!r})")
+        if not gathered or len(gathered) != args.peers:
+            raise RuntimeError(f"peer {args.index} step {index}: no group of {args.peers} ({gathered!r})")
         return time.monotonic() - t0
 
     steps = []
@@ -181,10 +201,17 @@ def run_peer(args: argparse.Namespace) -> None:
             tmp.write_text(visible_multiaddr(dht))
             tmp.rename(args.addr_out)
         dht_s = time.monotonic() - started
+        if args.barrier_dir:  # every peer's DHT is up before the first step: a slow starter would miss the group
+            (Path(args.barrier_dir) / f"ready{args.index}").touch()
+            deadline = time.monotonic() + 300.0
+            while len(list(Path(args.barrier_dir).glob("ready*"))) < args.peers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"peer {args.index}: not all {args.peers} peers started within 300 s")
+                time.sleep(0.1)
 
         # warm-up on a tiny tensor: both p2pd daemons connected, hivemind's code paths loaded, and torch's
         # optimizer initialised (its first step() costs ~0.5 s once, which no later round pays)
-        warm = make_averager([torch.zeros(1024)], "syncbench-warm")
+        warm = make_averager([torch.zeros(1024)], "syncbench-warm", "none")
         t0 = time.monotonic()
         step(warm, 0)
         tiny = nn.Module()
@@ -199,7 +226,8 @@ def run_peer(args: argparse.Namespace) -> None:
         # The averager forks its process here, before theta and momentum exist: forked after them (as DiLoCoPeer
         # orders it), the first outer step would copy-on-write every page of theta and momentum (one-time, ~10x
         # the outer step's own cost on this machine), which no later round pays.
-        averager = make_averager(delta, "syncbench")
+        averager = make_averager(delta, "syncbench", args.codec)
+        feedback = ErrorFeedback(averager.sparse_codec) if args.codec == SPARSE else None
         model = nn.Module()
         model.ps = nn.ParameterList([nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(7)))
                                      for s in shapes])
@@ -208,6 +236,13 @@ def run_peer(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for c in range(args.chunks):
                 sent_before = averager.bytes_sent.value
+                encode_s = 0.0
+                if feedback is not None:  # DiLoCoPeer._pseudo_gradient's sparse part
+                    t0 = time.monotonic()
+                    with averager.get_tensors() as d:
+                        message, _ = feedback.prepare(d)
+                    averager.set_message(r * args.chunks + c, message)
+                    encode_s = time.monotonic() - t0
                 step_s = step(averager, r * args.chunks + c)
                 allreduce_s = averager.last_allreduce_s.value
                 t0 = time.monotonic()
@@ -216,8 +251,11 @@ def run_peer(args: argparse.Namespace) -> None:
                 global_model.outer_step(mean)
                 del mean
                 outer_s = time.monotonic() - t0
+                if feedback is not None:
+                    feedback.settle("averaged", rejected=False, contributed=True)
                 steps.append({"round": r, "chunk": c, "step_s": step_s, "allreduce_s": allreduce_s,
-                              "outer_s": outer_s, "bytes_sent": int(averager.bytes_sent.value - sent_before)})
+                              "outer_s": outer_s, "encode_s": encode_s,
+                              "bytes_sent": int(averager.bytes_sent.value - sent_before)})
                 print(f"peer {args.index} round {r} chunk {c + 1}/{args.chunks}: step {step_s:.2f} s "
                       f"(all-reduce {allreduce_s:.2f} s), outer {outer_s:.2f} s", flush=True)
     finally:
@@ -256,18 +294,21 @@ def _tail(path: Path, chars: int = 2000) -> str:
 
 def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, link: LinkSpec, net: Link | None,
              codec: str, args: argparse.Namespace, case_dir: Path, group_close: str = "full") -> dict:
-    """Run both peers of one (size, link, codec) case; returns its row (seconds, bytes). Raises RuntimeError."""
+    """Run the ``args.peers`` peers of one (size, link, codec) case; returns its row (seconds, bytes). Raises
+    RuntimeError."""
     case_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     addr_file = case_dir / "peer0.addr"
     addr_file.unlink(missing_ok=True)
+    for ready in case_dir.glob("ready*"):  # the start barrier's files of an earlier attempt
+        ready.unlink()
     base = [sys.executable, str(Path(__file__).resolve()), "_peer", "--shapes", json.dumps(shapes),
             "--chunks", str(chunks), "--codec", codec, "--rounds", str(args.rounds),
             "--matchmaking-s", str(args.matchmaking_s), "--timeout-s", str(args.timeout_s),
-            "--group-close", group_close]
+            "--group-close", group_close, "--peers", str(args.peers), "--barrier-dir", str(case_dir)]
     started = time.monotonic()
     try:
-        for index in (0, 1):
+        for index in range(args.peers):
             argv = [*base, "--index", str(index), "--result", str(case_dir / f"peer{index}.json")]
             if net is None:
                 argv += ["--listen", "/ip4/127.0.0.1/tcp/0"]
@@ -297,41 +338,51 @@ def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, lin
         for p in procs:
             stop_process(p)
     wall_s = time.monotonic() - started
-    peers = [json.loads((case_dir / f"peer{i}.json").read_text()) for i in (0, 1)]
+    peers = [json.loads((case_dir / f"peer{i}.json").read_text()) for i in range(args.peers)]
     row = summarize(size=size, numel=numel, chunks=chunks, link=link.name, codec=codec, peers=peers,
                     inner_s=args.inner_s.get(size), wall_s=wall_s)
-    row["group_close"] = group_close
+    row["group_close"], row["peers"] = group_close, args.peers
     return row
 
 
 def summarize(*, size: str, numel: int, chunks: int, link: str, codec: str, peers: list[dict],
               inner_s: float | None, wall_s: float) -> dict:
-    """One table row from both peers' step records: per-round means over the timed rounds.
+    """One table row from every peer's step records: per-round means over the timed rounds.
 
-    A step's all-reduce and outer seconds are the slower peer's; a round adds its chunks' seconds; matchmaking is
-    the mean per step (a real round pays it once). Bytes are per peer per round (the mean of the two peers).
+    A step's all-reduce, outer and encode seconds are the slowest peer's; a round adds its chunks' seconds;
+    matchmaking is the mean per step (a real round pays it once). Bytes are per peer per round: ``bytes_per_peer``
+    the mean over the peers, ``bytes_per_peer_min`` / ``_max`` the least and most one peer sent. Every byte one peer
+    sends another receives, so the mean bytes received per peer equal ``bytes_per_peer``.
     """
     rounds = sorted({s["round"] for s in peers[0]["steps"]})
-    per_round: dict[str, list[float]] = {"allreduce_s": [], "outer_s": [], "bytes_sent": []}
+    per_round: dict[str, list[float]] = {"allreduce_s": [], "outer_s": [], "encode_s": [], "bytes_sent": [],
+                                         "bytes_min": [], "bytes_max": []}
     matchmaking = []
     for r in rounds:
         steps = [[s for s in p["steps"] if s["round"] == r] for p in peers]
-        pairs = list(zip(*steps, strict=True))
-        per_round["allreduce_s"].append(sum(max(a["allreduce_s"], b["allreduce_s"]) for a, b in pairs))
-        per_round["outer_s"].append(sum(max(a["outer_s"], b["outer_s"]) for a, b in pairs))
-        per_round["bytes_sent"].append(statistics.fmean(sum(s["bytes_sent"] for s in st) for st in steps))
-        matchmaking += [max(a["step_s"] - a["allreduce_s"], b["step_s"] - b["allreduce_s"]) for a, b in pairs]
+        groups = list(zip(*steps, strict=True))  # one step (chunk) of every peer
+        for key in ("allreduce_s", "outer_s", "encode_s"):
+            per_round[key].append(sum(max(s.get(key, 0.0) for s in g) for g in groups))
+        sent = [sum(s["bytes_sent"] for s in st) for st in steps]  # per peer, this round
+        per_round["bytes_sent"].append(statistics.fmean(sent))
+        per_round["bytes_min"].append(min(sent))
+        per_round["bytes_max"].append(max(sent))
+        matchmaking += [max(s["step_s"] - s["allreduce_s"] for s in g) for g in groups]
     row = {"size": size, "numel": numel, "chunks": chunks, "link": link, "codec": codec, "rounds": len(rounds),
            "allreduce_s": statistics.fmean(per_round["allreduce_s"]), "outer_s": statistics.fmean(per_round["outer_s"]),
+           "encode_s": statistics.fmean(per_round["encode_s"]),
            "matchmaking_s": statistics.fmean(matchmaking), "bytes_per_peer": statistics.fmean(per_round["bytes_sent"]),
+           "bytes_per_peer_min": statistics.fmean(per_round["bytes_min"]),
+           "bytes_per_peer_max": statistics.fmean(per_round["bytes_max"]),
            "allreduce_s_rounds": per_round["allreduce_s"], "wall_s": wall_s, "source": "measured"}
     return finish_row(row, inner_s)
 
 
 def finish_row(row: dict, inner_s: float | None) -> dict:
-    """Add ``sync_s`` (s), ``goodput_mbit_s`` (payload bits sent per peer / all-reduce seconds, Mbit/s) and
-    ``utilization`` = inner_s / (inner_s + sync_s) (None without an inner time) to a row, in place."""
-    row["sync_s"] = row["allreduce_s"] + row["outer_s"] + row["matchmaking_s"]
+    """Add ``sync_s`` (s: all-reduce + outer + matchmaking + the sparse codec's encode), ``goodput_mbit_s`` (payload
+    bits sent per peer / all-reduce seconds, Mbit/s) and ``utilization`` = inner_s / (inner_s + sync_s) (None without
+    an inner time) to a row, in place."""
+    row["sync_s"] = row["allreduce_s"] + row["outer_s"] + row["matchmaking_s"] + row.get("encode_s", 0.0)
     row["goodput_mbit_s"] = row["bytes_per_peer"] * 8 / 1e6 / row["allreduce_s"] if row["allreduce_s"] > 0 else None
     row["inner_s"] = inner_s
     row["utilization"] = inner_s / (inner_s + row["sync_s"]) if inner_s is not None else None
@@ -351,24 +402,24 @@ def extrapolate(rows: list[dict], size: str, numel: int, inner_s: float | None) 
                "allreduce_s": base["allreduce_s"] * k, "outer_s": base["outer_s"] * k,
                "matchmaking_s": base["matchmaking_s"], "bytes_per_peer": base["bytes_per_peer"] * k,
                "allreduce_s_rounds": [], "wall_s": 0.0, "source": f"extrapolated from {base['size']}",
-               "group_close": close}
+               "group_close": close, "peers": base.get("peers", 2), "encode_s": base.get("encode_s", 0.0) * k}
         out.append(finish_row(row, inner_s))
     return out
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table (seconds per round, MB per peer per round, utilization in %)."""
-    lines = ["| size | elements | link | codec | group close | all-reduce s | outer s | matchmaking s | sync s | "
-             "MB/peer | goodput Mbit/s | inner s | utilization | source |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| size | elements | link | codec | peers | group close | all-reduce s | outer s | encode s | "
+             "matchmaking s | sync s | MB/peer | goodput Mbit/s | inner s | utilization | source |",
+             "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         util = f"{100 * r['utilization']:.1f}%" if r["utilization"] is not None else "-"
         goodput = f"{r['goodput_mbit_s']:.0f}" if r["goodput_mbit_s"] else "-"
         inner = f"{r['inner_s']:g}" if r["inner_s"] is not None else "-"
-        lines.append(f"| {r['size']} | {r['numel']:,} | {r['link']} | {r['codec']} | "
+        lines.append(f"| {r['size']} | {r['numel']:,} | {r['link']} | {r['codec']} | {r.get('peers', 2)} | "
                      f"{r.get('group_close', 'window')} | {r['allreduce_s']:.2f} | "
-                     f"{r['outer_s']:.2f} | {r['matchmaking_s']:.2f} | {r['sync_s']:.2f} | "
-                     f"{r['bytes_per_peer'] / 1e6:,.1f} | {goodput} | {inner} | {util} | {r['source']} |")
+                     f"{r['outer_s']:.2f} | {r.get('encode_s', 0.0):.2f} | {r['matchmaking_s']:.2f} | {r['sync_s']:.2f} | "
+                     f"{r['bytes_per_peer'] / 1e6:,.3f} | {goodput} | {inner} | {util} | {r['source']} |")
     return "\n".join(lines)
 
 
@@ -398,7 +449,10 @@ def main() -> None:
                         help="sizes scaled linearly from the largest measured size (not run); '' for none")
     parser.add_argument("--links", type=_csv, default=["loopback", "1gbit", "100mbit"],
                         help="loopback, RATE (e.g. 1gbit, 100mbit) or RATE+DELAYms (e.g. 100mbit+20ms)")
-    parser.add_argument("--codecs", type=_csv, default=["none", "int8"], help="none (fp32), fp16, int8")
+    parser.add_argument("--codecs", type=_csv, default=["none", "int8"],
+                        help="none (fp32), fp16, int8 (butterfly all-reduce), sparse-2bit (all-gather)")
+    parser.add_argument("--peers", type=int, default=2,
+                        help="peer processes in the all-reduce (more than 2: loopback only)")
     parser.add_argument("--rounds", type=int, default=1, help="timed rounds per case (after a tiny warm-up)")
     parser.add_argument("--chunk-elems", type=parse_size, default=125_000_000,
                         help="largest tensor list a peer holds; bigger sizes run in chunks (elements)")
@@ -430,8 +484,12 @@ def main() -> None:
         parser.error(str(e))
     if bad := [c for c in args.group_close if c not in ("full", "window")]:
         parser.error(f"--group-close {bad} are not among full, window")
-    if bad := [c for c in args.codecs if c not in ("none", "fp16", "int8")]:
-        parser.error(f"--codecs {bad} are not among none, fp16, int8")
+    if bad := [c for c in args.codecs if c not in ("none", "fp16", "int8", "sparse-2bit")]:
+        parser.error(f"--codecs {bad} are not among none, fp16, int8, sparse-2bit")
+    if args.peers < 2:
+        parser.error(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
+    if args.peers > 2 and any(lk.namespaced for lk in links):
+        parser.error(f"--peers {args.peers}: throttled links join 2 namespaces; more peers run on loopback only")
     if any(n is None for n in extra.values()):
         parser.error("--extrapolate takes element counts, not 'default'")
     if any(lk.namespaced for lk in links) and (why := netns_unusable_reason()):
@@ -501,7 +559,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def _write(args: argparse.Namespace, rows: list[dict], failures: list[str], started: float) -> None:
     meta = {"command": " ".join(sys.argv), "rounds": args.rounds, "chunk_elems": args.chunk_elems,
             "matchmaking_s": args.matchmaking_s, "timeout_s": args.timeout_s, "inner_s": args.inner_s,
-            "opendiloco_utilization": OPENDILOCO_UTILIZATION, "wall_s": time.monotonic() - started,
+            "opendiloco_utilization": OPENDILOCO_UTILIZATION, "wall_s": time.monotonic() - started, "peers": args.peers,
             "cpu_count": os.cpu_count(), "torch_threads_per_peer": 1}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "failures": failures}, indent=1))
 
@@ -516,6 +574,8 @@ def _peer_main(argv: list[str]) -> None:
     p.add_argument("--matchmaking-s", type=float, required=True)
     p.add_argument("--timeout-s", type=float, required=True)
     p.add_argument("--group-close", choices=("full", "window"), default="full")
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--barrier-dir", default=None, help="wait until --peers files ready<i> are in this folder")
     p.add_argument("--listen", required=True)
     p.add_argument("--announce", default=None)
     p.add_argument("--peer-file", default=None, help="wait for this file and dial the multiaddr in it")

@@ -13,6 +13,9 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     kill_in_reply:R            as a reducer in round R's all-reduce, return the averaged parts to one peer only,
                                then SIGKILL this peer: the survivors hold different averages
                                                                      (`withholds_replies`, point reducer_answered)
+    slow_reply:R:S             as a reducer in round R's all-reduce, wait S seconds before returning the last
+                               averaged part of its share to each sender: its own average is complete by then
+                               (a late reply)                                             (`reply_delay_s`)
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
                                                                                         (point checkpoint_written)
     step_delay:*:S             sleep S seconds after every inner step (a slow node)          (point inner_step_end)
@@ -39,7 +42,7 @@ from typing import Literal
 import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
+KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
          "nan_pseudo_gradient", "hold")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end", "pseudo_gradient"]
 
@@ -139,6 +142,13 @@ def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Ten
 def withholds_replies(round_: int | None) -> bool:
     """True when this peer, as a reducer of round ``round_``, answers one sender only (``kill_in_reply``)."""
     return _plan.armed("kill_in_reply", round_) is not None
+
+
+def reply_delay_s(round_: int | None) -> float:
+    """Seconds this peer, as a reducer of round ``round_``, waits before returning its last averaged part (``slow_reply``;
+    0.0 when none is armed). The caller awaits it (an asyncio sleep): the averager's other work goes on meanwhile."""
+    fault = _plan.armed("slow_reply", round_) if _plan.faults else None
+    return float(fault.value or 0.0) if fault is not None else 0.0
 
 
 def kill_this_peer(reason: str, *, from_child: bool = False) -> None:

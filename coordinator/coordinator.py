@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composer_diloco.config import RunConfig, config_diff
+from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
@@ -302,14 +303,11 @@ class Coordinator:
                                        config.to_json())
                 log.info("checkpoint %s", path)
 
-    def _linger(self, max_s: float = 10.0) -> None:
-        # A node whose last all-reduce failed resynchronises from us: stay while a live node is behind.
-        deadline = time.monotonic() + max_s
-        while time.monotonic() < deadline and not self.stop.event.is_set():
-            behind = [p for p in self.swarm.live_peers() if p.role == "node" and p.round < self.config.rounds]
-            if not behind:
-                return
-            time.sleep(0.5)
+    def _linger(self) -> None:
+        """At the run's end: a node whose last all-reduce failed takes our state (`recovery.recover`), one whose
+        theta is unsettled may take it (`recovery.settle`): stay while a live node is behind or unsettled, at most
+        ``network.averaging_timeout_s`` + 5 s (`recovery.serve_until_settled`)."""
+        recovery.serve_until_settled(self.peer, self.stop.event, self.config.network.averaging_timeout_s + 5.0)
 
     def close(self) -> None:
         """Stop heartbeats, the averager and the DHT (idempotent)."""

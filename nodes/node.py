@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 
 from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff, load_config
+from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
@@ -338,6 +339,9 @@ class Node:
     def train(self) -> int:
         """Train until the run's last round; returns the number of rounds this node took part in.
 
+        At the run's end the node stays up (its averager serving its state) while a live peer still finishes the last
+        round, at most ``network.averaging_timeout_s`` + 5 s (`recovery.serve_until_settled`).
+
         Raises:
             TrainedOnNothing: the run ended and no episode of any of this node's rounds had a parsed tool call
                 (`ToolCallTally`; the final model is kept first, as on a normal end).
@@ -373,6 +377,8 @@ class Node:
             if peer.round == before and not self.stop.event.is_set():
                 raise NodeError(f"round {peer.round}: training on after a heal ended no round")
         if peer.round >= config.rounds and not self.stop.event.is_set():
+            # a peer still finishing the last round may need our state (`recovery.serve_until_settled`)
+            recovery.serve_until_settled(peer, self.stop.event, config.network.averaging_timeout_s + 5.0)
             self._keep_final_model()
             self.tool_calls.check()
         return peer.round - first

@@ -54,3 +54,16 @@ def test_sync_cost_over_a_throttled_veth(tmp_path):
 def _namespaces() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_sync_cost_three_peers_sparse_codec(tmp_path):
+    """``--peers 3`` with the sparse-2bit all-gather: three processes average in one group, each sends a message."""
+    rows = run_bench(tmp_path / "out", "--sizes", "default", "--extrapolate", "", "--links", "loopback", "--codecs",
+                     "sparse-2bit", "--peers", "3", "--rounds", "1", timeout_s=140)["rows"]
+    (row,) = rows
+    assert (row["peers"], row["codec"], row["group_close"]) == (3, "sparse-2bit", "full")
+    assert row["allreduce_s"] > 0 and row["encode_s"] > 0 and row["sync_s"] > row["allreduce_s"] + row["encode_s"]
+    # every peer sent its message to the two others; a message is far below a byte per element (fp32 sends 4)
+    assert 0 < row["bytes_per_peer_min"] <= row["bytes_per_peer_max"] < row["numel"]

@@ -9,6 +9,9 @@ bytes, whatever the compression.
 
 Failure behaviour (what the round protocol relies on):
 - a sender that dies is banned by the reducers; the parts it had not sent are averaged without it;
+- a peer's ``step`` returns only once its replies as a reducer have been written out (`ExactAllReduceRunner.replies_sent`):
+  hivemind's returns as soon as the peer holds its own average, so a node that shut down right after its last round
+  cut the end of its share off the coordinator's average;
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
   those coordinates this round) and `ExactAverager.failed_size` tells how many elements were lost. A reducer
   that dies after returning a part to some peers and not to others leaves the survivors with *different*
@@ -109,6 +112,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._dropped_senders = {self.ordered_peer_ids[i] for i in dropped}
         self._round = round_
         self._answered_one = False
+        # as a reducer, a peer owes each other sender the averaged parts of its share: `replies_sent` waits for them
+        self._replied = {p: asyncio.Event() for p in self.sender_peer_ids if p != self.peer_id}
         container_kwargs = {k: v for k, v in kwargs.items() if k in ("part_size_bytes", "tensor_infos", "prefetch")}
         self.tensor_part_container = _ZeroOnFailureContainer(
             tensors, peer_fractions, compression=compression, return_deltas=False, **container_kwargs
@@ -141,6 +146,38 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
             faults.point("allreduce_part_sent", self._round)
 
+    async def rpc_aggregate_part(self, stream, context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # hivemind's, marking the sender served once its reply stream is over (every averaged part written to it)
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        finally:
+            if context.remote_id in self._replied:
+                self._replied[context.remote_id].set()
+
+    async def replies_sent(self, timeout_s: float | None) -> list[PeerID]:
+        """Wait until this reducer has written its averaged parts back to every other sender (each one's reply stream
+        over, or the sender banned), at most ``timeout_s`` seconds; returns the senders still unserved.
+
+        hivemind's `run` ends as soon as *this* peer holds every averaged part; its replies to the others go out
+        from separate RPC handlers, which may still be writing. A peer that shut down right then (a node at the
+        run's end) cut the last parts of its share off the others' averages (they fill them with zeros).
+        """
+        if self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] == 0:
+            return []  # no share of the vector to reduce: nobody waits on us
+
+        pending = [done.wait() for done in self._replied.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return [p for p, done in self._replied.items() if not done.is_set()]
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        await super()._ban_sender(peer_id)
+        if peer_id in self._replied:  # a sender that failed is owed nothing more
+            self._replied[peer_id].set()
+
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Same as hivemind's, except that the reply is the average itself rather than average - sender's part.
         part_index = 0
@@ -148,6 +185,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         kill_in_reply = faults.withholds_replies(self._round)
         answer = not (kill_in_reply and self._answered_one)
         self._answered_one = True
+        if not answer:  # withheld on purpose: this peer's step does not wait for it (`replies_sent`)
+            self._replied[self.sender_peer_ids[sender_index]].set()
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -168,10 +207,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                     None, lambda: serialize_torch_tensor(averaged, part_compression)
                 )
                 if answer:
+                    if part_index == self.tensor_part_reducer.num_parts:  # the last part: a late reply (fault injection)
+                        await asyncio.sleep(faults.reply_delay_s(self._round))
                     self._count(serialized.ByteSize())
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
             if kill_in_reply:
                 if answer:
+                    self._replied[self.sender_peer_ids[sender_index]].set()  # every part is written: served
                     await asyncio.sleep(1.0)  # let the answered sender receive its last part
                     faults.point("reducer_answered", self._round)
                 await asyncio.sleep(3600.0)
@@ -457,6 +499,11 @@ class ExactAverager(DecentralizedAverager):
         async for tensor, average in azip(as_aiter(*tensors), runner):
             tensor.copy_(average)
         self.failed_size.value = runner.tensor_part_container.failed_size
+        # return only once our replies as a reducer are out: the caller may shut this averager down next. A sender
+        # that reads them slower than sender_timeout is given up on (hivemind bans a reducer only after twice that)
+        unserved = await runner.replies_sent(kwargs.get("sender_timeout"))
+        if unserved:
+            log.warning("all-reduce: the averaged parts for %s were not all sent in time", unserved)
 
     async def _all_gather(self, tensors, group_info, group_id: bytes, gathered: list, dropped: frozenset[int],
                           **kwargs) -> None:

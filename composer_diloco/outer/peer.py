@@ -43,10 +43,11 @@ from composer_diloco.outer.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
 
-SyncStatus = Literal["averaged", "alone", "resynced", "skipped"]
+SyncStatus = Literal["averaged", "alone", "resynced", "skipped", "unsettled"]
 """How a round ended for a peer: "averaged" (outer step on the group's mean), "alone" (on its own pseudo-gradient),
-"resynced" (state downloaded from a peer after a failure) or "skipped" (every contribution dropped: theta
-unchanged)."""
+"resynced" (state downloaded from a peer after a failure), "skipped" (every contribution dropped: theta
+unchanged) or "unsettled" (the all-reduce missed elements and no member with another theta sent it: this peer's
+theta differs from theirs, `recovery.settle`)."""
 
 
 @dataclass
@@ -62,7 +63,8 @@ class SyncResult:
         wait_seconds: the part of ``sync_seconds`` spent waiting at the barrier for other peers.
         bytes_sent: payload bytes this peer sent in the all-reduce.
         global_sha256: SHA-256 of theta after the outer step (`GlobalModel.sha256`).
-        status: a `SyncStatus` ("averaged", "alone", "resynced" or "skipped"; the string is what metrics record).
+        status: a `SyncStatus` ("averaged", "alone", "resynced", "skipped" or "unsettled"; the string is what
+            metrics record).
         rejected: names of the peers whose pseudo-gradient was dropped this round (`screening.screen`).
     """
 
@@ -173,6 +175,7 @@ class DiLoCoPeer:
         self.config, self.swarm = config, swarm
         self.round = start_round
         self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`heal_split`)
+        self._partnered_round = start_round - 1  # the last round whose barrier found partners (`_barrier`)
         self._lock = threading.Lock()  # guards theta while a peer downloads our state
         self._built = threading.Event()  # set once theta exists: a state request waits for it
         self.delta = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters() if p.requires_grad]
@@ -429,7 +432,8 @@ class DiLoCoPeer:
         Returns:
             ``(scheduled_time, partners)``: the DHT time the all-reduce starts at and the live peers of round
             ``r`` to average with (the coordinator, and the nodes that were ready); empty partners = this peer is
-            the whole swarm. None when ``stop`` was set.
+            the whole swarm (believed after up to ``network.heartbeat_ttl_s`` of looking again when the previous round
+            had partners). None when ``stop`` was set.
         Raises:
             RoundFailed: nobody to average with, and the swarm already finished round ``r`` without this peer.
         """
@@ -442,10 +446,25 @@ class DiLoCoPeer:
             return None
         scheduled_time, ready_nodes = barrier
         clock.waited = time.monotonic() - clock.start
-        others = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
-        others = [p for p in others if p.role == "coordinator" or p.name in ready_nodes]
+
+        def partners() -> list[PeerRecord]:
+            live = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
+            return [p for p in live if p.role == "coordinator" or p.name in ready_nodes]
+
+        others = partners()
+        # nobody, right after a round with partners: a DHT read comes back empty, or without a peer whose heartbeat
+        # store outlasted its TTL, while a link is down or just back (seen around a partition's heal); stepping alone
+        # then forks theta for a round. Look again for one heartbeat TTL before believing it (once: a peer that stays
+        # alone does not pay it every round)
+        deadline = time.monotonic() + net.heartbeat_ttl_s
+        while not others and self._partnered_round == r - 1 and time.monotonic() < deadline and \
+                not (stop is not None and stop.is_set()):
+            time.sleep(0.25)
+            others = partners()
         if not others and any(p.round > r for p in self.swarm.live_peers()):
             raise RoundFailed(f"the swarm finished round {r} without this peer")
+        if others:
+            self._partnered_round = r
         return scheduled_time, others
 
     def _all_reduce(self, r: int, weight: float, norm: float, scheduled_time: float,

@@ -17,7 +17,8 @@ Failure behaviour of `DiLoCoPeer.sync`:
   returned its part to some peers and not to others). Peers that received every part hold identical bytes
   (`composer_diloco.outer.averaging`); a peer that missed a part publishes its theta as unsettled, and takes the
   state of the first settled member of its group (`settle`), so all replicas leave the round identical, whoever
-  was lost, the coordinator included;
+  was lost, the coordinator included. Should no member with another theta send it (gone), the peer keeps its
+  own, logs that the replicas disagree, and records the round "unsettled";
 - a NaN/Inf mean pseudo-gradient all the same: the outer step is refused (ValueError from
   `GlobalModel.outer_step`), the round fails and the peer resynchronises as above.
 
@@ -27,6 +28,9 @@ Failure behaviour of `DiLoCoPeer.sync`:
   authority: the coordinator, else the live node with the lowest name (`step_order`). A peer whose theta differs
   at a round both hold takes the authority's state before it averages again (`heal_split`); the authority logs
   each peer it finds diverged, and any state taken from a peer of another lineage is logged as a split.
+
+The run's end: a peer that finished the last round keeps serving its state while a live peer may still need it
+(`serve_until_settled`): behind the last round, or at its end with an unsettled theta.
 
 Joining: `join_at_round_boundary` brings a new peer to the round the swarm is in before its first inner phase.
 """
@@ -183,8 +187,9 @@ def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStat
     first, then the coordinator, then by name); a peer that comes first keeps its own.
 
     Returns:
-        "averaged" (this peer's theta was kept or already equal) or "resynced" (the pick's state was
-        downloaded).
+        "averaged" (this peer's theta was kept or already equal), "resynced" (the pick's state was downloaded), or
+        "unsettled" (members hold another theta and none of them sent it: this peer keeps its own, which differs;
+        logged as an ERROR. Before a later round `heal_split` brings it back; after the run's last it stays).
     Raises:
         ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
     """
@@ -205,7 +210,52 @@ def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStat
         time.sleep(0.1)
     candidates = by_precedence([*done, PeerRecord(me, peer.swarm.role, next_round, 0.0, sha=ours, settled=False)])
     ahead_of_us = list(itertools.takewhile(lambda p: p.name != me and p.sha != ours, candidates))
-    return "resynced" if load_from_first(peer, ahead_of_us, min_round=next_round) else "averaged"
+    if load_from_first(peer, ahead_of_us, min_round=next_round):
+        return "resynced"
+    if ahead_of_us:  # members hold another theta and none of them sent it (gone): ours stays different
+        log.error("%s round %d: replicas disagree: none of %s sent its theta (gone?), so this peer keeps its own "
+                  "(sha256 %s), in which %d elements missed the group's average; the round is recorded as "
+                  "\"unsettled\"", me, r, ", ".join(f"{p.name} (sha256 {p.sha[:12]})" for p in ahead_of_us),
+                  ours[:12], missed)
+        return "unsettled"
+    return "averaged"
+
+
+def waiting_at_run_end(peer: DiLoCoPeer) -> list[str]:
+    """Names of the live peers that may still need this peer at the run's end: behind the last round (in its
+    all-reduce, or recovering with a peer's state: `recover`), or at its end with theta unsettled (`settle` takes a
+    member's state). Empty when none (or when the DHT cannot be read: it is shutting down)."""
+    last = peer.config.rounds
+    try:
+        others = [p for p in peer.swarm.live_peers() if p.name != peer.swarm.name]
+    except Exception as e:
+        log.debug("%s: reading heartbeats failed at the run's end: %r", peer.swarm.name, e)
+        return []
+    return sorted(p.name for p in others if p.round < last or not p.settled)
+
+
+def serve_until_settled(peer: DiLoCoPeer, stop: threading.Event, timeout_s: float) -> list[str]:
+    """At the run's end, keep this peer up, its averager serving state downloads, while a live peer may still need
+    it (`waiting_at_run_end`), at most ``timeout_s`` seconds or until ``stop`` is set.
+
+    A peer that exited at once could leave a peer still finishing the last round with no state to take: it would keep
+    an incomplete theta (`settle`) or step alone (`recover`), and the run would end with two thetas. Its own
+    all-reduce returns only once its parts are out (`composer_diloco.outer.averaging`), but a peer that missed a
+    part for another reason (a third peer lost mid-way) still takes a member's state after it.
+
+    Returns:
+        The names of the peers still waited for when it stopped (logged as a WARNING), empty when none was left.
+    """
+    me = peer.swarm.name
+    deadline = time.monotonic() + timeout_s
+    waiting = waiting_at_run_end(peer)
+    while waiting and not stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        waiting = waiting_at_run_end(peer)
+    if waiting and not stop.is_set():
+        log.warning("%s at the run's end: %s had not finished round %d when this peer stopped waiting (%.0f s)", me,
+                    ", ".join(waiting), peer.config.rounds - 1, timeout_s)
+    return waiting
 
 
 def load_from_first(peer: DiLoCoPeer, candidates: list[PeerRecord], *, min_round: int) -> bool:
@@ -275,5 +325,5 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     return max(newest, peer.round)
 
 
-__all__ = ["RoundFailed", "by_precedence", "heal_split", "join_at_round_boundary", "load_from_first", "recover", "settle",
-           "step_alone", "step_order"]
+__all__ = ["RoundFailed", "by_precedence", "heal_split", "join_at_round_boundary", "load_from_first", "recover",
+           "serve_until_settled", "settle", "step_alone", "step_order", "waiting_at_run_end"]

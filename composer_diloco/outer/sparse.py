@@ -323,8 +323,9 @@ class ErrorFeedback:
         """Update e_i for how the round ended (the `composer_diloco.outer.peer.SyncStatus` string); returns the rule
         applied ("sent", "dropped", "applied", "kept" or "idle").
 
-        - "sent": ``status`` "averaged", this node contributed (weight > 0) and was not rejected: the group's mean
-          used D(m_i), so ``e_i <- (beta e_i + Delta_i) - D(m_i)``;
+        - "sent": ``status`` "averaged" (or "unsettled": this node's theta holds the mean it formed), this node
+          contributed (weight > 0) and was not rejected: the group's mean used D(m_i), so
+          ``e_i <- (beta e_i + Delta_i) - D(m_i)``;
         - "dropped": screening rejected this node's contribution (NaN/Inf or a norm outlier, any status): the
           swarm refused that mass and would refuse it again, so ``e_i <- 0``;
         - "applied": ``status`` "alone": theta moved by this node's whole Delta_i, uncompressed
@@ -342,7 +343,7 @@ class ErrorFeedback:
         if rejected:
             rule = "dropped"
             self.buffer = torch.zeros_like(self._next)
-        elif status == "averaged" and contributed:
+        elif status in ("averaged", "unsettled") and contributed:
             rule = "sent"
             positions, values = self._sent
             self._next[positions] -= values
