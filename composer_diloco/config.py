@@ -112,6 +112,12 @@ class LossConfig(_Section):
     sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
     sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
     sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
+    sdpo_verify_samples: int = Field(
+        0, ge=0, le=64,
+        description="Replay-verified SDPO: at each site sample this many recovery turns from the student and from the "
+                    "hinted teacher, score them in the env, and keep the site only if the teacher scores higher "
+                    "(0 = off, every site kept). BENCHMARKS.md 1c: the warm start's teacher is not better on average.",
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
 
 
