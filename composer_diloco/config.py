@@ -119,6 +119,13 @@ class LossConfig(_Section):
                     "(0 = off, every site kept). BENCHMARKS.md 1c: the warm start's teacher is not better on average.",
     )
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
+    dpo_score: Literal["accepted", "script_progress"] = Field(
+        "accepted",
+        description="A DPO candidate's score: 'accepted' = 1 for any call the env runs without error; "
+                    "'script_progress' = 1 only for a call of the env package's script still to make (0 like an error "
+                    "otherwise; envs without a script score as 'accepted'). BENCHMARKS.md 1c: 22% of the warm "
+                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers.",
+    )
 
 
 class PreferenceConfig(_Section):
