@@ -104,8 +104,14 @@ class LossConfig(_Section):
     here, not in those modules, so that reading a config imports no torch.)
     """
 
-    alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
-    beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
+    # Both channels default off: on tool_env no variant beat GRPO alone beyond noise, the published SDPO and DPO lowered
+    # the held-out gain (BENCHMARKS.md 1b: composite -0.008 mean vs GRPO alone +0.042 over 6 runs; 1c: the table of
+    # fixed variants), SDPO alone collapsed 2 of 3 runs (section 1, item 4), and DPO broke the coding env (README,
+    # "The coding env": greedy 0.40 -> 0.02). 0.2 is the weight those rows used; set it to turn a channel on.
+    alpha_sdpo: float = Field(0.0, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off; "
+                                                     "off by default, BENCHMARKS.md 1c).")
+    beta_dpo: float = Field(0.0, ge=0, description="Weight of trace-replay DPO (0 = off; off by default, BENCHMARKS.md "
+                                                   "1c).")
     sdpo_jsd_beta: float = Field(
         1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
     )
