@@ -19,11 +19,12 @@ every site, ``--samples`` continuations are sampled from the student context and
 DPO (Rafailov et al., arXiv 2305.18290): the trace-replay pairs `composer_diloco.channels.dpo_pairs.collect_pairs`
 builds from the same episodes, with the run's ``[preference]`` settings and every error site (no ``max_sites`` cap):
 pair counts by chosen/rejected source, how often the chosen call is a useful one (as ``correct`` above: a call of the
-scripted solution not yet made; the pairing's own score only asks whether the call ran without error), chosen and rejected token lengths, and the policy's summed and per-token
-log-probabilities of each. At the round start the policy is its own reference, so the DPO logit is 0; what the
+scripted solution not yet made; the pairing's own score only asks whether the call ran without error), chosen and
+rejected token lengths, and the policy's summed and per-token log-probabilities of each. At the round start the policy is its own reference, so the DPO logit is 0; what the
 lengths decide is how hard each side is pushed: the gradient of a summed log-ratio grows with the tokens it sums.
+``dpo_script_progress`` repeats this with ``[loss] dpo_score = "script_progress"`` (the same candidates' draws).
 
-Usage (minutes on 2 CPU cores; the warm start comes from the cache, `composer_diloco.policy.load`):
+Usage (about 20 s on 2 quiet CPU cores; the warm start comes from the cache, `composer_diloco.policy.load`):
 
     python bench/channel_diagnosis.py --episodes 256 --samples 8 --out runs/channel-diagnosis.json
 """
@@ -44,7 +45,7 @@ import torch
 from composer_diloco.channels.dpo_pairing import Candidate
 from composer_diloco.channels.dpo_pairs import collect_pairs
 from composer_diloco.channels.dpo_replay import ReplayError, score_candidate
-from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call
+from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call, script_progress
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config
 from composer_diloco.inner.collator import ComposerCollator, SdpoStats
@@ -90,8 +91,8 @@ def _remaining(script, episode, turn: int) -> set[str]:
     return set(left)
 
 
-def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, max_turn_tokens: int, temperature: float,
-          max_seq_len: int) -> dict[str, Any]:
+def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, max_turn_tokens: int,
+          temperature: float, max_seq_len: int) -> dict[str, Any]:
     """The SDPO half of `diagnose` (see the module docstring)."""
     collator = ComposerCollator(tok, hints=hints, max_length=max_seq_len)
     stats = SdpoStats()
@@ -161,14 +162,14 @@ def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, 
     return summary
 
 
-def _dpo(model, tok, episodes, session, hints, teachers, script, config: RunConfig) -> dict[str, Any]:
+def _dpo(model, tok, episodes, session, hints, teachers, script, config: RunConfig, progress=None) -> dict[str, Any]:
     """The DPO half of `diagnose` (see the module docstring)."""
     by_id = {ep.episode_id: ep for ep in episodes}
     p = config.preference
     pairs, stats = collect_pairs(model, tok, episodes, session, hints=hints, teachers=teachers, mode=p.mode,
                                  min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
                                  max_sites=10**9, max_turn_tokens=config.env.max_turn_tokens,
-                                 temperature=config.grpo.temperature)
+                                 temperature=config.grpo.temperature, progress=progress)
     rows = []
     for pair in pairs:
         lc = _logp(model, pair.prompt_ids, pair.chosen_ids)
@@ -202,7 +203,8 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
         samples: continuations sampled per site and context (student, teacher), >= 1.
         seed: torch seed of the episodes' and the samples' sampling.
     Returns:
-        ``{"episodes", "episode_reward", "rounds_sites", "sdpo", "dpo", "seconds"}`` (JSON-serialisable).
+        ``{"episodes", "episode_reward", "sdpo_sites_per_node_round", "dpo_pairs_per_node_round", "sdpo", "dpo",
+        "dpo_script_progress", "seconds"}`` (JSON-serialisable).
     """
     t0 = time.monotonic()
     model, tok = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
@@ -220,15 +222,20 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
             played += play_rollout(trainer, sessions, config, keys)[0]
         model.eval()
         scripted = make_teachers(["scripted"], env)["scripted"]
-        sdpo = _sdpo(model, tok, played, sessions[0], trainer.hints, scripted, env.script, samples, config.env.max_turn_tokens,
-                     config.grpo.temperature, config.max_seq_len)
+        sdpo = _sdpo(model, tok, played, sessions[0], trainer.hints, scripted, env.script, samples,
+                     config.env.max_turn_tokens, config.grpo.temperature, config.max_seq_len)
+        rng = torch.get_rng_state()  # the DPO candidates' draws, the same for both scores
         dpo = _dpo(model, tok, played, sessions[0], trainer.hints, make_teachers(config.preference.teachers, env),
                    env.script, config)
+        torch.set_rng_state(rng)
+        dpo_progress = _dpo(model, tok, played, sessions[0], trainer.hints,
+                            make_teachers(config.preference.teachers, env), env.script, config,
+                            progress=script_progress(env))
     per_round = config.inner_steps * config.batch_size  # episodes one node plays in a round
     return dict(episodes=len(played), episode_reward=_mean_se([e.reward for e in played]),
                 sdpo_sites_per_node_round=sdpo["sites"] / len(played) * per_round,
                 dpo_pairs_per_node_round=dpo["pairs"] / len(played) * per_round,
-                sdpo=sdpo, dpo=dpo, seconds=round(time.monotonic() - t0, 1))
+                sdpo=sdpo, dpo=dpo, dpo_script_progress=dpo_progress, seconds=round(time.monotonic() - t0, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
