@@ -104,15 +104,34 @@ class LossConfig(_Section):
     here, not in those modules, so that reading a config imports no torch.)
     """
 
-    alpha_sdpo: float = Field(0.2, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off).")
-    beta_dpo: float = Field(0.2, ge=0, description="Weight of trace-replay DPO (0 = off).")
+    # Both channels default off: on tool_env no variant beat GRPO alone beyond noise, the published SDPO and DPO lowered
+    # the held-out gain (BENCHMARKS.md 1b: composite -0.008 mean vs GRPO alone +0.042 over 6 runs; 1c: the table of
+    # fixed variants), SDPO alone collapsed 2 of 3 runs (section 1, item 4), and DPO broke the coding env (README,
+    # "The coding env": greedy 0.40 -> 0.02). 0.2 is the weight those rows used; set it to turn a channel on.
+    alpha_sdpo: float = Field(0.0, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off; "
+                                                     "off by default, BENCHMARKS.md 1c).")
+    beta_dpo: float = Field(0.0, ge=0, description="Weight of trace-replay DPO (0 = off; off by default, BENCHMARKS.md "
+                                                   "1c).")
     sdpo_jsd_beta: float = Field(
         1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
     )
     sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
     sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
     sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
+    sdpo_verify_samples: int = Field(
+        0, ge=0, le=64,
+        description="Replay-verified SDPO: at each site sample this many recovery turns from the student and from the "
+                    "hinted teacher, score them in the env, and keep the site only if the teacher scores higher "
+                    "(0 = off, every site kept). BENCHMARKS.md 1c: the warm start's teacher is not better on average.",
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
+    dpo_score: Literal["accepted", "script_progress"] = Field(
+        "accepted",
+        description="A DPO candidate's score: 'accepted' = 1 for any call the env runs without error; "
+                    "'script_progress' = 1 only for a call of the env package's script still to make (0 like an error "
+                    "otherwise; envs without a script score as 'accepted'). BENCHMARKS.md 1c: 22% of the warm "
+                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers.",
+    )
 
 
 class PreferenceConfig(_Section):

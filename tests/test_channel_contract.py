@@ -185,6 +185,6 @@ def test_round_stats_record_keeps_the_metrics_keys_of_before():
         "step_success": [0.5, 0.5], "tool_errors_per_episode": 0.0, "loss_grpo": 0.125, "loss_sdpo": 0.125,
         "loss_dpo": 0.0, "sdpo_sites": 4, "dpo_pairs": 2, "episodes_without_tool_call": 4,  # no turns: no call
         "episodes_env_error": 0,
-        "sdpo_skipped": {"no_hint": 1, "empty_recovery": 0, "no_recovery": 0, "truncated": 2},
+        "sdpo_skipped": {"no_hint": 1, "empty_recovery": 0, "no_recovery": 0, "truncated": 2, "unverified": 0},
         "pair_stats": {**PairStats().as_dict(), "sites": 2, "pairs": 2},
     }

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests_support import error_line
 
-from composer_diloco.config import LoraSection, load_config
+from composer_diloco.config import LoraSection, LossConfig, load_config
 from composer_diloco.policy.memory_plan import (
     DEVICE_MEMORY_ENV,
     DeviceMemoryError,
@@ -79,7 +79,8 @@ def test_bytes_per_parameter_follow_the_code():
     under bf16) bytes per parameter on the device, and theta + pseudo-gradient + momentum + the outer step's two
     transients in host RAM; LoRA: the base's 4 bytes per parameter (2 for its linear weights under bf16) and 16 per
     adapter parameter, no reference copy."""
-    config = load_config(None, model="some/model")  # DiLoCo's outer SGD: lr 0.7, momentum 0.9 (one state tensor)
+    # DiLoCo's outer SGD: lr 0.7, momentum 0.9 (one state tensor); DPO on (it defaults off), so a reference copy
+    config = load_config(None, model="some/model", loss=LossConfig(beta_dpo=0.2))
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
     cfg = tiny_model_config(load_default_tokenizer(), 0)
@@ -107,7 +108,7 @@ def test_bytes_per_parameter_follow_the_code():
 
 
 def test_refusal_names_need_free_and_what_fits():
-    config = load_config(None)
+    config = load_config(None, loss=LossConfig(beta_dpo=0.2))  # with the DPO reference copy (DPO defaults off)
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
     cfg = tiny_model_config(load_default_tokenizer(), 0)

@@ -416,6 +416,34 @@ def test_collect_pairs_prefers_the_scripted_teacher(two_episodes, session, tok, 
 
 
 @pytest.mark.timeout(60)
+def test_script_progress_scores_an_accepted_off_script_call_like_an_error(two_episodes, session, tok, model):
+    """Episode "a" failed a lookup of an unknown item. An "offscript" teacher looks up a catalogue item the question
+    does not ask about: the env accepts it, so the plain score prefers it to the failed call; with the env's
+    `script_progress` it scores 0.0, forms no pair with the failed call, and only the scripted call is chosen."""
+    from composer_diloco.channels.dpo_teachers import script_progress, script_remaining
+
+    a = two_episodes[0]
+    task = make_task(SEED, "a")
+    other = next(item for item in task.catalogue if item not in (task.x, task.y))
+    teachers = {"offscript": lambda ep, turn: ("lookup", {"item": other}), **SCRIPTED}
+    (site,) = error_sites(a)
+    assert script_remaining(tool_demos.script, a, site) == solve(task, random.Random(0), 0.0)
+    progress = script_progress(TOOL_ENV)
+    assert progress(a, site) == script_remaining(tool_demos.script, a, site)
+    kw = dict(teachers=teachers, mode="exhaustive", min_score_diff=0.5, max_pairs_per_turn=8, max_sites=1,
+              max_turn_tokens=8, temperature=1.0, samples_per_source=0, hints=None)
+    plain, _ = collect_pairs(model, tok, [a], session, **kw)
+    assert {(p.chosen_source, p.rejected_source) for p in plain} == {("offscript", "recorded"),
+                                                                     ("scripted", "recorded")}
+    fixed, stats = collect_pairs(model, tok, [a], session, progress=progress, **kw)
+    assert {(p.chosen_source, p.rejected_source, p.chosen_score, p.rejected_score) for p in fixed} == {
+        ("scripted", "recorded", 1.0, 0.0), ("scripted", "offscript", 1.0, 0.0)}
+    assert stats.skipped_no_score_diff == 1  # offscript against recorded: both 0.0
+    # an env without a script: every accepted call scores as before
+    assert collect_pairs(model, tok, [a], session, progress=lambda ep, turn: None, **kw)[0] == plain
+
+
+@pytest.mark.timeout(60)
 def test_collect_pairs_counts_replay_errors_instead_of_raising(two_episodes, session, tok, model):
     a, b = two_episodes
     bad = copy.deepcopy(b)

@@ -130,7 +130,8 @@ def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
     from local_run import LocalRun, write_config
 
     config = write_config(tmp_path / "llama.toml",  # smoke.toml with room for Llama 3.1's prompt (indented JSON tools)
-                          "rounds = 2\ninner_steps = 2\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n")
+                          "rounds = 2\ninner_steps = 2\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n"
+                          "\n[loss]\nalpha_sdpo = 0.2\nbeta_dpo = 0.2\n")
     run = LocalRun(tmp_path / "run", config)
     try:
         run.start_coordinator("--model", str(llama_dir))

@@ -7,7 +7,9 @@ round's frozen global model theta_r (refreshed after every outer step, so every 
 ``[lora]`` run the reference is the base model instead: the policy itself with its adapters disabled (peft's
 ``disable_adapter()``), no copy, the same on every peer for the whole run.
 
-Config: ``[loss] beta_dpo`` (the weight; 0 = off) and ``dpo_beta`` (DPO's beta), the ``[preference]`` section
+Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (what a candidate's
+replay is worth: any accepted call, or only a call of the env's script, `dpo_teachers.script_progress`), the
+``[preference]`` section
 (`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
 Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
 Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStats` by name; ``{}`` when off).
@@ -28,7 +30,7 @@ from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, Chann
                                            split_rows)
 from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
-from composer_diloco.channels.dpo_teachers import TeacherFn, make_teachers
+from composer_diloco.channels.dpo_teachers import ProgressFn, TeacherFn, make_teachers, script_progress
 from composer_diloco.channels.losses import dpo_sigmoid_loss, sequence_logprobs
 from composer_diloco.inner.collator import ComposerCollator
 from composer_diloco.rollout.episodes import Episode, EnvSession
@@ -127,6 +129,8 @@ class DpoChannel(LossChannel):
         hints: the SDPO hint registry (the ``"policy+hint"`` candidates).
         teachers: ``{name: TeacherFn}`` (`make_teachers`).
         policy: the trained policy whose weights the reference copies.
+        progress: with ``[loss] dpo_score = "script_progress"``, the env's `script_progress` (an accepted call off
+            the env's script scores 0.0); None scores every accepted call 1.0.
     """
 
     name = "dpo"
@@ -135,10 +139,12 @@ class DpoChannel(LossChannel):
     stats_type = DpoStats
 
     def __init__(self, weight: float, *, config: RunConfig, reference_model: nn.Module, session: EnvSession,
-                 collator: ComposerCollator, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module):
+                 collator: ComposerCollator, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module,
+                 progress: ProgressFn | None = None):
         super().__init__(weight)
         self.config, self.reference_model, self.session = config, reference_model, session
         self.collator, self.hints, self.teachers, self.policy = collator, hints, teachers, policy
+        self.progress = progress
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
@@ -167,7 +173,8 @@ class DpoChannel(LossChannel):
         return cls(cfg.loss.beta_dpo, config=cfg, reference_model=reference,
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
                    collator=ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=cfg.max_seq_len),
-                   teachers=make_teachers(cfg.preference.teachers, ctx.env))
+                   teachers=make_teachers(cfg.preference.teachers, ctx.env),
+                   progress=script_progress(ctx.env) if cfg.loss.dpo_score == "script_progress" else None)
 
     def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
         """Collect the step's pairs (samples from the global RNG, replays in the env), then their tensors with the
@@ -177,6 +184,7 @@ class DpoChannel(LossChannel):
             model, self.collator.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
             mode=p.mode, min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
             max_sites=p.max_sites, max_turn_tokens=cfg.env.max_turn_tokens, temperature=cfg.grpo.temperature,
+            progress=self.progress,
         )
         stats.pair_stats.add(pair_stats)
         if not pairs:

@@ -51,6 +51,7 @@ from composer_diloco.channels.dpo_replay import ReplayError, check_assistant_tur
 from composer_diloco.channels.dpo_teachers import (
     SOURCES,
     TEACHERS,
+    ProgressFn,
     TeacherFn,
     ToolCall,
     make_teachers,
@@ -150,6 +151,7 @@ def collect_pairs(
     temperature: float = 1.0,
     samples_per_source: int = 1,
     seed: int | None = None,
+    progress: ProgressFn | None = None,
 ) -> tuple[list[PreferencePair], PairStats]:
     """Trace-replay DPO pairs for a batch of played episodes: error sites -> candidates -> env scores -> pairs.
 
@@ -176,6 +178,11 @@ def collect_pairs(
         samples_per_source: >= 0 samples per sampled source and site (0: no sampling).
         seed: if set, sampling runs under ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng`` (reproducible,
             and the global RNG is left alone); None samples from the global RNG.
+        progress: if set, ``(episode, turn) -> calls that make progress there`` (`dpo_teachers.script_progress`): a
+            call the env accepts but that is not one of them scores 0.0, like an error, so it is never chosen over
+            the failed call (None from the function, or no function: every accepted call scores as
+            `score_candidate` says). On the warm-started embedded default 22 % of the chosen calls of the plain
+            score are such off-script calls, e.g. an arithmetic call on made-up numbers (BENCHMARKS.md, 1c).
 
     Returns:
         ``(pairs, stats)``; ``stats.sites == (sites given to build_pairs) + stats.replay_errors``.
@@ -198,7 +205,7 @@ def collect_pairs(
     sites = _find_sites(episodes, tokenizer, hints, max_sites, extra)                          # 1. sites
     _sample_candidates(model, tokenizer, sites, samples_per_source, max_turn_tokens, temperature, seed)  # 2. samples
     _teacher_candidates(tokenizer, sites, teachers)                                            # 3. teachers
-    groups = _score_sites(session, sites, extra)                                               # 4. env scores
+    groups = _score_sites(session, sites, extra, progress)                                     # 4. env scores
     pairs, stats = build_pairs(groups, mode=mode, min_score_diff=min_score_diff,               # 5. pairs
                                max_pairs_per_turn=max_pairs_per_turn)
     stats = stats + extra
@@ -273,13 +280,19 @@ def _teacher_candidates(tokenizer: Any, sites: list[_Site], teachers: Mapping[st
             site.candidates.append(Candidate(name, text, ids, parse_tool_call(text)))
 
 
-def _score_sites(session: EnvSession, sites: list[_Site], extra: PairStats) -> list[TurnCandidates]:
-    """Step 4: the environment's score of every candidate, one replay per distinct call and site. A site whose
-    replay diverges is dropped, logged and counted (``replay_errors`` and ``sites`` of ``extra``)."""
+def _score_sites(session: EnvSession, sites: list[_Site], extra: PairStats,
+                 progress: ProgressFn | None = None) -> list[TurnCandidates]:
+    """Step 4: the environment's score of every candidate, one replay per distinct call and site (0.0 without a
+    replay for an accepted-looking call that ``progress`` rules out). A site whose replay diverges is dropped, logged
+    and counted (``replay_errors`` and ``sites`` of ``extra``)."""
     groups: list[TurnCandidates] = []
     for site in sites:
         recorded = site.candidates[0].call
         cache: dict[str, float] = {_call_key(recorded): 0.0} if recorded.ok else {}
+        useful = progress(site.episode, site.turn) if progress is not None else None
+        if useful is not None:
+            cache.update({_call_key(c.call): 0.0 for c in site.candidates
+                          if c.call.ok and (c.call.name, c.call.arguments) not in useful})
         try:
             scores = []
             for cand in site.candidates:

@@ -16,7 +16,8 @@ from composer_diloco.rollout.episodes import Episode
 if TYPE_CHECKING:
     from composer_diloco.rollout.env_package import EnvPackage, ScriptFn
 
-__all__ = ["SOURCES", "TEACHERS", "TeacherFn", "ToolCall", "make_teachers", "render_tool_call", "scripted_teacher"]
+__all__ = ["SOURCES", "TEACHERS", "ProgressFn", "TeacherFn", "ToolCall", "make_teachers", "render_tool_call",
+           "script_progress", "script_remaining", "scripted_teacher"]
 
 ToolCall = tuple[str, dict[str, Any]]
 """One tool call: ``(tool name, arguments)``."""
@@ -55,6 +56,47 @@ def render_tool_call(tokenizer: Any, name: str, arguments: Mapping[str, Any]) ->
     return body + eos, ids
 
 
+def script_remaining(script: ScriptFn, episode: Episode, turn: int) -> list[ToolCall] | None:
+    """The scripted solver's calls not yet made successfully before assistant turn ``turn``, in script order.
+
+    A call counts as made when an earlier assistant turn called it (same name and arguments) and its tool reply has
+    no ``error_kind``; a successful off-script call (a lookup of another item, a write of wrong code) removes nothing.
+
+    Args:
+        script: the env package's ``script(seed, episode_id, question)`` (`EnvPackage.script`).
+        episode: a played episode (its first turn is the user question).
+        turn: index into ``episode.turns``; only the turns before it are read.
+    Returns:
+        The calls left, or None when the script does not know the episode's question (or the episode has no turns).
+    """
+    if not episode.turns:
+        return None
+    remaining = script(episode.seed, episode.episode_id, episode.turns[0].content)
+    if remaining is None:
+        return None
+    remaining = list(remaining)
+    for k in range(min(turn, len(episode.turns) - 1)):
+        t, reply = episode.turns[k], episode.turns[k + 1]
+        if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None:
+            made = (t.tool_call["name"], t.tool_call["arguments"])
+            if made in remaining:
+                remaining.remove(made)
+    return remaining
+
+
+ProgressFn = Callable[[Episode, int], "list[ToolCall] | None"]
+"""``(episode, turn) -> the calls that make progress at that assistant turn`` (None: unknown, every call counts)."""
+
+
+def script_progress(env: EnvPackage) -> ProgressFn | None:
+    """The env's progress function for DPO scoring (``[loss] dpo_score = "script_progress"``): `script_remaining` of
+    the env package's ``script``, or None when the package has no script."""
+    if env.script is None:
+        return None
+    script = env.script
+    return lambda episode, turn: script_remaining(script, episode, turn)
+
+
 def scripted_teacher(script: ScriptFn) -> TeacherFn:
     """The teacher that proposes the env's scripted solver's next correct call.
 
@@ -65,25 +107,13 @@ def scripted_teacher(script: ScriptFn) -> TeacherFn:
 
     Returns:
         A `TeacherFn`. At assistant turn ``turn`` it proposes the first script call not yet made successfully before
-        ``turn`` (matching name and arguments): for an episode that follows the script that is ``script[k]``, k the
-        number of successful calls so far, and a successful off-script call (a lookup of another item, a write of
-        wrong code) does not make it skip a step. It proposes None when the script does not know the episode's
-        question (returns None) or every script call has been made.
+        ``turn`` (`script_remaining`): for an episode that follows the script that is ``script[k]``, k the number of
+        successful calls so far, and a successful off-script call does not make it skip a step. It proposes None
+        when the script does not know the episode's question (returns None) or every script call has been made.
     """
 
     def propose(episode: Episode, turn: int) -> ToolCall | None:
-        if not episode.turns:
-            return None
-        remaining = script(episode.seed, episode.episode_id, episode.turns[0].content)
-        if remaining is None:
-            return None
-        remaining = list(remaining)
-        for k in range(min(turn, len(episode.turns) - 1)):
-            t, reply = episode.turns[k], episode.turns[k + 1]
-            if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None:
-                made = (t.tool_call["name"], t.tool_call["arguments"])
-                if made in remaining:
-                    remaining.remove(made)
+        remaining = script_remaining(script, episode, turn)
         return remaining[0] if remaining else None
 
     return propose

@@ -5,9 +5,15 @@ the error inserted before that turn (`composer_diloco.channels.sdpo_hints`). The
 ``alpha_sdpo * JSD_beta(student || stopgrad teacher)`` on the recovery turn's tokens, a mean over those tokens
 (`composer_diloco.channels.losses.generalized_jsd`; the JSD family and its beta as TRL GKD, arXiv 2306.13649).
 
+With ``sdpo_verify_samples`` > 0 a site is kept only where the hinted teacher's sampled recovery beats the student's
+when both are replayed in the env (`composer_diloco.channels.sdpo_verify`): on the embedded default the teacher is
+not better on average (BENCHMARKS.md, section 1c).
+
 Config: ``[loss] alpha_sdpo`` (the weight; 0 = off), ``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``,
-``sdpo_top_k`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates.
-Metrics: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped`` (``{no_hint, empty_recovery, no_recovery, truncated}``).
+``sdpo_top_k``, ``sdpo_verify_samples`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates;
+``[env] max_turn_tokens`` and ``[grpo] temperature`` for the verification samples.
+Metrics: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped`` (``{no_hint, empty_recovery, no_recovery, truncated,
+unverified}``).
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from torch import nn
 from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel,
                                            split_rows)
 from composer_diloco.channels.losses import generalized_jsd
+from composer_diloco.channels.sdpo_verify import verify_sites
 from composer_diloco.inner.collator import ComposerCollator, SdpoStats
-from composer_diloco.rollout.episodes import Episode
+from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
-    from composer_diloco.config import LossConfig
+    from composer_diloco.config import LossConfig, RunConfig
 
 __all__ = ["SDPO_KEYS", "SdpoChannel", "sdpo_loss", "split_sdpo"]
 
@@ -102,7 +109,9 @@ class SdpoChannel(LossChannel):
     Args:
         weight: alpha_sdpo > 0.
         collator: builds the sites and their tensors (its hint registry and ``max_length``).
-        loss_config: the ``[loss]`` section (the JSD settings).
+        loss_config: the ``[loss]`` section (the JSD settings, ``sdpo_verify_samples``).
+        session: the env session the verification replays use (needed when ``sdpo_verify_samples`` > 0).
+        config: the run config (``env.max_turn_tokens``, ``grpo.temperature`` of the verification samples).
     """
 
     name = "sdpo"
@@ -110,24 +119,38 @@ class SdpoChannel(LossChannel):
                              count_title="sites", plot_label="SDPO loss")
     stats_type = SdpoStats
 
-    def __init__(self, weight: float, collator: ComposerCollator, loss_config: LossConfig):
+    def __init__(self, weight: float, collator: ComposerCollator, loss_config: LossConfig,
+                 session: EnvSession | None = None, config: RunConfig | None = None):
         super().__init__(weight)
-        self.collator, self.loss_config = collator, loss_config
+        if loss_config.sdpo_verify_samples > 0 and (session is None or config is None):
+            raise ValueError("sdpo_verify_samples > 0 needs an env session and the run config to replay sites")
+        self.collator, self.loss_config, self.session, self.config = collator, loss_config, session, config
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> SdpoChannel | None:
-        """Off when ``[loss] alpha_sdpo`` is 0; sites use ``ctx.hints`` and ``config.max_seq_len``."""
+        """Off when ``[loss] alpha_sdpo`` is 0; sites use ``ctx.hints`` and ``config.max_seq_len``, verification
+        replays ``ctx.sessions[0]`` (the session DPO replays; the two channels build one after the other)."""
         cfg = ctx.config.loss
         if cfg.alpha_sdpo <= 0:
             return None
         return cls(cfg.alpha_sdpo, ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=ctx.config.max_seq_len),
-                   cfg)
+                   cfg, session=ctx.sessions[0] if ctx.sessions else None, config=ctx.config)
 
     def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
-        """The SDPO tensors of the step's sites (`SDPO_KEYS`), or None without a site. No model call, no RNG."""
-        sites = []
-        for ep in episodes:
-            sites += self.collator.sites_from_episode(ep, stats)
+        """The SDPO tensors of the step's sites (`SDPO_KEYS`), or None without a site. Without verification: no model
+        call, no RNG. With ``sdpo_verify_samples`` > 0: samples from the global RNG and replays in the env
+        (`verify_sites`); a site that fails moves from ``sdpo_sites`` to ``sdpo_skipped_unverified``."""
+        found = [(ep, site) for ep in episodes for site in self.collator.sites_from_episode(ep, stats)]
+        k = self.loss_config.sdpo_verify_samples
+        if found and k > 0:
+            keep = verify_sites(model, self.collator.tokenizer, found, self.session, samples=k,
+                                max_turn_tokens=self.config.env.max_turn_tokens,
+                                temperature=self.config.grpo.temperature)
+            dropped = keep.count(False)
+            stats.sdpo_sites -= dropped
+            stats.sdpo_skipped_unverified += dropped
+            found = [f for f, ok in zip(found, keep) if ok]
+        sites = [site for _, site in found]
         return self.collator.sdpo_tensors(sites) if sites else None
 
     def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:

@@ -76,6 +76,8 @@ class SdpoStats(Counts):
         sdpo_skipped_empty_recovery: the recovery turn has no content (empty or whitespace only).
         sdpo_skipped_no_recovery: the error is the trace's last turn, or no assistant turn follows it.
         sdpo_skipped_truncated: the hint or the recovery turn would not fit ``max_length``.
+        sdpo_skipped_unverified: with ``[loss] sdpo_verify_samples``, the hinted teacher's sampled recovery did not
+            beat the student's by env replay (`composer_diloco.channels.sdpo_verify`).
     """
 
     sdpo_sites: int = 0
@@ -83,6 +85,7 @@ class SdpoStats(Counts):
     sdpo_skipped_empty_recovery: int = 0
     sdpo_skipped_no_recovery: int = 0
     sdpo_skipped_truncated: int = 0
+    sdpo_skipped_unverified: int = 0
 
 
 @dataclass
