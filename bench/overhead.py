@@ -7,9 +7,9 @@ rollouts (the same ``play_episodes`` call against one local OpenEnv server, give
 
     a  trl         plain ``trl.GRPOTrainer``
     b  ours        ``ComposerGRPOTrainer`` with alpha_sdpo = 0 and beta_dpo = 0
-    c  +sdpo       SDPO hint distillation only (alpha_sdpo from the config, beta_dpo = 0)
-    d  +dpo        trace-replay DPO only (alpha_sdpo = 0, beta_dpo from the config)
-    e  +sdpo+dpo   both (the default config)
+    c  +sdpo       SDPO hint distillation only (alpha_sdpo = 0.2, beta_dpo = 0)
+    d  +dpo        trace-replay DPO only (alpha_sdpo = 0, beta_dpo = 0.2)
+    e  +sdpo+dpo   both (0.2 and 0.2: the weights of BENCHMARKS.md section 1; both channels default off)
 
 Each arm's ``train()`` runs in its own thread, but only one arm works at a time: the arms take turns one inner step
 each (a b c d e, then e d c b a, ...), so background load on the machine hits all arms alike. Before each turn the
@@ -62,12 +62,12 @@ from composer_diloco.inner.trainer import ComposerGRPOTrainer, env_reward, episo
 log = logging.getLogger("bench.overhead")
 
 PEER = "bench"  # every arm plays the episodes of this peer name
-ARMS = {  # name -> (alpha_sdpo, beta_dpo) factors of the config's weights; None = plain TRL
+ARMS = {  # name -> (alpha_sdpo, beta_dpo), set whatever the config's defaults (both 0: off); None = plain TRL
     "a_trl": None,
     "b_ours": (0.0, 0.0),
-    "c_sdpo": (1.0, 0.0),
-    "d_dpo": (0.0, 1.0),
-    "e_both": (1.0, 1.0),
+    "c_sdpo": (0.2, 0.0),
+    "d_dpo": (0.0, 0.2),
+    "e_both": (0.2, 0.2),
 }
 PARTS = ("step_s", "rollout_s", "prep_s", "train_s")
 TURN_TIMEOUT_S = 900.0  # one inner step of one arm; longer means a hung thread
@@ -210,23 +210,22 @@ def build_arm(name: str, model: Any, tokenizer: Any, base: RunConfig, sessions: 
     Args:
         name: a key of `ARMS`.
         model, tokenizer: the policy (copied, so the arms train independent weights).
-        base: the run config; the arm scales its ``loss.alpha_sdpo`` / ``loss.beta_dpo`` by `ARMS` factors.
+        base: the run config; the arm sets its ``loss.alpha_sdpo`` / ``loss.beta_dpo`` to `ARMS`' weights.
         sessions: env sessions shared by all arms (only one arm plays at a time).
         max_steps: inner steps of the arm's ``train()`` (warm-up + measured).
         scratch: TRL's output folder (nothing is written there).
         theta0: the weights every turn starts from.
     """
     arm = Arm(name)
-    factors = ARMS[name]
+    weights = ARMS[name]
     config = base
-    if factors is not None:
-        loss = {**base.loss.model_dump(), "alpha_sdpo": base.loss.alpha_sdpo * factors[0],
-                "beta_dpo": base.loss.beta_dpo * factors[1]}
+    if weights is not None:
+        loss = {**base.loss.model_dump(), "alpha_sdpo": weights[0], "beta_dpo": weights[1]}
         config = RunConfig.model_validate({**base.model_dump(), "loss": loss})
     args = grpo_args(config, output_dir=scratch / name, max_steps=max_steps, use_cpu=True, bf16=False)
     callback = TurnCallback(arm, theta0, config.seed)
     policy = copy.deepcopy(model)
-    if factors is None:
+    if weights is None:
         episodes_per_step = args.per_device_train_batch_size * args.steps_per_generation
         n_rows = max_steps * (episodes_per_step // config.grpo.num_generations) + 1  # as ComposerGRPOTrainer
         trainer = GRPOTrainer(model=policy, reward_funcs=[env_reward], args=args,

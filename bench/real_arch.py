@@ -92,14 +92,15 @@ def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:
 
 def plan_table(seq_len: int = 1024, episodes: int = 8) -> list[dict]:
     """One row per architecture and mode (full fine-tuning, LoRA r = 16 on q/k/v/o) of the memory plan on a CUDA GPU
-    with bf16 autocast, the default run config (SDPO and DPO on: up to one SDPO row per episode and 2 * ceil(8 / K)
+    with bf16 autocast, the default run config with SDPO and DPO on (0.2 each: up to one SDPO row per episode and 2 * ceil(8 / K)
     DPO rows per micro-batch) at ``seq_len`` tokens per row and ``episodes`` per inner step: the device bytes at
     micro-batch 1 (K = ``episodes``), the host bytes, and per GPU size (24 / 48 / 80 GB, 95 % usable) the largest
     micro-batch b of 8, 4, 2, 1 (K = episodes / b) that fits, first without then with gradient checkpointing."""
-    from composer_diloco.config import LoraSection, load_config
+    from composer_diloco.config import LoraSection, LossConfig, load_config
     from composer_diloco.policy.memory_plan import plan_for_run
 
-    config = load_config(None, model="qwen3", max_seq_len=seq_len)
+    # SDPO and DPO on (0.2 each, as section 7 was measured; they default off): full FT then keeps a reference copy
+    config = load_config(None, model="qwen3", max_seq_len=seq_len, loss=LossConfig(alpha_sdpo=0.2, beta_dpo=0.2))
     rows = []
     for arch in ARCHS:
         for mode in ("full", "lora"):
