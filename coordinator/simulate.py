@@ -4,7 +4,8 @@ It starts ``python -m coordinator start``, waits for its ``peer:`` line, starts 
 (each starts its own env server process), shows progress from the metrics files, waits for all, prints the
 per-round table (with a WARNING line under it for each round in which no episode produced a parsed tool call),
 and returns 0 only if every process exited 0 and every round's ``global_sha256`` agreed.
-Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C stops them all (SIGTERM, then SIGKILL after 10 s).
+Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C, SIGTERM or SIGHUP stops them all (SIGTERM to each process group,
+then SIGKILL after 10 s; exit 130, or 128 + the signal number).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,8 +156,49 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached `simulate`: handled like Ctrl+C (every process group stopped), exit 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _terminate_like_ctrl_c() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise `Stopped` in the main thread, as SIGINT raises KeyboardInterrupt.
+
+    Without it a SIGTERM (a process manager, ``kill``, a CI timeout) ended `simulate` at once, and the coordinator
+    and nodes it had started, each in its own session, ran on. Off the main thread (no handlers there) a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_simulation(sim: Simulation, total_rounds: int) -> int:
-    """Run it all; print the table to stdout; returns the exit code (0 = all succeeded and agreed)."""
+    """Run it all; print the table to stdout; returns the exit code (0 = all succeeded and agreed; 130 on Ctrl+C,
+    128 + signum on SIGTERM / SIGHUP, after every process it started has been stopped)."""
+    try:
+        with _terminate_like_ctrl_c():
+            return _run_simulation(sim, total_rounds)
+    except KeyboardInterrupt as e:
+        sim.console.print("interrupted: stopping all processes")
+        sim.stop_all()
+        return 128 + e.signum if isinstance(e, Stopped) else 130
+
+
+def _run_simulation(sim: Simulation, total_rounds: int) -> int:
     console = sim.console
     try:
         console.print(f"starting the coordinator (run dir {sim.run_dir}; the first run on this machine warm-starts "
@@ -163,10 +207,6 @@ def run_simulation(sim: Simulation, total_rounds: int) -> int:
         console.print(f"coordinator at {peer}; starting {sim.nodes} node(s)")
         sim.start_nodes(peer)
         codes = sim.wait(total_rounds)
-    except KeyboardInterrupt:
-        console.print("interrupted: stopping all processes")
-        sim.stop_all()
-        return 130
     except SimulationError as e:
         console.print(f"[red]error:[/red] {e}")
         sim.stop_all()
