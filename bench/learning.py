@@ -17,6 +17,8 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     overlap-N4-H16       avg-N4-H16 with ``[outer] overlap = true`` (each round's sync overlapped with the next
                          round's inner phase, theta folded in one round late: `composer_diloco.outer.overlap`)
     sparse-N4-H16        avg-N4-H16 with the sparse-2bit codec (top-k 1/64 + 2-bit values + error feedback)
+    nesterov-lrL-mM-N4-H{4,16}   N = 4 with outer Nesterov SGD at lr L, momentum M, chosen so that the
+                         steady-state step lr / (1 - M) is 1, averaging's (DiLoCo's 0.7 / 0.9 is 7)
 
 The curve of a run is the on-policy training reward of every inner step (``step_rewards`` of the nodes'
 ``metrics.jsonl``), placed at the samples trained so far by the whole swarm, binned every ``--bin`` samples;
@@ -60,6 +62,7 @@ class Arm:
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
         overlap: ``[outer] overlap`` (the sync of round t in the background while round t+1 trains).
         compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
+        outer: ``(lr, momentum, nesterov)`` of the outer SGD, overriding ``sync`` / ``averaging`` / DiLoCo's.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Arm:
     beta_dpo: float = 0.2
     overlap: bool = False
     compression: str = "none"
+    outer: tuple[float, float, bool] | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -86,8 +90,9 @@ class Arm:
 
     def config_toml(self, seed: int, rounds: int) -> str:
         """The run config of this arm and seed (TOML)."""
-        outer = ("lr = 1.0\nmomentum = 0.0\nnesterov = false\n" if self.sync or self.averaging
-                 else "lr = 0.7\nmomentum = 0.9\n")  # DiLoCo's; the embedded default's config default is averaging
+        lr, momentum, nesterov = self.outer or ((1.0, 0.0, False) if self.sync or self.averaging
+                                                else (0.7, 0.9, True))  # DiLoCo's; the embedded default averages
+        outer = f"lr = {lr}\nmomentum = {momentum}\nnesterov = {str(nesterov).lower()}\n"
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
@@ -106,6 +111,8 @@ ARMS = [
     *(Arm(f"diloco-N{n}-H{h}", nodes=n, inner_steps=h) for n in (2, 4) for h in (4, 16, 64)),
     Arm("overlap-N4-H16", nodes=4, inner_steps=16, averaging=True, overlap=True),  # beside avg-N4-H16
     Arm("sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit"),
+    *(Arm(f"nesterov-lr{lr}-m{m}-N4-H{h}", nodes=4, inner_steps=h, outer=(lr, m, True))
+      for h in (4, 16) for lr, m in ((0.5, 0.5), (0.2, 0.8))),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 

@@ -200,6 +200,7 @@ def test_peer_sync_settles_a_resync_without_touching_the_buffer_it_did_not_use()
     result = types.SimpleNamespace(status="resynced", rejected=[], round=3)
     stub = types.SimpleNamespace(_sync=lambda model, weight, stop: result, error_feedback=ef,
                                  swarm=types.SimpleNamespace(name="node-0"))
+    stub._settle_feedback = types.MethodType(DiLoCoPeer._settle_feedback, stub)  # the real rule, shared with overlap
     assert DiLoCoPeer.sync(stub, object(), 4.0) is result
     assert torch.equal(ef.buffer, before)
     message, _ = ef.prepare(_randn(11))
