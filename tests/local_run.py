@@ -121,6 +121,11 @@ class LocalRun:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{name} still running after {timeout_s:.0f} s\n{self.all_tails()}") from None
 
+    def assert_exit_ok(self, *names: str, timeout_s: float = 300) -> None:
+        """Wait for each peer in ``names`` in turn (``timeout_s`` each) and assert it exited 0, with its log's tail."""
+        for name in names:
+            assert self.wait_exit(name, timeout_s) == 0, self.log_tail(name)
+
     def log_tail(self, name: str, lines: int = 25) -> str:
         try:
             text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")

@@ -436,8 +436,7 @@ def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
         reports = [json_.loads(f.communicate(timeout=FLOOD_SECONDS + 120)[0].strip().splitlines()[-1]) for f in floods]
         ended = time.time()
         assert not run.records()["coordinator"][-1]["round"] >= 29, "the run ended before the flood did"
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name, timeout_s=400) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1", timeout_s=400)
     finally:
         stop_processes(floods)
         run.stop()

@@ -57,8 +57,7 @@ def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
         restarted_at = run.restart_while_held(  # its log is appended to: the second download is the restart's
             "node-1", hold, lambda: run.log("node-1").count("state from a peer") >= 2,
             "the restarted node-1 to download the global model")
-        for name in ("node-0", "node-1", "coordinator"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("node-0", "node-1", "coordinator")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -87,8 +86,7 @@ def test_node_killed_during_the_all_reduce(run_dir, tmp_path):
               f"(status {went_on['status']})")
         assert went_on["time"] - killed_at < 30.0 + 10.0  # the averaging timeout, then at most a resync
         assert went_on["global_sha256"] == run.wait_round("node-0", 1)["global_sha256"]
-        for name in ("node-0", "coordinator"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("node-0", "coordinator")
     finally:
         run.stop()
     records = {n: recs for n, recs in run.records().items() if n != "node-1"}
@@ -137,8 +135,7 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to reload from a live node")
         hold.unlink()
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -198,8 +195,7 @@ def test_outlier_and_nan_pseudo_gradients_are_dropped_by_every_peer(run_dir, tmp
     run = LocalRun(run_dir, config(tmp_path, rounds=2))
     try:
         start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": faults}})
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         run.stop()
     records = run.records()
@@ -222,8 +218,7 @@ def test_slow_node_stops_at_the_round_budget_and_is_weighted_for_what_it_did(run
     run = LocalRun(run_dir, config(tmp_path, rounds=2, inner_steps=4, extra=f"round_budget_s = {budget_s}"))
     try:
         start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": f"step_delay:*:{delay_s}"}})
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         run.stop()
     records = run.records()

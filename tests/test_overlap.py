@@ -55,8 +55,7 @@ def test_overlapped_coordinator_and_two_nodes_agree_every_round(run_dir, tmp_pat
         run.start_coordinator()
         for name in ("node-0", "node-1"):
             run.start_node(name)
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         run.stop()
     records = run.records()
@@ -95,8 +94,7 @@ def test_node_killed_in_a_background_all_reduce_then_restarted(run_dir, tmp_path
         restarted_at = run.restart_while_held(
             "node-1", hold, lambda: run.log("node-1").count("state from a peer") >= 2,
             "the restarted node-1 to download the global model")
-        for name in ("node-0", "node-1", "coordinator"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("node-0", "node-1", "coordinator")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -139,8 +137,7 @@ def test_coordinator_lost_mid_reply_fails_closed_then_restarts(run_dir, tmp_path
                        or "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to take the run's state")
         hold.unlink()
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()

@@ -41,8 +41,7 @@ def test_restarted_node_takes_back_its_error_feedback_and_replicas_agree(run_dir
         restarted_at = run.restart_while_held(  # the run cannot end before node-1 is back
             "node-1", hold, lambda: f"error feedback of round {before['round']} restored" in run.log("node-1"),
             "the restarted node-1 to restore its error feedback")
-        for name in ("node-0", "node-1", "coordinator"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("node-0", "node-1", "coordinator")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -67,8 +66,7 @@ def test_node_killed_in_the_all_gather_survivors_agree(run_dir, tmp_path):
         run.wait_until(lambda: run.procs["node-1"].poll() is not None, 300, "node-1 to die in round 1's all-gather")
         assert run.procs["node-1"].returncode == -9
         assert "SIGKILL (in the all-reduce of round 1)" in run.log("node-1")
-        for name in ("node-0", "coordinator"):
-            assert run.wait_exit(name) == 0, run.log_tail(name)
+        run.assert_exit_ok("node-0", "coordinator")
     finally:
         run.stop()
     records = {n: recs for n, recs in run.records().items() if n != "node-1"}

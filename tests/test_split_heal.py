@@ -108,8 +108,7 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         # depends on which half stepped faster while apart
         run.wait_until(lambda: any(r["status"] == "resynced" and r["time"] > joined_at
                                    for r in run.records().get("node-1", [])), 240, "node-1 to take the run's theta")
-        for name in ("coordinator", "node-0", "node-1"):
-            assert run.wait_exit(name, timeout_s=400) == 0, run.log_tail(name)
+        run.assert_exit_ok("coordinator", "node-0", "node-1", timeout_s=400)
     finally:
         run.stop()
 
