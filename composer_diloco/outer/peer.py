@@ -426,12 +426,13 @@ class DiLoCoPeer:
         self.error_feedback.load_state_dict(state)
 
     def _barrier(self, r: int, weight: float, stop: threading.Event | None,
-                 clock: _RoundClock) -> tuple[float, list[PeerRecord]] | None:
+                 clock: _RoundClock) -> tuple[float, list[str]] | None:
         """Announce this peer ready and wait for the round's peers (`Swarm.wait_for_round`).
 
         Returns:
-            ``(scheduled_time, partners)``: the DHT time the all-reduce starts at and the live peers of round
-            ``r`` to average with (the coordinator, and the nodes that were ready); empty partners = this peer is
+            ``(scheduled_time, partners)``: the DHT time the all-reduce starts at and the names of the peers of
+            round ``r`` to average with (the live coordinator, and the nodes that announced ready for round ``r`` and
+            have not moved past it); empty partners = this peer is
             the whole swarm (believed after up to ``network.heartbeat_ttl_s`` of looking again when the previous round
             had partners). None when ``stop`` was set.
         Raises:
@@ -447,9 +448,14 @@ class DiLoCoPeer:
         scheduled_time, ready_nodes = barrier
         clock.waited = time.monotonic() - clock.start
 
-        def partners() -> list[PeerRecord]:
-            live = [p for p in self.swarm.live_peers() if p.name != self.swarm.name and p.round <= r]
-            return [p for p in live if p.role == "coordinator" or p.name in ready_nodes]
+        def partners() -> list[str]:
+            # the coordinator by its heartbeat; a node by its ready record for round r, which is fresher evidence
+            # than a heartbeat (one that lapsed under load hid a ready node, and its peers then averaged without
+            # the one that could not see it), unless its heartbeat says it already moved past round r
+            live = self.swarm.live_peers()
+            past = {p.name for p in live if p.round > r}
+            coordinators = {p.name for p in live if p.role == "coordinator" and p.round <= r}
+            return sorted((coordinators | {n for n in ready_nodes if n not in past}) - {self.swarm.name})
 
         others = partners()
         # nobody, right after a round with partners: a DHT read comes back empty, or without a peer whose heartbeat

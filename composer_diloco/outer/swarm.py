@@ -34,6 +34,7 @@ from composer_diloco.lifecycle import keep_signal_handlers
 log = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 3600.0
+_MAX_PENDING_BEATS = 4  # heartbeat stores in flight at once (each still waiting on a slow replica)
 LINEAGE_ROUNDS = 16  # rounds of theta hashes each heartbeat carries
 _LINEAGE_HEX = 16  # hex digits of each (64 bits: two different thetas never match by chance)
 RUNS_KEY = "composer_diloco.runs"
@@ -219,11 +220,18 @@ class Swarm:
         """Publish this peer's record every ``period_s`` seconds, each valid for ``ttl_s`` seconds."""
 
         def beat() -> None:
+            # A store returns when every replica answered or timed out: with an unreachable replica (a peer just
+            # killed, a partition) that took 3-6 s, longer than a test's 4 s TTL, so a peer's own record expired
+            # while its heartbeat thread was still waiting. Each beat goes out on time instead; a store still in
+            # flight keeps reaching the replicas that answer.
+            pending: list = []
             while not self._stop.is_set():
-                try:
-                    self._store_heartbeat(ttl_s)
-                except Exception as e:  # a missed heartbeat is harmless; the next one retries
-                    log.debug("heartbeat failed: %r", e)
+                pending = [f for f in pending if not f.done()]
+                if len(pending) < _MAX_PENDING_BEATS:
+                    try:
+                        pending.append(self._store_heartbeat(ttl_s, wait=False))
+                    except Exception as e:  # a missed heartbeat is harmless; the next one retries
+                        log.debug("heartbeat failed: %r", e)
                 self._stop.wait(period_s)
 
         self._ttl_s = ttl_s
@@ -283,11 +291,13 @@ class Swarm:
             except Exception as e:
                 log.debug("heartbeat failed: %r", e)
 
-    def _store_heartbeat(self, ttl_s: float) -> None:
+    def _store_heartbeat(self, ttl_s: float, *, wait: bool = True) -> Any:
+        """Store this peer's record, valid ``ttl_s`` seconds. ``wait=False`` returns the store's future at once."""
         lineage = [[r, self.history[r][:_LINEAGE_HEX]] for r in sorted(self.history)[-LINEAGE_ROUNDS:]]
         value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha,
                  "settled": self.settled, "lineage": lineage, "maddr": self._maddr, "t": get_dht_time()}
-        self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name)
+        return self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name,
+                              return_future=not wait)
 
     def live_peers(self) -> list[PeerRecord]:
         """Peers whose heartbeat has not expired."""
