@@ -343,6 +343,15 @@ class DiLoCoPeer:
         norm = self._pseudo_gradient(model, r, weight)
         return HandOff(round=r, weight=float(weight), norm=norm, clock=clock)
 
+    def handed_off_weights(self) -> list[torch.Tensor]:
+        """theta - Delta_i, read from the averager's buffers after `hand_off` and before `complete`: the node's local
+        weights x_t at the hand-off (fp32 CPU tensors in theta's layout, equal to x_t up to fp32 rounding), rebuilt
+        without reading the policy, so a background thread can make the overlapped mode's anchor
+        (`composer_diloco.outer.overlap`) while the policy trains on. Only valid before the round's all-reduce,
+        which overwrites the buffers with the mean."""
+        with self._lock, self.averager.get_tensors() as delta:
+            return [torch.sub(g, d) for g, d in zip(self.global_model.params, delta, strict=True)]
+
     def complete(self, handoff: HandOff, stop: threading.Event | None = None) -> SyncResult | None:
         """The second half of a handed-off round: heal check, barrier, all-reduce, outer step, as `sync` does, but
         theta is never loaded into a policy (the caller folds it in: `composer_diloco.outer.overlap`). Safe to run in
@@ -439,8 +448,7 @@ class DiLoCoPeer:
             RoundFailed: nobody to average with, and the swarm already finished round ``r`` without this peer.
         """
         net = self.config.network
-        if self.swarm.role == "node":
-            self.swarm.announce_ready(r, weight)
+        self.swarm.announce_ready(r, weight)  # the coordinator too: the nodes wait for it (`Swarm.wait_for_round`)
         barrier = self.swarm.wait_for_round(r, slack_s=net.round_slack_s, matchmaking_s=net.matchmaking_time_s,
                                             stop=stop)
         if barrier is None:

@@ -6,12 +6,13 @@ Keys (all but the first under the run name, so two runs can share a DHT):
                                 is alive, the round it trains toward and since when (DHT time), theta's SHA-256
                                 at the start of that round and whether it is final, the hashes of its last
                                 `LINEAGE_ROUNDS` rounds (to tell two replicas that parted), where to dial it
-    ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r
+    ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r (the coordinator: it
+                                reached round r's barrier)
 
 Why a barrier: hivemind's matchmaking only groups peers that look for a group at about the same time, and each
-round is a separate group (its group key carries the round number, see `diloco.py`). Peers announce that they
-are ready, wait until every live node is ready (or ``round_slack_s`` after the first one), and then all start
-matchmaking for the same ``scheduled_time``, so one round forms one group.
+round is a separate group (its group key carries the round number, see `peer.py`). Peers announce that they
+are ready, wait until every live node and the coordinator are ready (or ``round_slack_s`` after the first node),
+and then all start matchmaking for the same ``scheduled_time``, so one round forms one group.
 """
 
 from __future__ import annotations
@@ -330,25 +331,32 @@ class Swarm:
 
     def wait_for_round(self, round_: int, *, slack_s: float, matchmaking_s: float,
                        stop: threading.Event | None = None, poll_s: float = 0.25) -> tuple[float, list[str]] | None:
-        """Block until every live node training toward ``round_`` is ready, or ``slack_s`` after the first.
+        """Block until every live node training toward ``round_`` is ready, and the live coordinator too, or
+        ``slack_s`` after the first ready node.
 
         Live nodes whose heartbeat says an earlier round are waited for too (they are finishing the previous
-        all-reduce); a node that never arrives is given up ``slack_s`` after the first ready one.
+        all-reduce); so is a live coordinator at ``round_`` or ``round_ - 1`` (saving the previous round's
+        checkpoint, or a starved process): nodes that went on without it would leave it to download theta from one
+        of them, and the round without the peer that keeps the canonical model. A peer that never arrives is given
+        up ``slack_s`` after the first ready node.
 
         Returns:
             ``(scheduled_time, ready_nodes)``: the DHT time at which all peers start the all-reduce (the same
             on every peer when all were ready) and the names of the ready nodes; None if ``stop`` was set.
         """
         while stop is None or not stop.is_set():
-            ready = {n: v for n, v in self.ready_peers(round_).items() if v.get("role") == "node"}
+            announced = self.ready_peers(round_)
+            ready = {n: v for n, v in announced.items() if v.get("role") == "node"}
             if ready:
+                peers = self.live_peers()
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
-                live = {p.name for p in self.live_peers() if p.role == "node" and p.round <= round_}
+                live = {p.name for p in peers if p.role == "node" and p.round <= round_}
+                live |= {p.name for p in peers if p.role == "coordinator" and round_ - 1 <= p.round <= round_}
                 first = min(v["t"] for v in ready.values())
-                if live <= ready.keys():
-                    return max(v["t"] for v in ready.values()) + matchmaking_s, sorted(ready)
+                if live <= announced.keys():
+                    return max(v["t"] for v in announced.values()) + matchmaking_s, sorted(ready)
                 if get_dht_time() > first + slack_s:
-                    missing = sorted(live - ready.keys())
+                    missing = sorted(live - announced.keys())
                     log.warning("round %d: going on without %s after %.0f s", round_, missing, slack_s)
                     return first + slack_s + matchmaking_s, sorted(ready)
             time.sleep(poll_s)
