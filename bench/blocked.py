@@ -17,7 +17,8 @@ Run (2 CPU cores here; about 4 min under load):
     python bench/blocked.py --rounds 5 --out runs/bench-blocked
 
 ``--handoff-elems N`` times only the overlapped mode's foreground work at a size of N fp32 elements (the
-pseudo-gradient copy, the anchor copy and the rebase: `handoff_seconds`), e.g. to scale it to a 0.5B policy:
+pseudo-gradient copy and the rebase; the anchor is made in the background: `handoff_seconds`), e.g. to scale it to
+a 0.5B policy:
 
     python bench/blocked.py --handoff-elems 33554432
 """
@@ -84,9 +85,10 @@ def summarize(mode: str, lines: list[dict], rounds: int) -> dict:
 def handoff_seconds(elems: int, repeats: int = 3) -> dict:
     """Seconds of the overlapped mode's foreground work per round for a policy of ``elems`` fp32 CPU elements (split
     into tensors of 4M): the pseudo-gradient into the averager's buffers (`GlobalModel.pseudo_gradient`, what
-    `DiLoCoPeer.hand_off` runs), the anchor copy (`OverlappedSync._start`) and the fold (`overlap._apply_correction`),
-    each the median of ``repeats``; ``foreground`` is their sum. ``correction`` (`overlap._correction`) runs in the
-    background thread, like the all-reduce and the outer step, which are not in it."""
+    `DiLoCoPeer.hand_off` runs) and the fold (`overlap._apply_correction`), each the median of ``repeats``;
+    ``foreground`` is their sum. ``anchor`` (theta - Delta, `DiLoCoPeer.handed_off_weights`) and ``correction``
+    (`overlap._correction`) run in the background thread, like the all-reduce and the outer step, which are not in
+    it."""
     import time
 
     import torch
@@ -105,7 +107,7 @@ def handoff_seconds(elems: int, repeats: int = 3) -> dict:
         theta.pseudo_gradient(model, delta)
         timings["pseudo_gradient"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+        anchor = [torch.sub(g, d) for g, d in zip(theta.params, delta, strict=True)]
         timings["anchor"].append(time.perf_counter() - t)
         t = time.perf_counter()
         _correction(theta.params, anchor)
@@ -115,7 +117,7 @@ def handoff_seconds(elems: int, repeats: int = 3) -> dict:
         timings["fold"].append(time.perf_counter() - t)
         del anchor
     out = {k: statistics.median(v) for k, v in timings.items()}
-    out["foreground"] = out["pseudo_gradient"] + out["anchor"] + out["fold"]
+    out["foreground"] = out["pseudo_gradient"] + out["fold"]
     out["elems"] = elems
     return out
 

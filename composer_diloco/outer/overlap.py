@@ -8,8 +8,10 @@ outer gradients of Kale et al., "Eager Updates For Overlapped Communication and 
     end of round t's inner phase, local weights x_t:
         Delta_t = theta_t - x_t                       (a copy, into the averager's buffers: `DiLoCoPeer.hand_off`)
         background: barrier -> all-reduce -> theta_{t+1} = OuterOpt(theta_t, mean Delta_t)   (`DiLoCoPeer.complete`)
-        foreground: train round t+1 on from x_t (anchor a = x_t, an fp32 CPU copy; once theta_{t+1} is there, the
-                    background turns it into the correction c = theta_{t+1} - a)
+        foreground: train round t+1 on from x_t
+        background, first: the anchor a = theta_t - Delta_t = x_t (fp32 CPU, up to rounding; from the averager's
+                    buffers, not the policy: `DiLoCoPeer.handed_off_weights`); once theta_{t+1} is there, the
+                    correction c = theta_{t+1} - a
     end of round t+1's inner phase, local weights x':
         wait for theta_{t+1} (the only seconds the inner loop is blocked, plus the hand-off)
         x <- x' + c = theta_{t+1} + (x' - a)           (rebase: the overlapped round's progress on the new theta)
@@ -99,7 +101,7 @@ class RoundEnd:
 @dataclass
 class _InFlight:
     round: int
-    anchor: list[torch.Tensor]  # a = the policy's trainable params at the hand-off, fp32 CPU copies
+    anchor: list[torch.Tensor]  # a = the policy's trainable params at the hand-off (fp32 CPU), then theta_{t+1} - a
     thread: threading.Thread
     result: SyncResult | None = None
     error: BaseException | None = None
@@ -191,11 +193,12 @@ class OverlappedSync:
 
     def _start(self, model: nn.Module, weight: float) -> None:
         handoff = self.peer.hand_off(model, weight)
-        anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters() if p.requires_grad]
-        flight = _InFlight(round=handoff.round, anchor=anchor, thread=None)  # type: ignore[arg-type]
+        flight = _InFlight(round=handoff.round, anchor=[], thread=None)  # type: ignore[arg-type]
 
         def run() -> None:
             try:
+                # the anchor off the trainer's critical path too: one theta-sized pass less in the foreground
+                flight.anchor = self.peer.handed_off_weights()
                 flight.result = self.peer.complete(handoff, stop=self.stop)
                 if flight.result is not None and flight.result.status == "averaged":
                     with self.peer._lock:  # off the trainer's critical path: the fold is then one add per element
