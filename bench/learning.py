@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,7 @@ class Arm:
         overlap: ``[outer] overlap`` (the sync of round t in the background while round t+1 trains).
         compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
         outer: ``(lr, momentum, nesterov)`` of the outer SGD, overriding ``sync`` / ``averaging`` / DiLoCo's.
+        outer_toml: the ``[outer]`` section's optimizer lines verbatim (another optimizer), overriding ``outer``.
     """
 
     name: str
@@ -76,6 +78,7 @@ class Arm:
     overlap: bool = False
     compression: str = "none"
     outer: tuple[float, float, bool] | None = None
+    outer_toml: str | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -93,6 +96,8 @@ class Arm:
         lr, momentum, nesterov = self.outer or ((1.0, 0.0, False) if self.sync or self.averaging
                                                 else (0.7, 0.9, True))  # DiLoCo's; the embedded default averages
         outer = f"lr = {lr}\nmomentum = {momentum}\nnesterov = {str(nesterov).lower()}\n"
+        if self.outer_toml is not None:
+            outer = self.outer_toml.strip() + "\n"
         return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
@@ -113,12 +118,31 @@ ARMS = [
     Arm("sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit"),
     *(Arm(f"nesterov-lr{lr}-m{m}-N4-H{h}", nodes=4, inner_steps=h, outer=(lr, m, True))
       for h in (4, 16) for lr, m in ((0.5, 0.5), (0.2, 0.8))),
+    # The outer-optimizer sweep on the shipped loss (GRPO alone: the channels default off since section 1c), N = 4.
+    # Run with --eval-episodes 256: the fixed held-out evaluation of section 1b tells these arms apart where the
+    # training curves cannot.
+    Arm("grpo-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, alpha_sdpo=0.0, beta_dpo=0.0),
+    *(Arm(f"grpo-avg-N4-H{h}", nodes=4, inner_steps=h, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0)
+      for h in (4, 16)),
+    Arm("grpo-overlap-N4-H16", nodes=4, inner_steps=16, averaging=True, overlap=True, alpha_sdpo=0.0, beta_dpo=0.0),
+    *(Arm(f"grpo-{'nesterov' if nesterov else 'heavyball'}-lr{lr}-m{m}-N4-H{h}", nodes=4, inner_steps=h,
+          outer=(lr, m, nesterov), alpha_sdpo=0.0, beta_dpo=0.0)
+      for h, lr, m, nesterov in ((16, 0.5, 0.5, True), (4, 0.5, 0.5, True), (4, 0.5, 0.5, False),
+                                 (4, 0.2, 0.8, True), (4, 0.7, 0.9, True))),
+    # Delayed Nesterov (arXiv 2401.09135, composer_diloco.outer.delayed_nesterov): momentum moved every 4 rounds
+    *(Arm(f"grpo-delayed-lr{lr}-m{m}-d4-N4-H4", nodes=4, inner_steps=4, alpha_sdpo=0.0, beta_dpo=0.0,
+          outer_toml=f'optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = {lr}\n'
+                     f"kwargs = {{momentum = {m}, delay = 4}}")
+      for lr, m in ((0.8, 0.5), (0.7, 0.9))),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
 
-def run_arm(arm: Arm, seed: int, budget: int, out: Path) -> Path:
+def run_arm(arm: Arm, seed: int, budget: int, out: Path, eval_episodes: int = 0) -> Path:
     """Play one arm with one seed (skipped when its run already finished); returns its run directory.
+
+    ``eval_episodes > 0`` ends the run with simulate's fixed held-out evaluation (warm start against the final
+    model, section 1b); its ``eval: ...`` lines are kept in ``done.json``.
 
     Raises:
         SystemExit: the simulation exited non-zero (its stderr tail is shown).
@@ -134,13 +158,14 @@ def run_arm(arm: Arm, seed: int, budget: int, out: Path) -> Path:
     config = run_dir / "config.toml"
     config.write_text(arm.config_toml(seed, rounds))
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--eval-episodes", "0", "--nodes", str(arm.nodes),
+    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--eval-episodes", str(eval_episodes), "--nodes", str(arm.nodes),
                              "--config", str(config), "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
                             text=True)
     if result.returncode != 0:
         raise SystemExit(f"{arm.name} seed {seed}: simulate exited {result.returncode}\n{result.stderr[-3000:]}")
+    evals = [line for line in result.stdout.splitlines() if line.startswith("eval: ")]
     done.write_text(json.dumps({"arm": arm.name, "seed": seed, "rounds": rounds,
-                                "wall_s": round(time.monotonic() - started, 1)}))
+                                "wall_s": round(time.monotonic() - started, 1), "eval": evals}))
     print(f"{arm.name} seed {seed}: {rounds} rounds in {time.monotonic() - started:.0f} s", flush=True)
     return run_dir
 
@@ -177,6 +202,20 @@ def binned(curve: list[tuple[int, float, float]], width: int) -> dict[int, tuple
             for edge, vs in sorted(bins.items())}
 
 
+_EVAL = re.compile(r"eval: (greedy|sampled T=[\d.]+): warm start ([\d.]+) -> round \d+ ([\d.]+) "
+                   r"\(([+-][\d.]+) \+- ([\d.]+) paired se, (\d+) tasks\)")
+
+
+def parse_eval(lines: list[str]) -> dict[str, tuple[float, float, float]]:
+    """simulate's ``eval: ...`` lines as ``{"greedy" | "sampled": (warm start, final - warm start, paired se)}``."""
+    out = {}
+    for line in lines:
+        m = _EVAL.match(line)
+        if m:
+            out["greedy" if m[1] == "greedy" else "sampled"] = (float(m[2]), float(m[4]), float(m[5]))
+    return out
+
+
 def summarize(out: Path, width: int) -> dict[str, dict]:
     """Per arm: the binned curves of each finished seed, the across-seed mean/min/max, the mean reward over the
     first quarter of the budget, the final score (mean reward and success over the last quarter), the rounds
@@ -186,9 +225,10 @@ def summarize(out: Path, width: int) -> dict[str, dict]:
         seeds = sorted((out / arm.name).glob("seed*/done.json"))
         if not seeds:
             continue
-        per_seed, firsts, finals, walls, rounds = [], [], [], [], 0
+        per_seed, firsts, finals, walls, rounds, evals = [], [], [], [], 0, []
         for done in seeds:
             info = json.loads(done.read_text())
+            evals.append(parse_eval(info.get("eval", [])))
             curve = step_curve(done.parent)
             per_seed.append(binned(curve, width))
             last = curve[-1][0]
@@ -203,6 +243,7 @@ def summarize(out: Path, width: int) -> dict[str, dict]:
             "seeds": len(seeds), "rounds": rounds, "wall_s": statistics.fmean(walls),
             "first_reward": firsts, "final_reward": [f[0] for f in finals], "final_success": [f[1] for f in finals],
             "curve": {e: (statistics.fmean(v), min(v), max(v)) for e, v in band.items()},
+            "eval": evals,
         }
     return summary
 
@@ -224,6 +265,14 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
                                   ["sync-N2", "diloco-N2-H4", "diloco-N2-H16", "diloco-N2-H64", "avg-N2-H16"]),
         "learning_channels.png": ("Loss channels, N = 2, H = 16, averaging",
                                   ["grpo-N2-H16", "grpo+sdpo-N2-H16", "avg-N2-H16"]),
+        "learning_outer_h4.png": ("Outer optimizers, GRPO alone, N = 4, H = 4",
+                                  ["grpo-avg-N4-H4", "grpo-nesterov-lr0.5-m0.5-N4-H4",
+                                   "grpo-heavyball-lr0.5-m0.5-N4-H4", "grpo-nesterov-lr0.2-m0.8-N4-H4",
+                                   "grpo-nesterov-lr0.7-m0.9-N4-H4", "grpo-delayed-lr0.8-m0.5-d4-N4-H4",
+                                   "grpo-delayed-lr0.7-m0.9-d4-N4-H4"]),
+        "learning_outer_h16.png": ("GRPO alone, N = 4, H = 16: sync, averaging, overlap, Nesterov",
+                                   ["grpo-sync-N4", "grpo-avg-N4-H16", "grpo-overlap-N4-H16",
+                                    "grpo-nesterov-lr0.5-m0.5-N4-H16"]),
     }
     placed = {n for _, names in panels.values() for n in names}
     others = [n for n in summary if n not in placed]  # e.g. the smoke arm
@@ -271,6 +320,26 @@ def table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def eval_table(summary: dict[str, dict]) -> str:
+    """Markdown table of the arms run with ``--eval-episodes``: the fixed held-out evaluation's final - warm start
+    per seed (paired se), sampled and greedy, their mean over seeds (± its standard error: std / sqrt(seeds)), and
+    the runs whose sampled success fell below `COLLAPSED`."""
+    lines = ["| arm | rounds (syncs) | sampled: final - warm start per seed (paired se) | mean ± se | greedy per seed "
+             "| collapsed |", "|---|---:|---|---:|---|---|"]
+    for name, s in summary.items():
+        evals = [e for e in s["eval"] if "sampled" in e]
+        if not evals:
+            continue
+        sampled = [e["sampled"] for e in evals]
+        greedy = [e["greedy"][1] for e in evals if "greedy" in e]
+        collapsed = sum(w + d < COLLAPSED for w, d, _ in sampled)
+        diffs = [d for _, d, _ in sampled]
+        lines.append(f"| {name} | {s['rounds']} | {' / '.join(f'{d:+.3f} ({se:.3f})' for _, d, se in sampled)} | "
+                     f"{statistics.fmean(diffs):+.3f}{f' ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.3f}' if len(diffs) > 1 else ''} | "
+                     f"{' / '.join(f'{g:+.3f}' for g in greedy)} | {collapsed}/{len(sampled)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -279,6 +348,8 @@ def main() -> None:
     run.add_argument("--budget", type=int, default=1024, help="samples (episodes, all nodes) per run")
     run.add_argument("--arms", nargs="*", default=None, help="arm names (default: all)")
     run.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
+    run.add_argument("--eval-episodes", type=int, default=0,
+                     help="end each run with the fixed held-out evaluation on this many tasks (0 = none)")
     run.add_argument("--smoke", action="store_true", help="one tiny arm, one seed, one round (CI smoke test)")
     report = sub.add_parser("report", help="table and PNGs from the finished runs")
     report.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
@@ -298,13 +369,16 @@ def main() -> None:
             arm.rounds(budget)  # every bad budget fails before the first run
         for seed in seeds:  # seed-major: a cut-short sweep still has every arm at the first seeds
             for arm in arms:
-                run_arm(arm, seed, budget, args.out)
+                run_arm(arm, seed, budget, args.out, args.eval_episodes)
         return
     summary = summarize(args.out, args.bin)
     if not summary:
         raise SystemExit(f"--out {str(args.out)!r} holds no finished run (expected ARM/seedK/done.json)")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(summary))
+    evals = eval_table(summary)
+    if evals:
+        print(f"\nThe fixed held-out evaluation:\n\n{evals}")
     for path in plot(summary, args.figures):
         print(path)
 

@@ -163,9 +163,12 @@ class OuterOptimizer(_Section):
 
     The default is DiLoCo's: SGD with Nesterov momentum, lr 0.7, momentum 0.9. In a `RunConfig` whose policy is the
     embedded default (``model`` unset), an SGD ``lr`` or ``momentum`` left unset is 1.0 / 0.0 instead (parameter
-    averaging): DiLoCo's 0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs at H <= 16 (BENCHMARKS.md, section 1).
-    Set them explicitly to override either default. Another optimizer needs no code, e.g.
-    ``optimizer = "adam"``, ``lr = 0.001``, ``kwargs = {betas = [0.9, 0.95]}``.
+    averaging): DiLoCo's 0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs at H <= 16 (BENCHMARKS.md, section 1),
+    and with GRPO alone no momentum setting beat averaging beyond noise at N = 4, H = 4 and 16 (section 1d, rows
+    grpo-avg-N4-H* against grpo-nesterov-*). Set them explicitly to override either default. Another optimizer
+    needs no code, e.g. ``optimizer = "adam"``, ``lr = 0.001``, ``kwargs = {betas = [0.9, 0.95]}``, or Delayed
+    Nesterov for stale pseudo-gradients (`composer_diloco.outer.delayed_nesterov`; section 1d: it matched
+    averaging with DiLoCo's 0.7 / 0.9, where plain Nesterov 0.7 / 0.9 did not learn).
     """
 
     optimizer: str = Field(
