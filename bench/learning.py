@@ -134,6 +134,13 @@ ARMS = [
           outer_toml=f'optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = {lr}\n'
                      f"kwargs = {{momentum = {m}, delay = 4}}")
       for lr, m in ((0.8, 0.5), (0.7, 0.9))),
+    # the same question at N = 2, H = 16 (8 rounds): averaging, Nesterov at averaging's step, DiLoCo's, delayed
+    Arm("grpo-avg-N2-H16", nodes=2, inner_steps=16, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0),
+    *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N2-H16", nodes=2, inner_steps=16, outer=(lr, m, True), alpha_sdpo=0.0,
+          beta_dpo=0.0) for lr, m in ((0.5, 0.5), (0.7, 0.9))),
+    Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H16", nodes=2, inner_steps=16, alpha_sdpo=0.0, beta_dpo=0.0,
+        outer_toml='optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = 0.7\n'
+                   "kwargs = {momentum = 0.9, delay = 4}"),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
