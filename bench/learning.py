@@ -107,6 +107,15 @@ class Arm:
                 f"[network]\nmatchmaking_time_s = 1.0\n")
 
 
+GRPO = {"alpha_sdpo": 0.0, "beta_dpo": 0.0}  # the shipped loss: GRPO alone
+
+
+def delayed_nesterov(lr: float, momentum: float, delay: int = 4) -> str:
+    """The ``[outer]`` lines of Delayed Nesterov (`composer_diloco.outer.delayed_nesterov`) for `Arm.outer_toml`."""
+    return (f'optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = {lr}\n'
+            f"kwargs = {{momentum = {momentum}, delay = {delay}}}")
+
+
 ARMS = [
     Arm("sync-N2", nodes=1, inner_steps=16, tasks_per_step=2, sync=True),
     Arm("sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True),
@@ -121,26 +130,21 @@ ARMS = [
     # The outer-optimizer sweep on the shipped loss (GRPO alone: the channels default off since section 1c), N = 4.
     # Run with --eval-episodes 256: the fixed held-out evaluation of section 1b tells these arms apart where the
     # training curves cannot.
-    Arm("grpo-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, alpha_sdpo=0.0, beta_dpo=0.0),
-    *(Arm(f"grpo-avg-N4-H{h}", nodes=4, inner_steps=h, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0)
-      for h in (4, 16)),
-    Arm("grpo-overlap-N4-H16", nodes=4, inner_steps=16, averaging=True, overlap=True, alpha_sdpo=0.0, beta_dpo=0.0),
+    Arm("grpo-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, **GRPO),
+    *(Arm(f"grpo-avg-N4-H{h}", nodes=4, inner_steps=h, averaging=True, **GRPO) for h in (4, 16)),
+    Arm("grpo-overlap-N4-H16", nodes=4, inner_steps=16, averaging=True, overlap=True, **GRPO),
     *(Arm(f"grpo-{'nesterov' if nesterov else 'heavyball'}-lr{lr}-m{m}-N4-H{h}", nodes=4, inner_steps=h,
-          outer=(lr, m, nesterov), alpha_sdpo=0.0, beta_dpo=0.0)
+          outer=(lr, m, nesterov), **GRPO)
       for h, lr, m, nesterov in ((16, 0.5, 0.5, True), (4, 0.5, 0.5, True), (4, 0.5, 0.5, False),
                                  (4, 0.2, 0.8, True), (4, 0.7, 0.9, True))),
     # Delayed Nesterov (arXiv 2401.09135, composer_diloco.outer.delayed_nesterov): momentum moved every 4 rounds
-    *(Arm(f"grpo-delayed-lr{lr}-m{m}-d4-N4-H4", nodes=4, inner_steps=4, alpha_sdpo=0.0, beta_dpo=0.0,
-          outer_toml=f'optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = {lr}\n'
-                     f"kwargs = {{momentum = {m}, delay = 4}}")
+    *(Arm(f"grpo-delayed-lr{lr}-m{m}-d4-N4-H4", nodes=4, inner_steps=4, outer_toml=delayed_nesterov(lr, m), **GRPO)
       for lr, m in ((0.8, 0.5), (0.7, 0.9))),
     # the same question at N = 2, H = 16 (8 rounds): averaging, Nesterov at averaging's step, DiLoCo's, delayed
-    Arm("grpo-avg-N2-H16", nodes=2, inner_steps=16, averaging=True, alpha_sdpo=0.0, beta_dpo=0.0),
-    *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N2-H16", nodes=2, inner_steps=16, outer=(lr, m, True), alpha_sdpo=0.0,
-          beta_dpo=0.0) for lr, m in ((0.5, 0.5), (0.7, 0.9))),
-    Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H16", nodes=2, inner_steps=16, alpha_sdpo=0.0, beta_dpo=0.0,
-        outer_toml='optimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = 0.7\n'
-                   "kwargs = {momentum = 0.9, delay = 4}"),
+    Arm("grpo-avg-N2-H16", nodes=2, inner_steps=16, averaging=True, **GRPO),
+    *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N2-H16", nodes=2, inner_steps=16, outer=(lr, m, True), **GRPO)
+      for lr, m in ((0.5, 0.5), (0.7, 0.9))),
+    Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H16", nodes=2, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
@@ -341,8 +345,11 @@ def eval_table(summary: dict[str, dict]) -> str:
         greedy = [e["greedy"][1] for e in evals if "greedy" in e]
         collapsed = sum(w + d < COLLAPSED for w, d, _ in sampled)
         diffs = [d for _, d, _ in sampled]
+        mean = f"{statistics.fmean(diffs):+.3f}"
+        if len(diffs) > 1:
+            mean += f" ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.3f}"
         lines.append(f"| {name} | {s['rounds']} | {' / '.join(f'{d:+.3f} ({se:.3f})' for _, d, se in sampled)} | "
-                     f"{statistics.fmean(diffs):+.3f}{f' ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.3f}' if len(diffs) > 1 else ''} | "
+                     f"{mean} | "
                      f"{' / '.join(f'{g:+.3f}' for g in greedy)} | {collapsed}/{len(sampled)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
