@@ -55,16 +55,18 @@ GPUS_GB = (24, 48, 80)
 LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def qwen3_config(arch: str, tokenizer=None):
+def qwen3_config(arch: str, tokenizer=None, **overrides):
     """The ``Qwen3Config`` of ``arch`` (one of `ARCHS`): head_dim 128, vocab 151,936, RoPE theta 1e6, 40,960
-    positions, RMSNorm eps 1e-6; pad/eos from ``tokenizer`` when given."""
+    positions, RMSNorm eps 1e-6; pad/eos from ``tokenizer`` when given; ``overrides`` replace any of these
+    (e.g. ``num_hidden_layers``, ``vocab_size``)."""
     from transformers import Qwen3Config
 
     extra = {} if tokenizer is None else dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                               bos_token_id=None)
-    return Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                       rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, initializer_range=0.02,
-                       use_cache=True, **ARCHS[arch], **extra)
+    kwargs = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, initializer_range=0.02, use_cache=True,
+                  **ARCHS[arch], **extra)
+    return Qwen3Config(**{**kwargs, **overrides})
 
 
 def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:

@@ -1,0 +1,35 @@
+"""bench/blocked_link.py still runs: a coordinator and two stand-in nodes (`nodes.node.Node` with a timed inner
+phase) in two network namespaces over a shaped veth pair, blocking then overlapped (root only)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_NETNS = os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(NO_NETNS, reason="network namespaces need root and the ip/tc commands")
+def test_blocked_link_runs_both_modes_through_the_node(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "blocked_link.py"), "--rounds", "2", "--layers", "1",
+                        "--inner-s", "6", "--lead-s", "25", "--link", "1gbit", "--out", str(out)],
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads((out / "summary.json").read_text())
+    assert [row["mode"] for row in rows] == ["blocking", "overlapped"]
+    for row in rows:
+        assert row["lines"] == 4 and row["statuses"] == ["averaged"]  # 2 nodes x 2 rounds, every round averaged
+        assert [rnd for rnd, _ in row["shas"]] == [0, 1]  # one theta per round: the two nodes agreed
+        assert row["bytes_sent_median"] > 0 and row["parameters"] > 10_000_000
+    lines = [json.loads(x) for x in (out / "overlapped.jsonl").read_text().splitlines()]
+    assert all(x["standin"] and x["peers"] == 3 and x["inner_seconds"] >= 6 for x in lines)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [n for n in listed.split() if n.startswith("cb") and n[2:-1].isdigit()]  # its namespaces are gone
