@@ -135,6 +135,26 @@ def test_gpu_node_refuses_when_host_ram_cannot_hold_the_outer_loop():
         check_plan(config, cfg, host_free=plan.host_bytes - 1, **kw)
 
 
+@pytest.mark.parametrize("outer, tensors", [
+    ("[outer]\nmomentum = 0.0\n", 0),                     # parameter averaging
+    ("[outer]\nmomentum = 0.9\n", 1),                     # DiLoCo's Nesterov SGD
+    ('[outer]\noptimizer = "adamw"\nlr = 0.001\n', 2),     # exp_avg, exp_avg_sq (the step count is a scalar)
+    ('[outer]\noptimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = 0.7\n'
+     "kwargs = {momentum = 0.9, delay = 4}\n", 2),          # momentum and the pseudo-gradients' running sum
+])
+def test_host_plan_counts_the_outer_optimizers_own_state(tmp_path, outer, tensors):
+    """The host part of the plan holds theta, the pseudo-gradient, the outer state and two transients, 4 bytes each
+    per trainable parameter: the outer state is counted on the optimizer itself, a dotted-path class included."""
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+
+    path = tmp_path / "c.toml"
+    path.write_text(outer)
+    cfg = tiny_model_config(load_default_tokenizer(), 0)
+    plan = check_plan(load_config(path, model="some/model"), cfg, micro_batch=1, grad_accum=8, device="cpu",
+                      bf16=False, gradient_checkpointing=False, free=10**12)
+    assert plan.host == 4 * model_shape(cfg).params_trainable * (2 + tensors + 2)
+
+
 def test_device_memory_env_caps_and_rejects(monkeypatch):
     monkeypatch.setenv(DEVICE_MEMORY_ENV, "1000000")
     assert device_free_bytes("cpu") == (1_000_000, f"capped by ${DEVICE_MEMORY_ENV}")

@@ -119,6 +119,19 @@ def check_factory(factory: OptimizerFactory) -> None:
         raise ValueError(f"outer optimizer {_describe(factory)} cannot be used: {e}") from None
 
 
+def state_tensors_per_parameter(factory: OptimizerFactory) -> int:
+    """How many tensors of a parameter's size ``factory``'s optimizer keeps per parameter (SGD without momentum 0,
+    SGD with momentum 1, Adam 2, `composer_diloco.outer.delayed_nesterov.DelayedNesterov` 2), counted on the state
+    it creates at its first step over a scratch tensor (`_initial_state`); scalars such as Adam's step do not count.
+
+    Raises:
+        TypeError / ValueError / RuntimeError: the optimizer refused its arguments (see `check_factory`).
+    """
+    probe = torch.zeros(17)
+    state = _initial_state(factory, probe)
+    return sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
+
+
 class GlobalModel:
     """The canonical parameters theta and the outer optimizer state, held by every peer.
 

@@ -309,10 +309,11 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
 
 
 def _outer_state_tensors(config: RunConfig) -> int:
-    outer = config.outer
-    if outer.is_sgd:
-        return 1 if (outer.momentum or 0) > 0 else 0
-    return 2 if outer.optimizer.lower().endswith(("adam", "adamw", "nadam", "radam", "adamax")) else 1
+    """Theta-sized tensors of the run's outer optimizer state, counted on the optimizer itself (any torch.optim class
+    or dotted path: `composer_diloco.outer.global_model.state_tensors_per_parameter`)."""
+    from composer_diloco.outer.global_model import optimizer_factory, state_tensors_per_parameter
+
+    return state_tensors_per_parameter(optimizer_factory(config.outer))
 
 
 def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad_accum: int, device: str,
