@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ overlap = {overlap}
 [network]
 averaging_timeout_s = 600.0
 join_timeout_s = 600.0
+join_grace_s = 600.0
 """
 
 
@@ -213,7 +215,9 @@ def run_mode(link: Link, model_dir: Path, out: Path, *, overlap: bool, rounds: i
             cwd=ROOT, env=env, stdout=clog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(coordinator)
         peer = _wait_for_peer_line(clog, coordinator, 300.0)
-        start_at = time.time() + lead_s  # node 1 downloads theta over the link first
+        # node 1 downloads theta and the outer state over the link first (1 GB, 88 s at 126M parameters, 100 Mbit/s);
+        # join_grace_s above lets it join round 0 that late; round 0's inner phase starts at start_at on both nodes
+        start_at = time.time() + lead_s
         for i in range(2):
             procs.append(subprocess.Popen(
                 link.wrap(i, [sys.executable, str(Path(__file__).resolve()), "node", "--peer", peer, "--name",
@@ -255,6 +259,7 @@ def main() -> None:
     ap.add_argument("--modes", default="blocking,overlapped")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-blocked-link"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the processes and the namespaces
     if args.cmd == "node":
         raise SystemExit(node_main(args))
     if why := netns_unusable_reason():
