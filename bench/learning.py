@@ -145,6 +145,18 @@ ARMS = [
     *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N2-H16", nodes=2, inner_steps=16, outer=(lr, m, True), **GRPO)
       for lr, m in ((0.5, 0.5), (0.7, 0.9))),
     Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H16", nodes=2, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
+    # N = 2, H = 4 (32 rounds): the most outer steps of the sweep, where outer momentum has the most rounds to act
+    Arm("grpo-sync-N2", nodes=1, inner_steps=16, tasks_per_step=2, sync=True, **GRPO),
+    Arm("grpo-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, **GRPO),
+    *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N2-H4", nodes=2, inner_steps=4, outer=(lr, m, True), **GRPO)
+      for lr, m in ((0.5, 0.5), (0.7, 0.9))),
+    Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H4", nodes=2, inner_steps=4, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
+    # N = 8, H = 4 (8 rounds): where the outer lr that works best is expected to grow (arXiv 2503.09799)
+    Arm("grpo-sync-N8", nodes=1, inner_steps=16, tasks_per_step=8, sync=True, **GRPO),
+    Arm("grpo-avg-N8-H4", nodes=8, inner_steps=4, averaging=True, **GRPO),
+    *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N8-H4", nodes=8, inner_steps=4, outer=(lr, m, True), **GRPO)
+      for lr, m in ((0.5, 0.5), (0.7, 0.9))),
+    Arm("grpo-delayed-lr0.7-m0.9-d4-N8-H4", nodes=8, inner_steps=4, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
@@ -284,6 +296,14 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_outer_h16.png": ("GRPO alone, N = 4, H = 16: sync, averaging, overlap, Nesterov",
                                    ["grpo-sync-N4", "grpo-avg-N4-H16", "grpo-overlap-N4-H16",
                                     "grpo-nesterov-lr0.5-m0.5-N4-H16"]),
+        "learning_outer_n2.png": ("Outer optimizers, GRPO alone, N = 2 (H = 4 solid, H = 16 dashed)",
+                                  ["grpo-sync-N2", "grpo-avg-N2-H4", "grpo-nesterov-lr0.5-m0.5-N2-H4",
+                                   "grpo-nesterov-lr0.7-m0.9-N2-H4", "grpo-delayed-lr0.7-m0.9-d4-N2-H4",
+                                   "grpo-avg-N2-H16", "grpo-nesterov-lr0.5-m0.5-N2-H16",
+                                   "grpo-nesterov-lr0.7-m0.9-N2-H16", "grpo-delayed-lr0.7-m0.9-d4-N2-H16"]),
+        "learning_outer_n8.png": ("Outer optimizers, GRPO alone, N = 8, H = 4",
+                                  ["grpo-sync-N8", "grpo-avg-N8-H4", "grpo-nesterov-lr0.5-m0.5-N8-H4",
+                                   "grpo-nesterov-lr0.7-m0.9-N8-H4", "grpo-delayed-lr0.7-m0.9-d4-N8-H4"]),
     }
     placed = {n for _, names in panels.values() for n in names}
     others = [n for n in summary if n not in placed]  # e.g. the smoke arm
@@ -300,7 +320,9 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
             curve = summary[name]["curve"]
             xs = sorted(curve)
             label = name if name != "avg-N2-H16" or "channels" not in filename else "grpo+sdpo+dpo-N2-H16"
-            ax.plot(xs, [curve[x][0] for x in xs], label=f"{label} ({summary[name]['seeds']} seeds)")
+            dashed = "dashed" in title and name.endswith("-H16")
+            ax.plot(xs, [curve[x][0] for x in xs], "--" if dashed else "-",
+                    label=f"{label} ({summary[name]['seeds']} seeds)")
             ax.fill_between(xs, [curve[x][1] for x in xs], [curve[x][2] for x in xs], alpha=0.15)
         ax.set_xlabel("samples trained (episodes, all nodes)")
         ax.set_ylabel("mean reward of the step's episodes")
