@@ -7,6 +7,7 @@ Every model forbids unknown keys, so a typo in a TOML file is an error that name
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import tomllib
@@ -106,7 +107,7 @@ class LossConfig(_Section):
 
     # Both channels default off: on tool_env no variant beat GRPO alone beyond noise, the published SDPO and DPO lowered
     # the held-out gain (BENCHMARKS.md 1b: composite -0.008 mean vs GRPO alone +0.042 over 6 runs; 1c: the table of
-    # fixed variants), SDPO alone collapsed 2 of 3 runs (section 1, item 4), and DPO broke the coding env (README,
+    # fixed variants), SDPO alone collapsed 2 of 3 runs (section 1a, item 4), and DPO broke the coding env (README,
     # "The coding env": greedy 0.40 -> 0.02). 0.2 is the weight those rows used; set it to turn a channel on.
     alpha_sdpo: float = Field(0.0, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off; "
                                                      "off by default, BENCHMARKS.md 1c).")
@@ -155,31 +156,47 @@ class InnerOptimizer(_Section):
 
 
 _SGD_NAMES = ("sgd", "torch.optim.sgd")
+_OUTER_CHOICES = ("optimizer", "lr", "momentum", "nesterov", "kwargs")  # the [outer] fields that choose the optimizer
+# The outer optimizer of a --model run whose [outer] section chooses none: DiLoCo's lr 0.7 and Nesterov momentum 0.9,
+# with the momentum moved every 4 rounds (Delayed Nesterov, arXiv 2401.09135). BENCHMARKS.md 1d: plain Nesterov
+# 0.7 / 0.9 was the one outer optimizer that did not learn in all three regimes run (N = 4, H = 4: +0.014 +- 0.038;
+# N = 2, H = 16: +0.008 +- 0.065; N = 2, H = 4: -0.345 +- 0.017, greedy halved), the delayed one with the same values
+# learnt with averaging in all three (+0.094 +- 0.018, +0.091 +- 0.022, +0.105 +- 0.004).
+DELAYED_NESTEROV_DEFAULT = {"optimizer": "composer_diloco.outer.delayed_nesterov.DelayedNesterov", "lr": 0.7,
+                            "kwargs": {"momentum": 0.9, "delay": 4}}
 
 
 class OuterOptimizer(_Section):
     """DiLoCo's OuterOpt: any ``torch.optim`` optimizer over theta, stepped once per round with the mean
     pseudo-gradient as its gradient (`composer_diloco.outer.global_model`).
 
-    The default is DiLoCo's: SGD with Nesterov momentum, lr 0.7, momentum 0.9. In a `RunConfig` whose policy is the
-    embedded default (``model`` unset), an SGD ``lr`` or ``momentum`` left unset is 1.0 / 0.0 instead (parameter
-    averaging): DiLoCo's 0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs at H <= 16 (BENCHMARKS.md, section 1),
-    and with GRPO alone no momentum setting beat averaging beyond noise at N = 4, H = 4 and 16 (section 1d, rows
-    grpo-avg-N4-H* against grpo-nesterov-*). Set them explicitly to override either default. Another optimizer
-    needs no code, e.g. ``optimizer = "adam"``, ``lr = 0.001``, ``kwargs = {betas = [0.9, 0.95]}``, or Delayed
-    Nesterov for stale pseudo-gradients (`composer_diloco.outer.delayed_nesterov`; section 1d: it matched
-    averaging with DiLoCo's 0.7 / 0.9, where plain Nesterov 0.7 / 0.9 did not learn).
+    Defaults, by the run's policy (`RunConfig`; BENCHMARKS.md 1d has the evidence):
+
+    - the embedded default (``model`` unset): SGD with lr 1.0 and momentum 0.0, parameter averaging. DiLoCo's
+      0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs under the old composite loss (section 1a), and with GRPO
+      alone no momentum setting beat averaging beyond noise at N = 2 and 4, H = 4 and 16 (section 1d).
+    - a ``model`` run whose ``[outer]`` section chooses nothing: Delayed Nesterov with DiLoCo's lr 0.7 and
+      momentum 0.9, the momentum moved every 4 rounds (`composer_diloco.outer.delayed_nesterov`,
+      ``DELAYED_NESTEROV_DEFAULT``). Plain Nesterov 0.7 / 0.9 did not learn in any of the three regimes run and
+      unlearnt at N = 2, H = 4 (-0.345 on the held-out evaluation); the delayed one learnt with averaging in all
+      three. Only the tiny policy was measured.
+    - a section that sets SGD values: the unset ones are DiLoCo's (lr 0.7, momentum 0.9, Nesterov) for a model, 1.0
+      / 0.0 for the embedded default; ``optimizer = "sgd"`` alone gives DiLoCo's SGD for a model.
+
+    Another optimizer needs no code, e.g. ``optimizer = "adam"``, ``lr = 0.001``, ``kwargs = {betas = [0.9,
+    0.95]}``.
     """
 
     optimizer: str = Field(
         "sgd", min_length=1,
         description="The outer optimizer: a torch.optim class name, any case (sgd, adam, adamw, nadam, radam, "
                     "rmsprop, adagrad ...), or a dotted path to a torch.optim.Optimizer subclass "
-                    "(my_pkg.optim.Lion). Its state is checkpointed and shared with joining peers as its state_dict.",
+                    "(my_pkg.optim.Lion). Its state is checkpointed and shared with joining peers as its state_dict. "
+                    "A --model run whose [outer] chooses nothing gets DELAYED_NESTEROV_DEFAULT.",
     )
     lr: float | None = Field(
-        None, gt=0, description="Outer learning rate. SGD: 0.7 (DiLoCo) unless set, 1.0 for the embedded default; "
-                                "any other optimizer: required (no default fits them all).",
+        None, gt=0, description="Outer learning rate. SGD: 0.7 (DiLoCo) for a --model run, 1.0 for the embedded "
+                                "default; any other optimizer: required (no default fits them all).",
     )
     momentum: float | None = Field(
         None, ge=0, lt=1, description="SGD only: outer (Nesterov) momentum; 0.9 (DiLoCo) unless set, 0.0 for the "
@@ -344,18 +361,24 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _outer_defaults_of_the_policy(cls, data: object) -> object:
-        """Unset SGD ``outer.lr`` / ``outer.momentum`` of an embedded-default run become 1.0 / 0.0 (see
-        `OuterOptimizer`); another outer optimizer keeps what its section says."""
-        if not isinstance(data, dict) or data.get("model") is not None:
+        """The outer optimizer's defaults depend on the policy (see `OuterOptimizer`): an ``[outer]`` section of a
+        ``model`` run that chooses nothing (none of `_OUTER_CHOICES` set) becomes `DELAYED_NESTEROV_DEFAULT`; unset
+        SGD ``lr`` / ``momentum`` of an embedded-default run become 1.0 / 0.0. Anything set is kept."""
+        if not isinstance(data, dict):
             return data
         outer = data.get("outer")
         if outer is None:
             outer = {}
         if not isinstance(outer, dict):  # an OuterOptimizer instance: its values are explicit
             return data
+        given = {k: v for k, v in outer.items() if v is not None}
+        if data.get("model") is not None:
+            if any(given.get(k) not in (None, {}) for k in _OUTER_CHOICES):
+                return data
+            return {**data, "outer": {**given, **copy.deepcopy(DELAYED_NESTEROV_DEFAULT)}}
         if str(outer.get("optimizer", "sgd")).lower() not in _SGD_NAMES:
             return data
-        return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **{k: v for k, v in outer.items() if v is not None}}}
+        return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **given}}
 
     @model_validator(mode="after")
     def _sparse_codec_needs_its_codec(self) -> "RunConfig":

@@ -57,14 +57,22 @@ def test_env_reset_kwargs(tmp_path):
 
 
 def test_outer_defaults_follow_the_policy(tmp_path):
-    """The embedded default averages (lr 1, momentum 0: DiLoCo's 0.7 / 0.9 collapses it); a real model gets DiLoCo's
-    defaults; explicit values win either way, and a published config keeps its values."""
+    """The embedded default averages (lr 1, momentum 0); a real model whose [outer] chooses nothing gets Delayed
+    Nesterov with DiLoCo's 0.7 / 0.9 (BENCHMARKS.md 1d); a section that sets SGD values gets DiLoCo's SGD for the rest;
+    explicit values win either way, and a published config keeps its values."""
     embedded = load_config(None)
-    assert (embedded.outer.lr, embedded.outer.momentum) == (1.0, 0.0)
+    assert (embedded.outer.optimizer, embedded.outer.lr, embedded.outer.momentum) == ("sgd", 1.0, 0.0)
     real = load_config(None, model="Qwen/Qwen3-0.6B")
-    assert (real.outer.lr, real.outer.momentum) == (0.7, 0.9)
+    assert real.outer.optimizer == "composer_diloco.outer.delayed_nesterov.DelayedNesterov"
+    assert (real.outer.lr, real.outer.kwargs, real.outer.momentum) == (0.7, {"momentum": 0.9, "delay": 4}, None)
     path = tmp_path / "c.toml"
     path.write_text("[outer]\nmomentum = 0.9\n")
     assert (load_config(path).outer.lr, load_config(path).outer.momentum) == (1.0, 0.9)
+    sgd = load_config(path, model="m").outer
+    assert (sgd.optimizer, sgd.lr, sgd.momentum, sgd.nesterov) == ("sgd", 0.7, 0.9, True)
+    path.write_text('[outer]\noptimizer = "sgd"\nmax_norm_ratio = 5.0\n')  # naming SGD alone: DiLoCo's SGD
     assert (load_config(path, model="m").outer.lr, load_config(path, model="m").outer.momentum) == (0.7, 0.9)
+    path.write_text("[outer]\noverlap = true\n")  # fields that choose no optimizer keep the model's default
+    chosen = load_config(path, model="m").outer
+    assert chosen.overlap and chosen.optimizer.endswith("DelayedNesterov") and chosen.lr == 0.7
     assert RunConfig.from_json(real.to_json()) == real and RunConfig.from_json(embedded.to_json()) == embedded

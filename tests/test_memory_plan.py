@@ -76,10 +76,10 @@ def test_plan_matches_measured_allocations(kind, mode, dtype):
 
 def test_bytes_per_parameter_follow_the_code():
     """Full fine-tuning: 4 (weights) + 4 (gradients) + 8 (AdamW) + 4 (the DPO reference copy, 2 for its linear weights
-    under bf16) bytes per parameter on the device, and theta + pseudo-gradient + momentum + the outer step's two
-    transients in host RAM; LoRA: the base's 4 bytes per parameter (2 for its linear weights under bf16) and 16 per
+    under bf16) bytes per parameter on the device, and theta + pseudo-gradient + the outer state (Delayed Nesterov's
+    momentum and running sum) + the outer step's two transients in host RAM; LoRA: the base's 4 bytes per parameter (2 for its linear weights under bf16) and 16 per
     adapter parameter, no reference copy."""
-    # DiLoCo's outer SGD: lr 0.7, momentum 0.9 (one state tensor); DPO on (it defaults off), so a reference copy
+    # a model run's default outer optimizer, Delayed Nesterov (two state tensors); DPO on (it defaults off): a reference
     config = load_config(None, model="some/model", loss=LossConfig(beta_dpo=0.2))
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
@@ -90,7 +90,7 @@ def test_bytes_per_parameter_follow_the_code():
     assert 0 < lin < p and full.shape.frozen_linear == 0  # full fine-tuning: every weight trains, kept fp32
     # bf16: the DPO reference copy keeps its linear weights in bf16 (2 bytes), its embedding and norms in fp32
     assert (full.weights, full.gradients, full.optimizer, full.reference) == (4 * p, 4 * p, 8 * p, 4 * p - 2 * lin)
-    assert full.host == 4 * p * 5 and full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
+    assert full.host == 4 * p * 6 and full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
     lora_config = load_config(None, model="some/model", lora=LoraSection(r=16, lora_alpha=32))
     lora = check_plan(lora_config, cfg, micro_batch=8, grad_accum=1, device="cuda:0", bf16=True,
                       gradient_checkpointing=False, free=None)
