@@ -21,7 +21,7 @@ layer shapes with ``--layers`` of its 28 layers and the shipped tokenizer's voca
 the link and the foreground passes all scale with the parameter count, so blocked / inner is the 0.5B run's;
 what does not scale (matchmaking, latencies, the barrier) weighs 4x more here than at 0.5B.
 
-Run as root (about 25 min for 4 rounds per mode; the machine should be otherwise idle):
+Run as root (about 30 min for 4 rounds per mode; the machine should be otherwise idle):
 
     python bench/blocked_link.py --rounds 4 --out runs/bench-blocked-link
 
