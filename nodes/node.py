@@ -249,7 +249,7 @@ class Node:
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
             self.sessions = open_env_sessions([server.url], n_sessions, **opening)
-        self.peer = DiLoCoPeer(model, config, self.swarm)
+        self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False)  # serves no state before the download
         self.stop.add_cleanup(self.peer.shutdown)
         if config.outer.overlap:  # `[outer] overlap`: sync in the background (composer_diloco.outer.overlap)
             from composer_diloco.outer.overlap import OverlappedSync

@@ -178,7 +178,7 @@ def two_peers_scenario(tmp_path: Path) -> None:
         for name in [*weights, "node-c"]:
             dhts.append(start_dht(initial_peers=[visible_multiaddr(dhts[0])] if dhts else []))
             swarm = Swarm(dhts[-1], run_name=config.run_name, peer_name=name, role="node")
-            peers[name] = DiLoCoPeer(Tiny(), config, swarm)
+            peers[name] = DiLoCoPeer(Tiny(), config, swarm, holds_theta=name in weights)  # node-c: a skeleton
             if name in weights:
                 swarm.set_round(0)
                 swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
@@ -219,10 +219,15 @@ def two_peers_scenario(tmp_path: Path) -> None:
         assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.global_model.params, reference.params))
         assert all(torch.equal(p.detach(), q) for p, q in zip(results["node-a"][-1][1].parameters(),
                                                               a.global_model.params))  # step 5: theta loaded
-        # a late joiner downloads theta and the optimizer state (hivemind's state sharing): the same bytes
+        # a late joiner downloads theta and the optimizer state (hivemind's state sharing): the same bytes. Before
+        # that, its skeleton is not theta, and it refuses to serve it (a joiner once took a skeleton as round 0)
         c = peers["node-c"]
+        c_id = c.swarm.dht.peer_id.to_base58()
+        assert a.averager.load_state_from_peers(timeout=10.0, peer=c_id) is None
         assert c.load_state_from_peers(30.0) and c.round == config.rounds
         assert state_bytes(c.global_model) == state_bytes(a.global_model)
+        served = a.averager.load_state_from_peers(timeout=30.0, peer=c_id)  # loaded, it serves theta
+        assert served is not None and served[0]["sha256"] == a.global_model.sha256()
         # a checkpoint of that state resumes it exactly
         model = Tiny()
         save_checkpoint(tmp_path / "run", c.round, model, NoTokenizer(), c.global_model, config.to_json())

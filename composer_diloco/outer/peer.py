@@ -169,9 +169,13 @@ class DiLoCoPeer:
         config: the run config (outer optimizer ``[outer]``, network timeouts, compression).
         swarm: this peer's DHT records (its ``dht`` is used for the averager).
         start_round: the round this peer starts in (0, or the round of the state it loaded).
+        holds_theta: False when ``model``'s weights are not the run's theta yet (a joining node's skeleton): the peer
+            then serves no state (hivemind's ``allow_state_sharing``) until `load_state_from_peers` loaded theta, so
+            that another joiner can never download a skeleton as the run's round-0 theta.
     """
 
-    def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0):
+    def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0,
+                 holds_theta: bool = True):
         self.config, self.swarm = config, swarm
         self.round = start_round
         self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`heal_split`)
@@ -187,13 +191,13 @@ class DiLoCoPeer:
         # child does not keep copy-on-write pages of them (twice their memory, and a slow first outer step, on big
         # models)
         with keep_signal_handlers():
-            self.averager = self._make_averager(swarm, config)
+            self.averager = self._make_averager(swarm, config, serve_state=holds_theta)
         self.global_model = GlobalModel(model, outer_optimizer=optimizer_factory(config.outer))
         self.base_sha256 = _base_sha256(model)  # LoRA: theta is the adapters; every peer's base must be this one
         self._built.set()
         self._update_priority()
 
-    def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
+    def _make_averager(self, swarm: Swarm, config: RunConfig, *, serve_state: bool) -> ExactAverager:
         from composer_diloco.outer.auth import MembersOnlyAverager, averaging_prefix
 
         net = config.network
@@ -214,6 +218,7 @@ class DiLoCoPeer:
             max_norm_ratio=config.outer.max_norm_ratio,
             sparse_codec=None if self.error_feedback is None else self.error_feedback.codec,
             declare_state_period=5.0,
+            allow_state_sharing=serve_state,
             shutdown_timeout=5.0,
         )
 
@@ -292,6 +297,8 @@ class DiLoCoPeer:
                 raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
             self.round = int(meta["round"])
         self._update_priority()
+        if not self.averager.allow_state_sharing:  # a joiner's skeleton is theta now: it may serve it
+            self.averager.allow_state_sharing = True
         log.info("%s loaded round %d state from a peer (sha256 %s)", self.swarm.name, self.round,
                  self.global_model.sha256()[:12])
         return True
