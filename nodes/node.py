@@ -256,8 +256,14 @@ class Node:
 
             self.overlap = OverlappedSync(self.peer, self.stop.event)
             self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
-        if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s):
-            raise NodeError(f"no peer of run {config.run_name!r} sent the global model within {o.join_timeout_s:.0f} s")
+        deadline = time.monotonic() + o.join_timeout_s
+        while not self.peer.load_state_from_peers(timeout_s=max(1.0, deadline - time.monotonic())):
+            # no peer's state declaration reached us yet (8 nodes starting on 2 cores: "peer dict empty"), or a
+            # download came back incomplete: ask again until the join timeout
+            if time.monotonic() >= deadline or self.stop.event.is_set():
+                raise NodeError(f"no peer of run {config.run_name!r} sent the global model within "
+                                f"{o.join_timeout_s:.0f} s")
+            time.sleep(1.0)
 
         # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
