@@ -44,6 +44,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import threading
+import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -384,8 +385,12 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,
-                 max_norm_ratio: float | None = None, sparse_codec: SparseCodec | None = None, **kwargs: Any):
+                 max_norm_ratio: float | None = None, sparse_codec: SparseCodec | None = None,
+                 serves_state: bool = True, **kwargs: Any):
         self._state_provider = state_provider
+        # False while this peer holds no theta yet: it still declares itself (a closed run's membership), but sends
+        # no state (`rpc_download_state`); shared with the averager process, so created before hivemind forks
+        self._serves_state = mp.Value(ctypes.c_bool, serves_state)
         self.max_norm_ratio = max_norm_ratio
         self.sparse_codec = sparse_codec
         if sparse_codec is not None and sparse_codec.numel != sum(t.numel() for t in averaged_tensors):
@@ -402,6 +407,25 @@ class ExactAverager(DecentralizedAverager):
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
         self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    @property
+    def serves_state(self) -> bool:
+        """Whether a peer downloading state from this one gets it (`rpc_download_state`)."""
+        return bool(self._serves_state.value)
+
+    @serves_state.setter
+    def serves_state(self, value: bool) -> None:
+        self._serves_state.value = bool(value)
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's ``rpc_download_state``; an empty stream while `serves_state` is False (hivemind's own "no state
+        here": the downloader goes on to the next peer). Annotated with typing's AsyncIterator, not collections.abc's:
+        hivemind recognizes a streaming RPC by it."""
+        if not self._serves_state.value:
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     def set_target_group_size(self, size: int | None) -> None:
         """Close the next group as soon as it holds ``size`` peers (hivemind's ``target_group_size``, applied in the
@@ -550,10 +574,18 @@ class ExactAverager(DecentralizedAverager):
             ``(metadata, tensors)``, or None when no peer (or not ``peer``) sent its state in time.
         """
         if peer is None:
-            return super().load_state_from_peers(wait=wait, timeout=timeout)
+            try:
+                return super().load_state_from_peers(wait=wait, timeout=timeout)
+            except TimeoutError:  # hivemind's download outlived ``timeout``: nothing came in time
+                return None
         future = MPFuture()
         self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
-        return future.result(timeout=timeout) if wait else future
+        if not wait:
+            return future
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            return None
 
     async def _load_state_from_peer(self, future: MPFuture, peer: str, timeout: float | None) -> None:
         # hivemind's download (rpc_download_state), from one named peer instead of the best of all_averagers

@@ -170,8 +170,8 @@ class DiLoCoPeer:
         swarm: this peer's DHT records (its ``dht`` is used for the averager).
         start_round: the round this peer starts in (0, or the round of the state it loaded).
         holds_theta: False when ``model``'s weights are not the run's theta yet (a joining node's skeleton): the peer
-            then serves no state (hivemind's ``allow_state_sharing``) until `load_state_from_peers` loaded theta, so
-            that another joiner can never download a skeleton as the run's round-0 theta.
+            then sends no state (`ExactAverager.serves_state`, lowest priority) until `load_state_from_peers` loaded
+            theta, so that another joiner can never download a skeleton as the run's round-0 theta.
     """
 
     def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0,
@@ -218,7 +218,7 @@ class DiLoCoPeer:
             max_norm_ratio=config.outer.max_norm_ratio,
             sparse_codec=None if self.error_feedback is None else self.error_feedback.codec,
             declare_state_period=5.0,
-            allow_state_sharing=serve_state,
+            serves_state=serve_state,
             shutdown_timeout=5.0,
         )
 
@@ -234,8 +234,10 @@ class DiLoCoPeer:
             return meta, [t.clone() for t in tensors]
 
     def _update_priority(self) -> None:
-        # load_state_from_peers picks the highest priority: the newest round, the coordinator among equals.
-        self.averager.state_sharing_priority = self.round + (0.5 if self.swarm.role == "coordinator" else 0.0)
+        # load_state_from_peers picks the highest priority: the newest round, the coordinator among equals; a peer
+        # without theta yet last (it would send nothing)
+        self.averager.state_sharing_priority = -1.0 if not self.averager.serves_state else \
+            self.round + (0.5 if self.swarm.role == "coordinator" else 0.0)
 
     def layout(self) -> list[list]:
         """``[[name, shape], ...]`` of the global params: what two peers of one run must share."""
@@ -296,9 +298,8 @@ class DiLoCoPeer:
             except ValueError as e:
                 raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
             self.round = int(meta["round"])
+        self.averager.serves_state = True  # a joiner's skeleton is theta now: it may send it
         self._update_priority()
-        if not self.averager.allow_state_sharing:  # a joiner's skeleton is theta now: it may serve it
-            self.averager.allow_state_sharing = True
         log.info("%s loaded round %d state from a peer (sha256 %s)", self.swarm.name, self.round,
                  self.global_model.sha256()[:12])
         return True
