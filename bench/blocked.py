@@ -142,13 +142,21 @@ def main() -> None:
         (args.out / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         rows.append(summarize(mode, lines, args.rounds))
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    print("| mode | node-rounds | inner s (median) | sync s (median) | blocked s (median, rounds 0..R-2) | "
-          "blocked s (last round) | utilization (rounds 0..R-2) | utilization (all) | statuses |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print(table(rows))
+
+
+def table(rows: list[dict], percent_digits: int = 1) -> str:
+    """The markdown table of `summarize` rows, one per mode."""
+    lines = ["| mode | node-rounds | inner s (median) | sync s (median) | blocked s (median, rounds 0..R-2) | "
+             "blocked s (last round) | utilization (rounds 0..R-2) | utilization (all) | statuses |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    pct = f".{percent_digits}%"
     for r in rows:
-        print(f"| {r['mode']} | {r['lines']} | {r['inner_s_median']:.2f} | {r['sync_s_median']:.2f} | "
-              f"{r['blocked_s_median']:.3f} | {r['blocked_s_last']:.2f} | {r['utilization_without_last']:.1%} | "
-              f"{r['utilization_all']:.1%} | {', '.join(r['statuses'])} |")
+        lines.append(f"| {r['mode']} | {r['lines']} | {r['inner_s_median']:.2f} | {r['sync_s_median']:.2f} | "
+                     f"{r['blocked_s_median']:.3f} | {r['blocked_s_last']:.2f} | "
+                     f"{r['utilization_without_last']:{pct}} | {r['utilization_all']:{pct}} | "
+                     f"{', '.join(r['statuses'])} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

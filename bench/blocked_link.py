@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blocked import summarize  # noqa: E402
+from blocked import summarize, table  # noqa: E402
 from netns import Link, LinkSpec, netns_unusable_reason, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,17 +280,10 @@ def main() -> None:
             (args.out / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
             rows.append({**summarize(mode, lines, args.rounds), "parameters": n, "inner_s": inner_s,
                          "link": args.link, "codec": args.codec,
-                         "bytes_sent_median": sorted(r["bytes_sent"] for r in lines)[len(lines) // 2]})
+                         "bytes_sent_median": statistics.median_low(r["bytes_sent"] for r in lines)})
             print(json.dumps(rows[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    print("| mode | node-rounds | inner s (median) | sync s (median) | blocked s (median, rounds 0..R-2) | "
-          "blocked s (last round) | utilization (rounds 0..R-2) | utilization (all) | statuses |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['lines']} | {r['inner_s_median']:.2f} | {r['sync_s_median']:.2f} | "
-              f"{r['blocked_s_median']:.3f} | {r['blocked_s_last']:.2f} | {r['utilization_without_last']:.2%} | "
-              f"{r['utilization_all']:.2%} | {', '.join(r['statuses'])} |")
-
+    print(table(rows, percent_digits=2))
 
 if __name__ == "__main__":
     main()
