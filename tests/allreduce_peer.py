@@ -1,7 +1,8 @@
 """One peer of tests/test_averaging.py, run as its own process.
 
 For each compression it averages a known tensor with the other peers through `ExactAverager`, applies the outer
-step, and writes what it ended with (SHA-256 of the mean, the mean, bytes sent, new theta) as JSON.
+step, and writes what it ended with (SHA-256 of the mean, the mean, bytes sent, new theta, reply streams its senders
+closed) as JSON.
 """
 
 import hashlib
@@ -49,6 +50,7 @@ def main() -> None:
             "theta_sha": gm.sha256(),
             "theta_small": gm.params[1].detach().flatten().tolist(),
             "bytes_sent": int(averager.bytes_sent.value),
+            "closed_by_sender": int(averager.replies_closed_by_sender.value),
         }
         averager.shutdown()
     with open(args.out, "w") as f:

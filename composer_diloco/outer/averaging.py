@@ -12,6 +12,11 @@ Failure behaviour (what the round protocol relies on):
 - a peer's ``step`` returns only once its replies as a reducer have been written out (`ExactAllReduceRunner.replies_sent`):
   hivemind's returns as soon as the peer holds its own average, so a node that shut down right after its last round
   cut the end of its share off the coordinator's average;
+- the sender closes each reply stream once it holds every averaged part of that reducer, and the reducer keeps its
+  end open until then (`_ClosingAfterLastPart`, `ExactAllReduceRunner.rpc_aggregate_part`): in hivemind a reducer
+  closes its end as soon as its last part is written, and under load the libp2p stream then lost parts still in
+  flight (1 round in about 80 on loopback: "peer ... sent 15 parts, but we expected 16"), which the sender filled
+  with zeros, and its round ended settling on another member's theta;
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
   those coordinates this round) and `ExactAverager.failed_size` tells how many elements were lost. A reducer
   that dies after returning a part to some peers and not to others leaves the survivors with *different*
@@ -102,14 +107,17 @@ class ExactAllReduceRunner(AllReduceRunner):
             peer sends, to reducers and back to senders.
         dropped: indices (in ``ordered_peer_ids``) of peers whose contribution every reducer weighs 0.
         round_: the DiLoCo round (for fault injection only).
+        closed_by_sender: an ``mp.Value('Q')`` incremented for every reply stream of this reducer that its sender
+            closed after receiving every averaged part (the order that loses nothing; `rpc_aggregate_part`).
     """
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], peer_fractions: tuple[float, ...],
                  compression: CompressionBase, bytes_sent: Any, dropped: frozenset[int] = frozenset(),
-                 round_: int | None = None, **kwargs: Any):
+                 round_: int | None = None, closed_by_sender: Any = None, **kwargs: Any):
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, compression=compression, **kwargs)
         self._compression = compression
         self._bytes_sent = bytes_sent
+        self._closed_by_sender = closed_by_sender
         self._dropped_senders = {self.ordered_peer_ids[i] for i in dropped}
         self._round = round_
         self._answered_one = False
@@ -129,7 +137,12 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception as e:  # hivemind logs it at DEBUG only; the parts of this reducer are zeros now
+                log.warning("all-reduce: no average from reducer %s (%d elements zeroed so far): %r", peer_id,
+                            self.tensor_part_container.failed_size, e)
+                raise
         # Our own part: average it here, then take it through the compression the others receive it with.
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
@@ -141,6 +154,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 peer_index, part_index, roundtrip(averaged, self._compression)
             )
 
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _ClosingAfterLastPart(super()._get_peer_stub(peer),
+                                     self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)])
+
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
             self._count(message.tensor_part.ByteSize())
@@ -149,16 +166,33 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def rpc_aggregate_part(self, stream, context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
         # hivemind's, marking the sender served once its reply stream is over (every averaged part written to it)
+        sent = 0
         try:
             async for message in super().rpc_aggregate_part(stream, context):
+                sent += 1
                 yield message
+            if sent == self.tensor_part_reducer.num_parts:
+                # every averaged part is written: keep our end open until the sender closes its own, which it does
+                # once it holds them all (`_ClosingAfterLastPart`); hivemind then cancels this handler. A reply stream
+                # that the reducer closes first can lose its last parts in flight (seen on loopback under load: "peer
+                # ... sent 15 parts, but we expected 16"), and the sender fills them with zeros
+                await asyncio.sleep(self.sender_timeout or 30.0)
+        except (asyncio.CancelledError, GeneratorExit):  # the sender closed (GeneratorExit: while we were writing)
+            if sent < self.tensor_part_reducer.num_parts:
+                log.warning("all-reduce: the reply stream to %s was cut after %d of %d parts", context.remote_id, sent,
+                            self.tensor_part_reducer.num_parts)
+            elif self._closed_by_sender is not None:
+                with self._closed_by_sender.get_lock():
+                    self._closed_by_sender.value += 1
+            raise
         finally:
             if context.remote_id in self._replied:
                 self._replied[context.remote_id].set()
 
     async def replies_sent(self, timeout_s: float | None) -> list[PeerID]:
-        """Wait until this reducer has written its averaged parts back to every other sender (each one's reply stream
-        over, or the sender banned), at most ``timeout_s`` seconds; returns the senders still unserved.
+        """Wait until every other sender holds this reducer's averaged parts (it closed its reply stream after the last
+        part, its stream broke off, or it was banned), at most ``timeout_s`` seconds; returns the senders still
+        unserved.
 
         hivemind's `run` ends as soon as *this* peer holds every averaged part; its replies to the others go out
         from separate RPC handlers, which may still be writing. A peer that shut down right then (a node at the
@@ -175,6 +209,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         return [p for p, done in self._replied.items() if not done.is_set()]
 
     async def _ban_sender(self, peer_id: PeerID) -> None:
+        if peer_id not in self.banned_senders:
+            index = self.sender_peer_ids.index(peer_id)
+            log.warning("all-reduce: sender %s banned after %d of %d parts; the rest are averaged without it",
+                        peer_id, self.tensor_part_reducer.num_parts_received[index], self.tensor_part_reducer.num_parts)
         await super()._ban_sender(peer_id)
         if peer_id in self._replied:  # a sender that failed is owed nothing more
             self._replied[peer_id].set()
@@ -221,6 +259,31 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class _ClosingAfterLastPart:
+    """A reducer's stub whose ``rpc_aggregate_part`` reply stream is closed by us, the sender, as soon as it has
+    delivered the ``parts`` averaged parts we expect (an error reply ends it as before). The reducer keeps its end open
+    until then (`ExactAllReduceRunner.rpc_aggregate_part`): the side that closes a libp2p stream first is the one
+    that holds every byte it needs."""
+
+    def __init__(self, stub: Any, parts: int):
+        self._stub, self._parts = stub, parts
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        return self._until_last_part(await self._stub.rpc_aggregate_part(requests))
+
+    async def _until_last_part(self, stream: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        received = 0
+        try:
+            async for message in stream:
+                yield message
+                received += message.code == averaging_pb2.AVERAGED_PART
+                if received == self._parts:
+                    return
+        finally:
+            await stream.aclose()  # hivemind's reader closes our end of the stream
 
 
 class SparseGatherRunner:
@@ -377,6 +440,8 @@ class ExactAverager(DecentralizedAverager):
     Attributes:
         bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
         failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
+        replies_closed_by_sender: reply streams, over all all-reduces, whose sender closed them once it held every
+            averaged part of this peer's share (`ExactAllReduceRunner.rpc_aggregate_part`); shared across processes.
         max_norm_ratio: screening threshold handed to `composer_diloco.outer.screening.screen` (None = NaN/Inf only).
         sparse_codec: the ``sparse-2bit`` codec (`SparseCodec` over the layout of ``averaged_tensors``): ``step``
             all-gathers messages instead of running the butterfly (module docstring). Each member's gathered metadata
@@ -405,6 +470,7 @@ class ExactAverager(DecentralizedAverager):
         self._message_lock = threading.Lock()
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
+        self.replies_closed_by_sender = mp.Value(ctypes.c_uint64, 0)
         self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -512,6 +578,7 @@ class ExactAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             bytes_sent=self.bytes_sent,
+            closed_by_sender=self.replies_closed_by_sender,
             dropped=dropped,
             round_=mine.get("round"),
             **kwargs,
