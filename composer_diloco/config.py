@@ -178,9 +178,10 @@ class OuterOptimizer(_Section):
       alone no momentum setting beat averaging beyond noise at N = 2, 4 and 8 (section 1d).
     - a ``model`` run whose ``[outer]`` section chooses nothing: Delayed Nesterov with DiLoCo's lr 0.7 and
       momentum 0.9, the momentum moved every 4 rounds (`composer_diloco.outer.delayed_nesterov`,
-      ``DELAYED_NESTEROV_DEFAULT``). Plain Nesterov 0.7 / 0.9 did not learn in three of the four regimes run and
-      unlearnt at N = 2, H = 4 (-0.345 on the held-out evaluation); the delayed one learnt with averaging in those
-      three (at N = 8, H = 4 no arm separated). Only the tiny policy was measured.
+      ``DELAYED_NESTEROV_DEFAULT``). Plain Nesterov 0.7 / 0.9 did not learn in three of the five regimes run (those
+      with 16-32 outer steps) and unlearnt at N = 2, H = 4 (-0.345 on the held-out evaluation); the delayed one
+      learnt with averaging in those three (at N = 8, H = 4 and N = 2, H = 64, 4-8 outer steps, no arm separated).
+      Only the tiny policy was measured.
     - a section that sets SGD values: the unset ones are DiLoCo's (lr 0.7, momentum 0.9, Nesterov) for a model, 1.0
       / 0.0 for the embedded default; ``optimizer = "sgd"`` alone gives DiLoCo's SGD for a model.
 
