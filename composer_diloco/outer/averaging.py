@@ -253,12 +253,18 @@ class ExactAllReduceRunner(AllReduceRunner):
             if kill_in_reply:
                 if answer:
                     self._replied[self.sender_peer_ids[sender_index]].set()  # every part is written: served
-                    await asyncio.sleep(1.0)  # let the answered sender receive its last part
-                    faults.point("reducer_answered", self._round)
+                    # the kill, 1 s on (the answered sender receives its last part), runs apart from this handler:
+                    # the sender closes the stream once it holds every part, which cancels the handler
+                    self._dying = asyncio.create_task(self._die_after_answer())
                 await asyncio.sleep(3600.0)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+    async def _die_after_answer(self) -> None:
+        await asyncio.sleep(1.0)
+        faults.point("reducer_answered", self._round)
 
 
 class _ClosingAfterLastPart:
