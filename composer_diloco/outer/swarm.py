@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 3600.0
 _MAX_PENDING_BEATS = 4  # heartbeat stores in flight at once (each still waiting on a slow replica)
-LINEAGE_ROUNDS = 16  # rounds of theta hashes each heartbeat carries
+LINEAGE_ROUNDS = 64  # rounds of theta hashes each heartbeat carries (~2 KB): a peer cut off for fewer rounds than
+# this is told it split when it meets the run again; one further behind is only brought forward (`recovery.recover`)
 _LINEAGE_HEX = 16  # hex digits of each (64 bits: two different thetas never match by chance)
 RUNS_KEY = "composer_diloco.runs"
 
