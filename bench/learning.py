@@ -157,6 +157,10 @@ ARMS = [
     *(Arm(f"grpo-nesterov-lr{lr}-m{m}-N8-H4", nodes=8, inner_steps=4, outer=(lr, m, True), **GRPO)
       for lr, m in ((0.5, 0.5), (0.7, 0.9))),
     Arm("grpo-delayed-lr0.7-m0.9-d4-N8-H4", nodes=8, inner_steps=4, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
+    # N = 8, H = 16: run with --budget 2048 (4 rounds; beside grpo-sync-N8 at the same budget, in its own --out)
+    Arm("grpo-avg-N8-H16", nodes=8, inner_steps=16, averaging=True, **GRPO),
+    Arm("grpo-nesterov-lr0.7-m0.9-N8-H16", nodes=8, inner_steps=16, outer=(0.7, 0.9, True), **GRPO),
+    Arm("grpo-delayed-lr0.7-m0.9-d4-N8-H16", nodes=8, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
     # N = 2, H = 64: run with --budget 2048 (4 rounds; beside grpo-sync-N2 at the same budget, in its own --out)
     Arm("grpo-avg-N2-H64", nodes=2, inner_steps=64, averaging=True, **GRPO),
     Arm("grpo-nesterov-lr0.7-m0.9-N2-H64", nodes=2, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
@@ -308,6 +312,9 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_outer_n8.png": ("Outer optimizers, GRPO alone, N = 8, H = 4",
                                   ["grpo-sync-N8", "grpo-avg-N8-H4", "grpo-nesterov-lr0.5-m0.5-N8-H4",
                                    "grpo-nesterov-lr0.7-m0.9-N8-H4", "grpo-delayed-lr0.7-m0.9-d4-N8-H4"]),
+        "learning_outer_n8_h16.png": ("Outer optimizers, GRPO alone, N = 8, H = 16 (2,048 samples)",
+                                      ["grpo-sync-N8", "grpo-avg-N8-H16", "grpo-nesterov-lr0.7-m0.9-N8-H16",
+                                       "grpo-delayed-lr0.7-m0.9-d4-N8-H16"]),
         "learning_outer_h64.png": ("Outer optimizers, GRPO alone, N = 2, H = 64 (2,048 samples)",
                                    ["grpo-sync-N2", "grpo-avg-N2-H64", "grpo-nesterov-lr0.7-m0.9-N2-H64",
                                     "grpo-delayed-lr0.7-m0.9-d4-N2-H64"]),
