@@ -9,7 +9,7 @@ host's and the target's peer IDs, so the target gets as far as the HMAC before r
 the averager's ``rpc_join_group`` under prefix P (the closed run's, as identify leaks it) instead; a
 ``PROTOCOL_VIOLATION`` reply counts as refused. Prints one JSON line:
 ``{"seconds", "workers", "refused", "answered", "other", "refused_per_s"}`` (``answered``: the target accepted a
-request, i.e. the flood got in; ``other``: timeouts and errors that are not a refusal).
+request, i.e. the flood got in; ``other``: timeouts, errors and empty replies, none of them an answer).
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from composer_diloco.outer.peer import round_group_bits
 from composer_diloco.outer.swarm import RUNS_KEY
 
 
-async def _join(p2p: P2P, target: PeerID, prefix: str) -> bool:
-    """One ``rpc_join_group``; True if it was refused (``PROTOCOL_VIOLATION``)."""
+async def _join(p2p: P2P, target: PeerID, prefix: str) -> str:
+    """One ``rpc_join_group``: "refused" (``PROTOCOL_VIOLATION``), "other" (an empty reply: the refusal was lost in
+    flight, the server closing its end first under the flood's load) or "answered" (any other reply)."""
     request = averaging_pb2.JoinRequest(
         schema_hash=compute_schema_hash([torch.zeros(4)]), expiration=get_dht_time() + 5.0,
         group_key=f"{prefix}.0b{round_group_bits(0)}", gather=MSGPackSerializer.dumps({"name": "flood"}))
     stream = await MembersOnlyAverager.get_stub(p2p, target, namespace=prefix).rpc_join_group(request)
     codes = [m.code async for m in stream]
-    return codes == [averaging_pb2.PROTOCOL_VIOLATION]
+    return "refused" if codes == [averaging_pb2.PROTOCOL_VIOLATION] else "other" if not codes else "answered"
 
 
 async def flood(target_maddr: str, seconds: float, workers: int, signed: bool, join_prefix: str | None) -> dict:
@@ -53,10 +54,9 @@ async def flood(target_maddr: str, seconds: float, workers: int, signed: bool, j
         while time.monotonic() < deadline:
             if join_prefix:
                 try:
-                    refused = await asyncio.wait_for(_join(p2p, target, join_prefix), 10.0)
+                    counts[await asyncio.wait_for(_join(p2p, target, join_prefix), 10.0)] += 1
                 except Exception:
-                    refused = None
-                counts["refused" if refused else "answered" if refused is False else "other"] += 1
+                    counts["other"] += 1
                 continue
             request = dht_pb2.FindRequest(keys=[key])
             if authorizer is not None:
