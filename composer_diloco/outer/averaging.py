@@ -169,7 +169,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         sent = 0
         try:
             async for message in super().rpc_aggregate_part(stream, context):
-                sent += 1
+                sent += message.code == averaging_pb2.AVERAGED_PART  # counted as the sender counts them
                 yield message
             if sent == self.tensor_part_reducer.num_parts:
                 # every averaged part is written: keep our end open until the sender closes its own, which it does
@@ -260,7 +260,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
-
 
     async def _die_after_answer(self) -> None:
         await asyncio.sleep(1.0)
