@@ -19,8 +19,9 @@ import pytest
 
 from local_run import LocalRun, write_config
 
-SPLIT_CONFIG = """
-rounds = 24
+ROUNDS = 36
+SPLIT_CONFIG = f"""
+rounds = {ROUNDS}
 inner_steps = 1
 [network]
 heartbeat_s = 1.0
@@ -86,10 +87,14 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
     try:
         coordinator = run.start_coordinator("--listen", f"/ip4/0.0.0.0/tcp/{port}")
         peer_id = coordinator.rsplit("/p2p/", 1)[1]
-        run.start_node("node-0", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}")
-        # node-1 paced by a 1 s sleep per inner step, so that it does not race through the run while alone
+        # both nodes paced by a 1 s sleep per inner step, so that neither half races through the run while apart: on a
+        # slow machine node-1 takes up to ~30 s to notice the cut, and an unpaced node-0 (0.5 s rounds) with the
+        # coordinator had finished the run before the link came back, leaving nobody to heal to
+        pace = {"COMPOSER_DILOCO_FAULTS": "step_delay:*:1.0"}
+        run.start_node("node-0", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}",
+                       env=pace)
         run.start_node("node-1", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/{HOST_IP}/tcp/{port}/p2p/{peer_id}",
-                       prefix=["ip", "netns", "exec", ns], env={"COMPOSER_DILOCO_FAULTS": "step_delay:*:1.0"})
+                       prefix=["ip", "netns", "exec", ns], env=pace)
         first = run.wait_round("coordinator", 1, timeout_s=400)
         assert first["peers"] == 3, first  # the three met over the veth before the split
 
@@ -102,6 +107,8 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         _ip("link", "set", host_dev, "up")
         joined_at = time.time()
         print(f"\nsplit for {joined_at - cut_at:.0f} s: the coordinator ended {len(coordinator_rounds)} rounds")
+        assert max(r["round"] for r in run.records()["coordinator"]) < ROUNDS - 1, \
+            "the coordinator's half finished the run while split: nothing is left to heal to (the pacing is too fast)"
 
         # node-1 takes the coordinator's state: by `heal_split` when it is at a round it trained itself (its theta
         # there differs from the coordinator's), by `recover` when the others are ahead of it; which of the two
@@ -134,7 +141,7 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         shas = {n: by_round[n][rnd]["global_sha256"] for n in by_round if rnd in by_round[n]}
         assert len(set(shas.values())) == 1, f"round {rnd}: peers disagree after the heal: {shas}"
     last = {n: by_round[n][max(by_round[n])] for n in by_round}
-    assert {r["round"] for r in last.values()} == {23}, last
+    assert {r["round"] for r in last.values()} == {ROUNDS - 1}, last
     assert len({r["global_sha256"] for r in last.values()}) == 1, last
     # and the three averaged together again
     assert any(r["peers"] == 3 and r["time"] > heal_time for r in records["coordinator"]), records["coordinator"]
