@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blocked import summarize, table  # noqa: E402
+from memory import TreeMemory, copies  # noqa: E402
 from netns import Link, LinkSpec, netns_unusable_reason, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,8 +198,9 @@ def _wait_for_peer_line(log: Path, proc: subprocess.Popen, timeout_s: float) -> 
 
 
 def run_mode(link: Link, model_dir: Path, out: Path, *, overlap: bool, rounds: int, inner_s: float, codec: str,
-             lead_s: float) -> list[dict]:
-    """One run (coordinator + node 0 in namespace a, node 1 in b); returns the nodes' metrics lines."""
+             lead_s: float, memory: TreeMemory | None = None) -> list[dict]:
+    """One run (coordinator + node 0 in namespace a, node 1 in b); returns the nodes' metrics lines. ``memory``:
+    the sampler that watches the three process trees (`bench/memory.py`)."""
     from composer_diloco.metrics import read_metrics
 
     mode = "overlapped" if overlap else "blocking"
@@ -215,6 +217,8 @@ def run_mode(link: Link, model_dir: Path, out: Path, *, overlap: bool, rounds: i
                           str(run_dir), "--listen", f"/ip4/{link.addresses[0]}/tcp/0"]),
             cwd=ROOT, env=env, stdout=clog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(coordinator)
+        if memory is not None:
+            memory.watch("coordinator", coordinator.pid)
         peer = _wait_for_peer_line(clog, coordinator, 300.0)
         # node 1 downloads theta and the outer state over the link first (1 GB, 88 s at 126M parameters, 100 Mbit/s);
         # join_grace_s above lets it join round 0 that late; round 0's inner phase starts at start_at on both nodes
@@ -226,6 +230,8 @@ def run_mode(link: Link, model_dir: Path, out: Path, *, overlap: bool, rounds: i
                               "--inner-s", str(inner_s), "--start-at", str(start_at)]),
                 cwd=ROOT, env=env, stdout=(run_dir / f"node-{i}.log").open("w"), stderr=subprocess.STDOUT,
                 start_new_session=True))
+            if memory is not None:
+                memory.watch(f"node-{i}", procs[-1].pid)
         budget = lead_s + rounds * (inner_s + 600.0)
         for p in procs[1:]:
             if p.wait(timeout=budget) != 0:
@@ -259,6 +265,8 @@ def main() -> None:
     ap.add_argument("--lead-s", type=float, default=150.0, help="seconds from the coordinator's address to round 0")
     ap.add_argument("--modes", default="blocking,overlapped")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-blocked-link"))
+    ap.add_argument("--memory", action="store_true",
+                    help="sample each peer's process tree (bench/memory.py) and report its peak in copies of theta")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the processes and the namespaces
     if args.cmd == "node":
@@ -275,12 +283,19 @@ def main() -> None:
     rows = []
     with Link(LinkSpec.parse(args.link), prefix=f"cb{os.getpid() % 100000}", octet=7) as link:
         for mode in args.modes.split(","):
-            lines = run_mode(link, model_dir, args.out, overlap=mode == "overlapped", rounds=args.rounds,
-                             inner_s=inner_s, codec=args.codec, lead_s=args.lead_s)
+            memory = TreeMemory().start() if args.memory else None
+            try:
+                lines = run_mode(link, model_dir, args.out, overlap=mode == "overlapped", rounds=args.rounds,
+                                 inner_s=inner_s, codec=args.codec, lead_s=args.lead_s, memory=memory)
+            finally:
+                peaks = memory.stop() if memory is not None else {}
             (args.out / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
             rows.append({**summarize(mode, lines, args.rounds), "parameters": n, "inner_s": inner_s,
                          "link": args.link, "codec": args.codec,
                          "bytes_sent_median": statistics.median_low(r["bytes_sent"] for r in lines)})
+            if peaks:
+                rows[-1]["memory"] = {name: {"uss_bytes": p.uss_bytes, "pss_bytes": p.pss_bytes,
+                                             "theta_copies": copies(p, n)} for name, p in sorted(peaks.items())}
             print(json.dumps(rows[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print(table(rows, percent_digits=2))
