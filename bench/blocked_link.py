@@ -25,7 +25,8 @@ Run as root (about 30 min for 4 rounds per mode; the machine should be otherwise
 
     python bench/blocked_link.py --rounds 4 --out runs/bench-blocked-link
 
-Per mode it writes ``<mode>.jsonl`` (the nodes' metrics lines) and prints the table of `blocked.summarize`.
+Per mode it writes ``<mode>.jsonl`` (the nodes' metrics lines) and prints the table of `blocked.summarize`; with
+``--memory`` also ``<mode>-memory.jsonl`` (each peer's memory, sampled every 0.5 s: `bench/memory.py`).
 """
 
 from __future__ import annotations
@@ -294,6 +295,7 @@ def main() -> None:
                          "link": args.link, "codec": args.codec,
                          "bytes_sent_median": statistics.median_low(r["bytes_sent"] for r in lines)})
             if peaks:
+                (args.out / f"{mode}-memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in memory.series))
                 rows[-1]["memory"] = {name: {"uss_bytes": p.uss_bytes, "pss_bytes": p.pss_bytes,
                                              "theta_copies": copies(p, n)} for name, p in sorted(peaks.items())}
             print(json.dumps(rows[-1]), flush=True)

@@ -47,12 +47,14 @@ class TreeMemory:
         period_s: seconds between samples (one sample of a 4-process tree reads 4 smaps_rollup files: ~1 ms).
 
     `watch(name, pid)` adds a tree (the process and its descendants at each sample); `peaks` holds one `Peak` per
-    name. A process that exits between listing and reading is skipped for that sample.
+    name, `series` every sample as ``{"time": epoch s, "peer": name, "uss_bytes", "pss_bytes"}`` (to line up with
+    the peers' logs). A process that exits between listing and reading is skipped for that sample.
     """
 
     def __init__(self, period_s: float = 0.5):
         self.period_s = period_s
         self.peaks: dict[str, Peak] = {}
+        self.series: list[dict] = []
         self._roots: dict[str, int] = {}
         self._stop = threading.Event()
         self._start = time.monotonic()
@@ -78,6 +80,8 @@ class TreeMemory:
         while True:
             for name, pid in list(self._roots.items()):
                 uss, pss = _tree_bytes(pid)
+                if pss:
+                    self.series.append({"time": round(time.time(), 2), "peer": name, "uss_bytes": uss, "pss_bytes": pss})
                 peak = self.peaks[name]
                 peak.uss_bytes = max(peak.uss_bytes, uss)
                 if pss > peak.pss_bytes:
