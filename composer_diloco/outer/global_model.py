@@ -141,6 +141,9 @@ class GlobalModel:
             ``params -> torch.optim.Optimizer``); None = ``nesterov_sgd(lr, momentum, nesterov)``.
         lr, momentum, nesterov: shorthand for ``outer_optimizer=nesterov_sgd(...)`` (defaults 0.7, 0.9, True);
             only with ``outer_optimizer=None``.
+        share_storage: theta *is* ``model``'s trainable parameters where they are fp32 on CPU (no copy; the outer
+            step moves the model): for a peer that never trains ``model`` (the coordinator), whose model only ever
+            holds theta. False (a node): theta is a copy, the policy trains away from it.
 
     Attributes:
         params: list of fp32 CPU tensors, one per trainable parameter of ``model``.
@@ -151,7 +154,8 @@ class GlobalModel:
     """
 
     def __init__(self, model: nn.Module, *, outer_optimizer: OptimizerFactory | None = None,
-                 lr: float | None = None, momentum: float | None = None, nesterov: bool = True):
+                 lr: float | None = None, momentum: float | None = None, nesterov: bool = True,
+                 share_storage: bool = False):
         if outer_optimizer is not None and (lr is not None or momentum is not None):
             raise ValueError("GlobalModel: pass outer_optimizer or the SGD shorthand (lr, momentum), not both")
         if outer_optimizer is None:
@@ -159,7 +163,8 @@ class GlobalModel:
                                            nesterov=nesterov)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.params = [p.detach().to("cpu", torch.float32).clone() for _, p in named]
+        self.params = [p.detach() if share_storage and p.device.type == "cpu" and p.dtype == torch.float32
+                       else p.detach().to("cpu", torch.float32).clone() for _, p in named]
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = outer_optimizer(self.params)
@@ -193,15 +198,18 @@ class GlobalModel:
         """theta <- OuterOpt(theta, Delta): one optimizer step with ``delta`` as the gradient.
 
         Args:
-            delta: fp32 CPU tensors, the averaged pseudo-gradient, same shapes as ``params``.
+            delta: fp32 CPU tensors, the averaged pseudo-gradient, same shapes as ``params``. They are the step's
+                ``.grad`` themselves, not a copy (a copy of theta's size at 0.5-8B is 2-32 GB of host memory): the
+                caller owns them and must not read them as Delta afterwards (an optimizer may write its gradient;
+                torch's SGD and Adam do not).
         Raises:
             ValueError: a tensor of ``delta`` holds NaN or Inf (theta and the optimizer state are left untouched).
         """
         for name, d in zip(self.names, delta, strict=True):
-            if not torch.isfinite(d).all():
+            if not bool(torch.isfinite(d).all()):
                 raise ValueError(f"pseudo-gradient of {name!r} holds NaN or Inf; outer step refused")
         for p, d in zip(self.params, delta, strict=True):
-            p.grad = d.detach().clone()
+            p.grad = d.detach()
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -211,7 +219,8 @@ class GlobalModel:
         """Copy theta into ``model``'s parameters (cast to each parameter's dtype and device)."""
         local = [p for p in model.parameters() if p.requires_grad]
         for p, g in zip(local, self.params, strict=True):
-            p.copy_(g.to(device=p.device, dtype=p.dtype))
+            if p.data_ptr() != g.data_ptr():  # not already theta (`share_storage`)
+                p.copy_(g.to(device=p.device, dtype=p.dtype))
 
     # -- state sharing (hivemind's state download) ----------------------------------------------------------
     def state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -276,10 +285,13 @@ class GlobalModel:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
-        """Entries of a checkpoint's ``outer.pt``: ``outer_optimizer`` (the optimizer's own ``state_dict``, cloned)
-        and ``outer_optimizer_class`` (its qualified class name)."""
-        return {"outer_optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "outer_optimizer_class": self.optimizer_name}
+        """Entries of a checkpoint's ``outer.pt``: ``outer_optimizer`` (the optimizer's own ``state_dict``) and
+        ``outer_optimizer_class`` (its qualified class name).
+
+        The state dict's tensors are the live state, not a copy (one copy per state tensor of theta's size would be
+        2-32 GB at 0.5-8B): write them (``torch.save``) before the next outer step.
+        """
+        return {"outer_optimizer": self.optimizer.state_dict(), "outer_optimizer_class": self.optimizer_name}
 
     @torch.no_grad()
     def load_checkpoint_state(self, outer_pt: Mapping[str, Any]) -> None:

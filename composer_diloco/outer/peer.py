@@ -100,14 +100,15 @@ class _Reduced:
         members: names of the group's peers (this one included).
         weight_total: summed weights (samples) of the averaged contributions.
         rejected: names of the members whose contribution the all-reduce dropped.
-        mean: Delta, fp32 CPU tensors in the layout of theta; None when every contribution was dropped.
-        missed: elements no reducer returned to this peer (zeros in ``mean``; `recovery.settle`).
+        averaged: True when the averager's buffers hold Delta (fp32 CPU, the layout of theta); False when every
+            contribution was dropped.
+        missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle`).
     """
 
     members: list[str]
     weight_total: float
     rejected: list[str]
-    mean: list[torch.Tensor] | None
+    averaged: bool
     missed: int
 
 
@@ -192,7 +193,9 @@ class DiLoCoPeer:
         # models)
         with keep_signal_handlers():
             self.averager = self._make_averager(swarm, config, serve_state=holds_theta)
-        self.global_model = GlobalModel(model, outer_optimizer=optimizer_factory(config.outer))
+        # the coordinator never trains its model: theta can be its weights (one copy of theta less)
+        self.global_model = GlobalModel(model, outer_optimizer=optimizer_factory(config.outer),
+                                        share_storage=swarm.role == "coordinator")
         self.base_sha256 = _base_sha256(model)  # LoRA: theta is the adapters; every peer's base must be this one
         self._built.set()
         self._update_priority()
@@ -529,12 +532,8 @@ class DiLoCoPeer:
         weight_total = sum(float(g.get("weight", 0.0)) for g, c in zip(group, members) if c.rejection is None)
         if weight_total <= 0 and not rejected:
             raise RoundFailed("the all-reduce group holds no weight")
-        mean = None
-        if weight_total > 0:
-            with self.averager.get_tensors() as delta:
-                mean = [d.clone() for d in delta]
         return _Reduced(members=[str(g.get("name")) for g in group], weight_total=weight_total, rejected=rejected,
-                        mean=mean, missed=int(self.averager.failed_size.value))
+                        averaged=weight_total > 0, missed=int(self.averager.failed_size.value))
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
@@ -543,14 +542,16 @@ class DiLoCoPeer:
         Raises:
             RoundFailed: Delta holds NaN/Inf (the outer step refused it; theta and round unchanged).
         """
-        if reduced.mean is None:
+        if not reduced.averaged:
             log.warning("%s round %d: no contribution left after screening: theta unchanged", self.swarm.name, r)
             with self._lock:
                 self.round = r + 1
             return "skipped"
         try:
-            with self._lock:
-                self.global_model.outer_step(reduced.mean)
+            # Delta is the step's gradient where the all-reduce left it, in the averager's buffers: no copy of theta's
+            # size (the next round's pseudo-gradient overwrites them). Lock order as in `handed_off_weights`
+            with self._lock, self.averager.get_tensors() as delta:
+                self.global_model.outer_step(delta)
                 self.round = r + 1
         except ValueError as e:
             raise RoundFailed(str(e)) from e

@@ -121,10 +121,8 @@ def step_alone(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundC
         A `SyncResult` with ``peers`` 1 and status "alone", or "skipped" when that pseudo-gradient is non-finite
         (theta unchanged; the round ends all the same).
     """
-    with peer.averager.get_tensors() as delta:
-        own = [d.clone() for d in delta]
     status: SyncStatus = "alone"
-    with peer._lock:
+    with peer._lock, peer.averager.get_tensors() as own:  # the buffers are the step's gradient (no copy)
         try:
             peer.global_model.outer_step(own)
         except ValueError as e:  # our own pseudo-gradient is non-finite: keep theta
