@@ -57,9 +57,11 @@ def start(
     Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
     since round R: ..."); 130 when stopped by a signal."""
     from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from composer_diloco.malloc import fix_mmap_threshold
     from composer_diloco.reaper import watch_this_process
     from coordinator.coordinator import Coordinator, CoordinatorOptions
 
+    fix_mmap_threshold()  # the coordinator never trains: its big buffers are theta-sized copies (malloc.py)
     setup_logging("coordinator", verbose)
     stop = GracefulStop().install()
     watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL

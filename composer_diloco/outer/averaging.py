@@ -66,6 +66,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, anext, 
 from hivemind.utils.mpfuture import MPFuture
 
 from composer_diloco import faults
+from composer_diloco.malloc import fix_mmap_threshold
 from composer_diloco.outer.compression import roundtrip
 from composer_diloco.outer.screening import Rejection, screen
 from composer_diloco.outer.sparse import CodecError, SparseCodec, weighted_mean
@@ -478,6 +479,13 @@ class ExactAverager(DecentralizedAverager):
         self.replies_closed_by_sender = mp.Value(ctypes.c_uint64, 0)
         self._verdicts: dict[bytes, list[Rejection | None]] = {}  # by group id, in the averager process
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        """The averager process's main (hivemind's), with glibc's mmap threshold pinned first
+        (`composer_diloco.malloc.fix_mmap_threshold`): the all-reduce parts and state chunks this process allocates by
+        the thousand would otherwise stay in its heap at their peak, 3-4 copies of theta (BENCHMARKS.md, section 7)."""
+        fix_mmap_threshold()
+        super().run()
 
     @property
     def serves_state(self) -> bool:

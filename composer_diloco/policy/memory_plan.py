@@ -25,8 +25,9 @@ with full fine-tuning, and within 10 % where the activations do).
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
     none for parameter averaging; ``compression = "sparse-2bit"`` adds 8 T: the error feedback and its next value,
-    `composer_diloco.outer.sparse.ErrorFeedback`) + 8 T transient at the outer step (the averaged delta's copy and the ``.grad`` the
-    outer optimizer reads), plus the policy as loaded: ``from_pretrained`` builds it in fp32 on the CPU (4 P) before
+    `composer_diloco.outer.sparse.ErrorFeedback`) + 8 T transient (a state download at join or resync: theta and the outer
+    state pass through hivemind's averager process; the outer step itself copies nothing, `GlobalModel.outer_step`),
+    plus the policy as loaded: ``from_pretrained`` builds it in fp32 on the CPU (4 P) before
     it moves to a GPU; on a CPU node that copy *is* the device's weights.
 
 Activations (an approximation, calibrated on CPU by `measure_training_bytes`): per token of a micro-batch row,
@@ -193,7 +194,7 @@ class MemoryPlan:
         bf16, gradient_checkpointing: the node's ``--dtype bf16`` and ``--gradient-checkpointing``.
         weights, gradients, optimizer, reference, activations: device bytes by item.
         step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor.
-        host: host bytes of the outer loop (theta, pseudo-gradient, outer state, outer-step transients).
+        host: host bytes of the outer loop (theta, pseudo-gradient, outer state, a state download's transients).
         host_model: host bytes of the policy as loaded (fp32, before it moves to a GPU; the device's own weights on
             a CPU node, already counted there).
         free: device bytes free when planned (None: unknown); for ``--device cpu`` the host's available RAM.
