@@ -496,6 +496,23 @@ class ExactAverager(DecentralizedAverager):
     def serves_state(self, value: bool) -> None:
         self._serves_state.value = bool(value)
 
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's ``rpc_join_group`` (this peer leads the group), which keeps its end of the stream open after
+        BEGIN_ALLREDUCE until the follower closes its own (it does once it read the message), at most
+        ``request_timeout`` seconds. hivemind's handler returns right after writing BEGIN_ALLREDUCE, and a libp2p
+        stream closed first by its writer can lose what is still in flight, as the all-reduce's reply streams did
+        (`ExactAllReduceRunner.rpc_aggregate_part`): a follower then read an empty stream, searched on alone and, the
+        others averaging without it, sat out the whole step timeout ("could not find a group", about 1 round in
+        80-300 under load). hivemind's own handler has ended by then (its follower bookkeeping is done): only the
+        stream stays open."""
+        began = False
+        async for message in super().rpc_join_group(request, context):
+            began = message.code == averaging_pb2.BEGIN_ALLREDUCE
+            yield message
+        if began:
+            await asyncio.sleep(self._matchmaking.request_timeout)  # cancelled when the follower closes
+
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """hivemind's ``rpc_download_state``; an empty stream while `serves_state` is False (hivemind's own "no state

@@ -214,7 +214,10 @@ class DiLoCoPeer:
             start=True,
             min_group_size=2,
             min_matchmaking_time=net.matchmaking_time_s,
-            request_timeout=min(5.0, net.matchmaking_time_s),
+            # below the matchmaking window, as hivemind's Matchmaking asks: two peers that request each other at once
+            # wait on each other's lock until this timeout breaks the tie; at the window's length it took the whole
+            # window, and the round's group did not form
+            request_timeout=min(5.0, net.matchmaking_time_s / 2),
             allreduce_timeout=net.averaging_timeout_s,
             next_chunk_timeout=min(10.0, net.averaging_timeout_s / 3),
             compression=make_compression(config.compression),
