@@ -17,6 +17,9 @@ Failure behaviour (what the round protocol relies on):
   closes its end as soon as its last part is written, and under load the libp2p stream then lost parts still in
   flight (1 round in about 80 on loopback: "peer ... sent 15 parts, but we expected 16"), which the sender filled
   with zeros, and its round ended settling on another member's theta;
+- likewise a group's leader keeps each follower's join stream open after BEGIN_ALLREDUCE until the follower closes
+  it (`ExactAverager.rpc_join_group`): a follower that lost that message searched on alone while the others averaged
+  without it, and sat out the step's whole timeout;
 - a reducer that dies leaves its parts unreduced: every surviving peer fills them with zeros (no update for
   those coordinates this round) and `ExactAverager.failed_size` tells how many elements were lost. A reducer
   that dies after returning a part to some peers and not to others leaves the survivors with *different*
