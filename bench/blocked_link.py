@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blocked import summarize, table  # noqa: E402
-from memory import TreeMemory, copies  # noqa: E402
+from memory import TreeMemory  # noqa: E402
 from netns import Link, LinkSpec, netns_unusable_reason, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--modes", default="blocking,overlapped")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-blocked-link"))
     ap.add_argument("--memory", action="store_true",
-                    help="sample each peer's process tree (bench/memory.py) and report its peak in copies of theta")
+                    help="sample each peer's process tree (bench/memory.py) and report its peak bytes")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the processes and the namespaces
     if args.cmd == "node":
@@ -296,8 +296,9 @@ def main() -> None:
                          "bytes_sent_median": statistics.median_low(r["bytes_sent"] for r in lines)})
             if peaks:
                 (args.out / f"{mode}-memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in memory.series))
-                rows[-1]["memory"] = {name: {"uss_bytes": p.uss_bytes, "pss_bytes": p.pss_bytes,
-                                             "theta_copies": copies(p, n)} for name, p in sorted(peaks.items())}
+                # bytes: `bench/memory.py slope` turns two sizes' peaks into copies of theta
+                rows[-1]["memory"] = {name: {"uss_bytes": p.uss_bytes, "pss_bytes": p.pss_bytes}
+                                      for name, p in sorted(peaks.items())}
             print(json.dumps(rows[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print(table(rows, percent_digits=2))

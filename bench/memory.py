@@ -32,12 +32,10 @@ class Peak:
     Attributes:
         uss_bytes: the largest sum of private bytes over the tree (bytes).
         pss_bytes: the largest sum of proportional bytes over the tree (bytes), private and shared.
-        at_s: seconds from the sampler's start to the largest PSS sample.
     """
 
     uss_bytes: int = 0
     pss_bytes: int = 0
-    at_s: float = 0.0
 
 
 class TreeMemory:
@@ -57,7 +55,6 @@ class TreeMemory:
         self.series: list[dict] = []
         self._roots: dict[str, int] = {}
         self._stop = threading.Event()
-        self._start = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="tree-memory", daemon=True)
 
     def watch(self, name: str, pid: int) -> None:
@@ -83,9 +80,7 @@ class TreeMemory:
                 if pss:
                     self.series.append({"time": round(time.time(), 2), "peer": name, "uss_bytes": uss, "pss_bytes": pss})
                 peak = self.peaks[name]
-                peak.uss_bytes = max(peak.uss_bytes, uss)
-                if pss > peak.pss_bytes:
-                    peak.pss_bytes, peak.at_s = pss, time.monotonic() - self._start
+                peak.uss_bytes, peak.pss_bytes = max(peak.uss_bytes, uss), max(peak.pss_bytes, pss)
             if self._stop.wait(self.period_s):
                 return
 
@@ -106,13 +101,6 @@ def _tree_bytes(pid: int) -> tuple[int, int]:
         uss += info.uss
         pss += info.pss
     return uss, pss
-
-
-def copies(peak: Peak, parameters: int) -> dict[str, float]:
-    """``peak`` in fp32 copies of a ``parameters``-element theta: private, shared (PSS - USS) and total."""
-    theta = 4.0 * parameters
-    return {"private": round(peak.uss_bytes / theta, 2), "shared": round((peak.pss_bytes - peak.uss_bytes) / theta, 2),
-            "total": round(peak.pss_bytes / theta, 2)}
 
 
 def slope(small: list[dict], large: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ the OS on ``free``. But the threshold is dynamic: each such free raises it to th
 (``mallopt(3)``, ``M_MMAP_THRESHOLD``). After the first few, every part of an all-reduce (hivemind's 512 KiB parts,
 their serialized bytes) and every chunk of a state download comes from the heap, and freed heap memory only returns
 to the OS from its top: the process keeps its peak. Measured with ``bench/blocked_link.py --memory`` at two policy
-sizes (`bench/memory.py slope`), this retention was 3-4 copies of theta per peer (BENCHMARKS.md, section 7).
+sizes (`bench/memory.py slope`), this retention was 3-4 copies of theta per peer (BENCHMARKS.md, section 3c).
 
 `fix_mmap_threshold` pins the threshold at its starting value, which turns the dynamic adjustment off: big buffers
 are mapped and unmapped one by one again. The cost is a page fault per page of each such buffer, which matters for a

@@ -486,7 +486,7 @@ class ExactAverager(DecentralizedAverager):
     def run(self) -> None:
         """The averager process's main (hivemind's), with glibc's mmap threshold pinned first
         (`composer_diloco.malloc.fix_mmap_threshold`): the all-reduce parts and state chunks this process allocates by
-        the thousand would otherwise stay in its heap at their peak, 3-4 copies of theta (BENCHMARKS.md, section 7)."""
+        the thousand would otherwise stay in its heap at their peak, 3-4 copies of theta (BENCHMARKS.md, section 3c)."""
         fix_mmap_threshold()
         super().run()
 

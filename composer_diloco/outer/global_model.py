@@ -206,7 +206,7 @@ class GlobalModel:
             ValueError: a tensor of ``delta`` holds NaN or Inf (theta and the optimizer state are left untouched).
         """
         for name, d in zip(self.names, delta, strict=True):
-            if not bool(torch.isfinite(d).all()):
+            if not torch.isfinite(d).all():
                 raise ValueError(f"pseudo-gradient of {name!r} holds NaN or Inf; outer step refused")
         for p, d in zip(self.params, delta, strict=True):
             p.grad = d.detach()

@@ -100,15 +100,15 @@ class _Reduced:
         members: names of the group's peers (this one included).
         weight_total: summed weights (samples) of the averaged contributions.
         rejected: names of the members whose contribution the all-reduce dropped.
-        averaged: True when the averager's buffers hold Delta (fp32 CPU, the layout of theta); False when every
-            contribution was dropped.
         missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle`).
+
+    Delta itself (fp32 CPU, the layout of theta) stays where the all-reduce left it, in the averager's buffers; with
+    ``weight_total`` 0 every contribution was dropped and there is none.
     """
 
     members: list[str]
     weight_total: float
     rejected: list[str]
-    averaged: bool
     missed: int
 
 
@@ -536,7 +536,7 @@ class DiLoCoPeer:
         if weight_total <= 0 and not rejected:
             raise RoundFailed("the all-reduce group holds no weight")
         return _Reduced(members=[str(g.get("name")) for g in group], weight_total=weight_total, rejected=rejected,
-                        averaged=weight_total > 0, missed=int(self.averager.failed_size.value))
+                        missed=int(self.averager.failed_size.value))
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
@@ -545,7 +545,7 @@ class DiLoCoPeer:
         Raises:
             RoundFailed: Delta holds NaN/Inf (the outer step refused it; theta and round unchanged).
         """
-        if not reduced.averaged:
+        if reduced.weight_total <= 0:
             log.warning("%s round %d: no contribution left after screening: theta unchanged", self.swarm.name, r)
             with self._lock:
                 self.round = r + 1
