@@ -39,8 +39,11 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomli_w  # openenv's dependency, hence ours
 
 from composer_diloco.metrics import read_metrics
 
@@ -65,6 +68,8 @@ class Arm:
         compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
         outer: ``(lr, momentum, nesterov)`` of the outer SGD, overriding ``sync`` / ``averaging`` / DiLoCo's.
         outer_toml: the ``[outer]`` section's optimizer lines verbatim (another optimizer), overriding ``outer``.
+        base: a config file (relative to the repository) under the arm's own keys, e.g. ``configs/coding.toml``
+            for the coding env: its env, sequence length, temperature and inner lr stay; the arm's keys win.
     """
 
     name: str
@@ -79,6 +84,7 @@ class Arm:
     compression: str = "none"
     outer: tuple[float, float, bool] | None = None
     outer_toml: str | None = None
+    base: str | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -98,16 +104,28 @@ class Arm:
         outer = f"lr = {lr}\nmomentum = {momentum}\nnesterov = {str(nesterov).lower()}\n"
         if self.outer_toml is not None:
             outer = self.outer_toml.strip() + "\n"
-        return (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
+        own = (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
                 + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
                 f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
+        if self.base is None:
+            return own
+        return tomli_w.dumps(_merged(tomllib.loads((ROOT / self.base).read_text()), tomllib.loads(own)))
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s keys written over it, tables merged key by key (TOML has no include)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 GRPO = {"alpha_sdpo": 0.0, "beta_dpo": 0.0}  # the shipped loss: GRPO alone
+CODING = "configs/coding.toml"
 
 
 def delayed_nesterov(lr: float, momentum: float, delay: int = 4) -> str:
@@ -165,6 +183,13 @@ ARMS = [
     Arm("grpo-avg-N2-H64", nodes=2, inner_steps=64, averaging=True, **GRPO),
     Arm("grpo-nesterov-lr0.7-m0.9-N2-H64", nodes=2, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
     Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H64", nodes=2, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
+    # The coding env (configs/coding.toml: GRPO alone, T = 0.6, inner lr 2e-5), N = 4, H = 16 against its sync baseline
+    Arm("coding-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, **GRPO),
+    Arm("coding-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, **GRPO),
+    Arm("coding-delayed-lr0.7-m0.9-d4-N4-H16", nodes=4, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9),
+        base=CODING, **GRPO),
+    # the sparse codec on the shipped loss, beside grpo-avg-N4-H16 (section 1d) and sparse-N4-H16 (the old composite)
+    Arm("grpo-sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit", **GRPO),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 

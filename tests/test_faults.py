@@ -191,24 +191,34 @@ def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loada
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_outlier_and_nan_pseudo_gradients_are_dropped_by_every_peer(run_dir, tmp_path):
-    faults = "scale_pseudo_gradient:0:1000,nan_pseudo_gradient:1"
-    run = LocalRun(run_dir, config(tmp_path, rounds=2))
+    # round 0: node-1's pseudo-gradient is a norm outlier; round 1: it holds a NaN; round 2: both nodes' do, so every
+    # contribution is dropped and the round is "skipped" (theta unchanged, the run goes on)
+    run = LocalRun(run_dir, config(tmp_path, rounds=3))
     try:
-        start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": faults}})
+        start(run, {"node-0": {"COMPOSER_DILOCO_FAULTS": "nan_pseudo_gradient:2"},
+                    "node-1": {"COMPOSER_DILOCO_FAULTS": "scale_pseudo_gradient:0:1000,nan_pseudo_gradient:1,"
+                                                         "nan_pseudo_gradient:2"}})
         run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         run.stop()
     records = run.records()
     initial = read_outer_state(run_dir / "checkpoints" / "round-000000")["global_sha256"]
-    shas = assert_agree(records, range(2))
-    assert len({initial, *shas.values()}) == 3  # theta moved every round, by node-0's pseudo-gradient
+    shas = assert_agree(records, range(3))
+    assert len({initial, shas[0], shas[1]}) == 3  # theta moved in rounds 0 and 1, by node-0's pseudo-gradient
     for rnd in (0, 1):
         at = {n: next(r for r in recs if r["round"] == rnd) for n, recs in records.items()}
-        assert all(r["rejected"] == ["node-1"] and r["peers"] == 3 for r in at.values()), at
+        assert all(r["rejected"] == ["node-1"] and r["peers"] == 3 and r["status"] == "averaged"
+                   for r in at.values()), at
         assert at["coordinator"]["weight_total"] == at["node-0"]["samples"]
+    skipped = {n: next(r for r in recs if r["round"] == 2) for n, recs in records.items()}
+    assert all(r["status"] == "skipped" and sorted(r["rejected"]) == ["node-0", "node-1"]
+               for r in skipped.values()), skipped
+    assert skipped["coordinator"]["weight_total"] == 0
+    assert shas[2] == shas[1]  # nothing left to step with: theta unchanged
     log = run.log("node-0")
     assert "dropped the pseudo-gradient of node-1: pseudo-gradient norm" in log
     assert "dropped the pseudo-gradient of node-1: non-finite pseudo-gradient" in log
+    assert "round 2: no contribution left after screening: theta unchanged" in log
 
 
 @pytest.mark.multiprocess
