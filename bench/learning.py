@@ -17,6 +17,9 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     overlap-N4-H16       avg-N4-H16 with ``[outer] overlap = true`` (each round's sync overlapped with the next
                          round's inner phase, theta folded in one round late: `composer_diloco.outer.overlap`)
     sparse-N4-H16        avg-N4-H16 with the sparse-2bit codec (top-k 1/64 + 2-bit values + error feedback)
+    grpo-*               the outer-optimizer sweep on the shipped loss (GRPO alone), BENCHMARKS.md 1d
+    grpo-sparse-N4-H16   grpo-avg-N4-H16 with the sparse-2bit codec (BENCHMARKS.md 3b)
+    coding-*             the coding env (``configs/coding.toml`` under the arm's keys: `Arm.base`), N = 4, H = 16
     nesterov-lrL-mM-N4-H{4,16}   N = 4 with outer Nesterov SGD at lr L, momentum M, chosen so that the
                          steady-state step lr / (1 - M) is 1, averaging's (DiLoCo's 0.7 / 0.9 is 7)
 
@@ -340,6 +343,10 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_outer_n8_h16.png": ("Outer optimizers, GRPO alone, N = 8, H = 16 (2,048 samples)",
                                       ["grpo-sync-N8", "grpo-avg-N8-H16", "grpo-nesterov-lr0.7-m0.9-N8-H16",
                                        "grpo-delayed-lr0.7-m0.9-d4-N8-H16"]),
+        "learning_sparse.png": ("The sparse-2bit codec, GRPO alone, N = 4, H = 16",
+                                ["grpo-avg-N4-H16", "grpo-sparse-N4-H16"]),
+        "learning_coding.png": ("The coding env, GRPO alone, N = 4, H = 16",
+                                ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16"]),
         "learning_outer_h64.png": ("Outer optimizers, GRPO alone, N = 2, H = 64 (2,048 samples)",
                                    ["grpo-sync-N2", "grpo-avg-N2-H64", "grpo-nesterov-lr0.7-m0.9-N2-H64",
                                     "grpo-delayed-lr0.7-m0.9-d4-N2-H64"]),

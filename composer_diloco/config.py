@@ -336,6 +336,8 @@ class RunConfig(_Section):
     inner_steps: int = Field(4, ge=1, description="H: inner optimizer steps per round.")
     max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample.")
     checkpoint_every: int = Field(1, ge=1, description="Rounds between coordinator checkpoints.")
+    # "none": sparse-2bit learned less than no codec at N = 4, H = 16 (BENCHMARKS.md 3b, shipped loss: +0.109 against
+    # +0.185 held-out gain); int8 / fp16 were not run through the learning bench
     compression: Literal["none", "fp16", "int8", "sparse-2bit"] = Field(
         "none", description="Codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform (hivemind's, in the "
                             "butterfly), or sparse-2bit: top-k + 2-bit values with error feedback, all-gathered "
