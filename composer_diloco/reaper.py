@@ -10,7 +10,9 @@ grandchild like ``p2pd`` outlives the child that would carry the flag), so the t
 the peer's process group does not reach it. The reaper records the peer's descendants every ``POLL_S`` seconds
 (pid and start time, so a reused pid is never hit). Once the peer is gone (exited, or a zombie that its parent
 has not collected yet), it SIGKILLs every recorded process still alive and their current children, then exits:
-within about ``POLL_S`` seconds of the peer's death. A clean exit ends the same way, so whatever the peer's own
+within about ``POLL_S`` seconds of the peer's death. A fork made after the last snapshot (an averager started a
+moment before a hard exit: seen in CI, an orphan left for good) is found by its parent's command line, which a fork
+keeps, among the orphans of pid 1 born after the peer. A clean exit ends the same way, so whatever the peer's own
 shutdown left behind goes too. (A pipe closing on death would be quicker to notice, but hivemind forks: its
 children inherit every descriptor, so the pipe would stay open exactly when it matters.)
 
@@ -71,6 +73,18 @@ def _descendants(root: psutil.Process) -> dict[int, float]:
             out[p.pid] = p.create_time()
         except psutil.Error:
             continue
+    return out
+
+
+def _orphaned_forks(cmdline: list[str], born_after: float) -> dict[int, float]:
+    """``{pid: create_time}`` of the orphans (parent pid 1) that run ``cmdline`` and started at or after
+    ``born_after``: forks of the dead peer (a fork keeps its parent's argv) that it made in its last poll interval,
+    after the last snapshot, e.g. an averager process forked a moment before a hard exit."""
+    out = {}
+    for p in psutil.process_iter(["ppid", "cmdline", "create_time"]):
+        info = p.info
+        if info["ppid"] == 1 and info["cmdline"] == cmdline and (info["create_time"] or 0.0) >= born_after:
+            out[p.pid] = info["create_time"]
     return out
 
 
@@ -154,6 +168,10 @@ def reap(pid: int, poll_s: float = POLL_S) -> int:
         raise ValueError(f"reaper: no process with pid {pid}") from None
     recorded: dict[int, float] = {}
     me = os.getpid()
+    try:
+        cmdline, born = root.cmdline(), root.create_time()
+    except psutil.Error:
+        cmdline, born = [], 0.0
     while True:
         recorded.update(_descendants(root))
         recorded.pop(me, None)
@@ -163,6 +181,9 @@ def reap(pid: int, poll_s: float = POLL_S) -> int:
         except psutil.NoSuchProcess:
             break
         time.sleep(poll_s)
+    if cmdline:
+        recorded.update(_orphaned_forks(cmdline, born))
+    recorded.pop(me, None)
     killed = _kill_all(recorded)
     _wait_gone([pid, *recorded])
     release_shared_memory([pid, *recorded])

@@ -104,3 +104,47 @@ def test_a_sigkilled_node_then_coordinator_leave_no_process_and_the_survivors_go
         print(f"node-0 finished the run alone: round 5 status {last['status']}")
     finally:
         run.stop()
+
+
+FORK_THEN_EXIT = """
+import os, sys, time
+sys.stdin.readline()
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_fork_made_after_the_last_snapshot_is_killed_too():
+    """The peer forks (an averager) and exits between two snapshots: the orphan is found by its command line."""
+    import subprocess
+    import sys
+    import threading
+
+    from composer_diloco.reaper import reap
+
+    peer = subprocess.Popen([sys.executable, "-c", FORK_THEN_EXIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    reaper = threading.Thread(target=reap, args=(peer.pid,), kwargs={"poll_s": 3.0})
+    reaper.start()
+    time.sleep(0.5)  # the reaper took its first snapshot (no child yet) and sleeps
+    peer.stdin.write("go\n")
+    peer.stdin.flush()
+    child = int(peer.stdout.readline())
+    try:
+        reaper.join(timeout=30)
+        assert not reaper.is_alive()
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"the orphaned fork {child} outlived the reaper"
+            time.sleep(0.05)
+    finally:
+        peer.wait()
+        if psutil.pid_exists(child):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
