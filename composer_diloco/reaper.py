@@ -174,7 +174,6 @@ def reap(pid: int, poll_s: float = POLL_S) -> int:
         cmdline, born = [], 0.0
     while True:
         recorded.update(_descendants(root))
-        recorded.pop(me, None)
         try:
             if not root.is_running() or root.status() == psutil.STATUS_ZOMBIE:
                 break

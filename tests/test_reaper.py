@@ -7,11 +7,15 @@ daemons running as orphans before the reaper.
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import psutil
 import pytest
 
+from composer_diloco.reaper import _alive, reap
 from local_run import LocalRun, write_config
 from tests_support import process_tree
 
@@ -120,12 +124,6 @@ os._exit(0)
 
 def test_a_fork_made_after_the_last_snapshot_is_killed_too():
     """The peer forks (an averager) and exits between two snapshots: the orphan is found by its command line."""
-    import subprocess
-    import sys
-    import threading
-
-    from composer_diloco.reaper import reap
-
     peer = subprocess.Popen([sys.executable, "-c", FORK_THEN_EXIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     reaper = threading.Thread(target=reap, args=(peer.pid,), kwargs={"poll_s": 3.0})
@@ -138,7 +136,7 @@ def test_a_fork_made_after_the_last_snapshot_is_killed_too():
         reaper.join(timeout=30)
         assert not reaper.is_alive()
         deadline = time.monotonic() + GONE_WITHIN_S
-        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        while _alive(child):
             assert time.monotonic() < deadline, f"the orphaned fork {child} outlived the reaper"
             time.sleep(0.05)
     finally:
