@@ -7,5 +7,6 @@
 - `chat`: rendering turns and parsing tool calls;
 - `episode_tokens`: token spans of a played episode;
 - `env_process`: starting and probing env server processes;
+- `openenv_import`: importing OpenEnv without its gradio web UI (~3.5 s of CPU per process);
 - `env_package`: the env contract (what the core takes from an env package, found from ``[env] server_module``).
 """

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, ModuleType
 from typing import Any
 
+from composer_diloco.rollout.openenv_import import import_openenv_core
+
 ToolCall = tuple[str, dict[str, Any]]
 DemonstrationFn = Callable[[int, int, float], Any]
 ScriptFn = Callable[[int, str, str], "list[ToolCall] | None"]
@@ -153,6 +155,8 @@ def load_env_package(server_module: str) -> EnvPackage:
             [0, 1]; the message names the entry and its value.
         ImportError: ``demos.py`` exists but one of its own imports fails.
     """
+    import_openenv_core()  # before the package imports openenv.core: without its gradio web UI
+
     package = package_of(server_module)
     if _optional_module(package, package) is None:
         raise EnvPackageError(f"[env] server_module {server_module!r}: package {package!r} is not importable "

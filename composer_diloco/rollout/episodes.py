@@ -188,6 +188,9 @@ class OpenEnvSession(EnvSession):
     """
 
     def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None):
+        from composer_diloco.rollout.openenv_import import import_openenv_core
+
+        import_openenv_core()
         from openenv.core.generic_client import GenericEnvClient
 
         from composer_diloco.rollout.env_process import EnvServerError

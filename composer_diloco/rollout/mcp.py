@@ -254,6 +254,9 @@ class McpEnvSession(EnvSession):
 
     def __init__(self, url: str, *, max_tool_calls: int, reset_kwargs: Mapping[str, Any] | None = None,
                  connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0):
+        from composer_diloco.rollout.openenv_import import import_openenv_core
+
+        import_openenv_core()
         from openenv.core.env_server.mcp_types import CallToolAction
         from openenv.core.mcp_client import MCPToolClient
 
