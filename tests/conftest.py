@@ -8,6 +8,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+
+# Every process a test starts (coordinators, nodes, env servers, benches) runs one torch/OpenMP thread, as `simulate`
+# and torchrun give theirs: a test runs 2-4 of them on CI's 2 cores, and at torch's default (a thread per core) each
+# they oversubscribe the cores: a 2-node smoke round took 25 s of inner phase instead of 2 s. torch read the thread
+# count at its import, just above, so this pytest process keeps its own (one per core) for the in-process tests.
+PYTEST_THREADS = torch.get_num_threads()
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.toml"
 

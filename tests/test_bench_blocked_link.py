@@ -20,7 +20,7 @@ NO_NETNS = os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc")
 def test_blocked_link_runs_both_modes_through_the_node(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "blocked_link.py"), "--rounds", "2", "--layers", "1",
-                        "--inner-s", "6", "--lead-s", "25", "--link", "1gbit", "--out", str(out)],
+                        "--inner-s", "6", "--lead-s", "15", "--link", "1gbit", "--out", str(out)],
                        capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads((out / "summary.json").read_text())
