@@ -250,6 +250,8 @@ class OuterOptimizer(_Section):
         taken = sorted(reserved & set(self.kwargs))
         if taken:
             raise ValueError(f"kwargs must not set {', '.join(taken)}: they are fields of [outer] (or fixed)")
+        if self.is_sgd and not self.kwargs:  # torch's SGD takes every lr > 0 and momentum in [0, 1) that the fields
+            return self  # allow (nesterov is dropped at momentum 0): reading a config then imports no torch
         from composer_diloco.outer.global_model import check_factory, optimizer_factory
 
         check_factory(optimizer_factory(self))  # an unknown name or a refused argument: one line, at load time

@@ -37,9 +37,10 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faults before they import torch
+    import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
 KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",

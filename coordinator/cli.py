@@ -56,6 +56,16 @@ def start(
 
     Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
     since round R: ..."); 130 when stopped by a signal."""
+    from composer_diloco.config import ConfigError
+    from composer_diloco.outer.secret import SecretError, load_secret
+
+    try:  # a bad --config or secret fails here, in a fraction of a second, before torch and hivemind are imported
+        cfg = _load(config, rounds, model)
+        load_secret(secret_file)
+    except (ConfigError, SecretError) as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1)
+
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.malloc import fix_mmap_threshold
     from composer_diloco.reaper import watch_this_process
@@ -68,7 +78,6 @@ def start(
     coordinator = None
     code = 0
     try:
-        cfg = _load(config, rounds, model)
         from composer_diloco.outer.swarm import check_addresses
 
         check_addresses(listen, list(announce))
@@ -114,9 +123,8 @@ def simulate(
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
     against the final model on held-out tasks."""
-    from composer_diloco.outer.auth import SECRET_ENV, SecretError, load_secret
     from composer_diloco.config import ConfigError
-    from coordinator.simulate import Simulation, run_simulation
+    from composer_diloco.outer.secret import SECRET_ENV, SecretError, load_secret
 
     try:
         cfg = _load(config, rounds, model)
@@ -124,6 +132,7 @@ def simulate(
     except (ConfigError, SecretError) as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1)
+    from coordinator.simulate import Simulation, run_simulation
     if secret is not None:  # every process it spawns inherits it (never on a command line or in the run dir)
         os.environ[SECRET_ENV] = secret.decode()
     if any(run_dir.glob("*/metrics.jsonl")):

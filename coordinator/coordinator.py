@@ -153,7 +153,7 @@ class Coordinator:
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
-        from composer_diloco.outer.auth import load_secret
+        from composer_diloco.outer.secret import load_secret
         from composer_diloco.policy import load_policy
 
         self.secret = load_secret(self.options.secret_file)  # a bad secret fails before any work

@@ -61,15 +61,28 @@ def join(
 
     Exits 1 with one line on an error, or when no episode of any of its rounds produced a parsed tool call
     ("trained on nothing: ..."); 130 when stopped by a signal."""
-    from composer_diloco.lifecycle import GracefulStop, setup_logging
-    from composer_diloco.reaper import watch_this_process
-    from nodes.node import Node, NodeOptions
+    from composer_diloco.config import ConfigError, load_config
+    from composer_diloco.outer.secret import SecretError, load_secret
+    from nodes.options import NodeOptions
 
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
                           listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing)
+    try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
+        options.check()
+        if config is not None:
+            load_config(config)
+        load_secret(secret_file)
+    except (ValueError, ConfigError, SecretError) as e:
+        typer.echo(f"composer-node: error: {e}", err=True)
+        raise typer.Exit(1)
+
+    from composer_diloco.lifecycle import GracefulStop, setup_logging
+    from composer_diloco.reaper import watch_this_process
+    from nodes.node import Node
+
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     node = Node(options, stop)

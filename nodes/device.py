@@ -14,17 +14,9 @@ import torch
 from torch import nn
 
 from composer_diloco.config import RunConfig
+from nodes.options import DTYPES, BatchError, DeviceError, check_batch_options, check_device_choice
 
-DTYPES = ("auto", "fp32", "bf16")
 log = logging.getLogger(__name__)
-
-
-class DeviceError(ValueError):
-    """``--device`` / ``--dtype`` name a device or precision this machine does not have."""
-
-
-class BatchError(ValueError):
-    """``--batch-size`` / ``--grad-accum`` cannot form whole GRPO groups, or are not positive."""
 
 
 @dataclass(frozen=True)
@@ -67,17 +59,11 @@ class Placement:
             DeviceError: an unknown ``--device`` or ``--dtype`` value, CUDA asked for where there is none or with a
                 GPU index out of range, or bf16 asked on a GPU without native bf16.
         """
-        if dtype not in DTYPES:
-            raise DeviceError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        index = check_device_choice(choice, dtype)  # the form, as the command line checked it before torch
         if choice == "auto":
-            choice = "cuda:0" if torch.cuda.is_available() else "cpu"
+            choice, index = ("cuda:0", "0") if torch.cuda.is_available() else ("cpu", "")
         if choice == "cpu":  # bf16 on a CPU only when asked for: CPU autocast rehearses a GPU run's precision
             return cls("cpu", dtype == "bf16")
-        if not choice.startswith("cuda"):
-            raise DeviceError(f"--device {choice!r} is not one of auto, cpu, cuda:N")
-        index = choice.partition(":")[2] or "0"
-        if not index.isdigit():
-            raise DeviceError(f"--device {choice!r}: expected cuda:N with N a GPU index")
         if not torch.cuda.is_available():
             raise DeviceError(f"--device {choice!r}: CUDA is not available on this machine (use cpu or auto)")
         if int(index) >= torch.cuda.device_count():
@@ -144,10 +130,7 @@ class NodeBatch:
         Raises:
             BatchError: ``batch_size`` (when given) or ``grad_accum`` is below 1.
         """
-        if batch_size is not None and batch_size < 1:
-            raise BatchError(f"--batch-size {batch_size}: expected a number of episodes >= 1")
-        if grad_accum < 1:
-            raise BatchError(f"--grad-accum {grad_accum}: expected a number of micro-batches >= 1")
+        check_batch_options(batch_size, grad_accum)
 
     @classmethod
     def resolve(cls, config: RunConfig, batch_size: int | None = None, grad_accum: int = 1) -> NodeBatch:
@@ -176,3 +159,6 @@ class NodeBatch:
         """One phrase for the log, e.g. ``8 episodes per step (2 tasks x G=4) = 2 micro-batches of 4``."""
         return (f"{self.episodes_per_step} episodes per step ({self.tasks_per_step} tasks x G={self.num_generations})"
                 f" = {self.grad_accum} micro-batch(es) of {self.micro_batch}")
+
+
+__all__ = ["DTYPES", "BatchError", "DeviceError", "NodeBatch", "Placement"]

@@ -14,11 +14,9 @@ with one line and exit code 1 in seconds, not after the model download.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ from composer_diloco.outer.swarm import (
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
 from nodes.device import NodeBatch, Placement
+from nodes.options import NodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -97,57 +96,6 @@ class ToolCallTally:
                 "never called a tool: check the chat template / tools / --model")
 
 
-@dataclass
-class NodeOptions:
-    """The `composer-node join` options.
-
-    Attributes:
-        peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line).
-        device: "auto", "cpu" or "cuda:N".
-        dtype: training precision, "auto" (bf16 on a CUDA GPU with native bf16, else fp32), "fp32" or "bf16".
-        batch_size: episodes per micro-batch (one forward/backward); None = the run's tasks_per_step * G.
-        grad_accum: micro-batches per inner (optimizer) step; batch_size * grad_accum episodes per inner step
-            must be a multiple of the run's G (`nodes.device.NodeBatch`).
-        env_urls: env server URLs to use round-robin; empty = start a local env server process.
-        run_dir: where ``<name>/metrics.jsonl`` goes.
-        name: this peer's unique name (default ``node-<host>-<pid>``).
-        run_name: which run of the DHT to join (needed only when several runs share it).
-        join_timeout_s: seconds to wait for each ``--env-url``'s ``/health``, the DHT and the run config.
-        secret_file: file holding a closed run's secret (None: ``$COMPOSER_DILOCO_SECRET``, else an open run).
-        expected_config: a TOML run config; joining a run whose published config differs is refused.
-        env_sessions: most env sessions (episodes at once) per ``--env-url``; None = the run's
-            ``[env] sessions_per_url``, else as many as a step has episodes within each server's capacity.
-        task_shard: ``"K/N"``: this node takes shard K of N of the run's ``[tasks]`` rows (`TaskShard`); None = its own
-            seeded order of all rows.
-        listen: multiaddr this node's DHT and averager listen on (None: 127.0.0.1, a free port).
-        announce: multiaddrs other machines dial to reach it (empty: what it listens on).
-        gradient_checkpointing: recompute each decoder layer's activations in backward (TRL's
-            ``gradient_checkpointing``; less activation memory, about a third more training compute; the same loss).
-    """
-
-    peer: str
-    device: str = "auto"
-    dtype: str = "auto"
-    batch_size: int | None = None
-    grad_accum: int = 1
-    env_urls: list[str] = field(default_factory=list)
-    run_dir: Path = Path("runs/default")
-    name: str = ""
-    run_name: str | None = None
-    join_timeout_s: float = 30.0
-    secret_file: Path | None = None
-    expected_config: Path | None = None
-    env_sessions: int | None = None
-    task_shard: str | None = None
-    listen: str | None = None
-    announce: list[str] = field(default_factory=list)
-    gradient_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            self.name = f"node-{socket.gethostname()}-{os.getpid()}"
-
-
 class Node:
     """A running node (see module docstring). Build with `Node.join`, then `train`, then `close`."""
 
@@ -190,11 +138,8 @@ class Node:
         """
         o = self.options
         # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
+        shard = o.check()  # the form of every option (the command line ran it too, before the heavy imports)
         self.placement = Placement.resolve(o.device, o.dtype)
-        NodeBatch.check_options(o.batch_size, o.grad_accum)
-        if o.env_sessions is not None and o.env_sessions < 1:
-            raise NodeError(f"--env-sessions {o.env_sessions}: expected at least 1 session per env URL")
-        shard = TaskShard.parse(o.task_shard) if o.task_shard else None
         expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
         check_addresses(o.listen, o.announce)
@@ -203,11 +148,9 @@ class Node:
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
         protocols = {}
         for url in o.env_urls:
-            if not url.startswith(("http://", "https://")):
-                raise NodeError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
-        from composer_diloco.outer.auth import load_secret
+        from composer_diloco.outer.secret import load_secret
 
         secret = load_secret(o.secret_file)  # None: an open run
         self.dht = start_dht(initial_peers=[o.peer], listen=o.listen, announce=o.announce or None, secret=secret)

@@ -10,25 +10,34 @@ from tests_support import error_line
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+def run(*args: str, timeout_s: float = 120, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python, "-m", *args], capture_output=True, text=True, timeout=timeout_s,
+                          cwd=ROOT)
 
 
+def imported(result: subprocess.CompletedProcess) -> set[str]:
+    """The modules a ``python -X importtime`` process imported."""
+    return {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
 
 
 @pytest.mark.timeout(120)
-def test_missing_config_file(tmp_path):
-    r = run("coordinator", "start", "--config", str(tmp_path / "nope.toml"), "--run-dir", str(tmp_path / "run"))
+@pytest.mark.parametrize("command", ["start", "simulate"])
+def test_missing_config_file(tmp_path, command):
+    r = run("coordinator", command, "--config", str(tmp_path / "nope.toml"), "--run-dir", str(tmp_path / "run"),
+            python=("-X", "importtime"))
     assert r.returncode != 0 and "nope.toml" in error_line(r) and "does not exist" in error_line(r)
     assert not (tmp_path / "run").exists()
+    assert not {"torch", "hivemind"} & imported(r)  # refused before the heavy imports
 
 
 @pytest.mark.timeout(120)
 def test_invalid_config_names_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[outer]\nmomentum = 1.5\n")
-    r = run("coordinator", "simulate", "--config", str(bad), "--run-dir", str(tmp_path / "run"))
+    r = run("coordinator", "simulate", "--config", str(bad), "--run-dir", str(tmp_path / "run"),
+            python=("-X", "importtime"))
     assert r.returncode != 0 and "outer.momentum" in error_line(r)
+    assert not {"torch", "hivemind"} & imported(r)
 
 
 @pytest.mark.timeout(120)

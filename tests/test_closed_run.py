@@ -179,9 +179,11 @@ def test_bad_secret_is_a_one_line_error(tmp_path):
          SECRET_ENV),
     ]
     for args, env, named in cases:
-        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                           env=env)
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env=env)
         assert r.returncode == 1 and named in error_line(r), (args, r.stderr[-2000:])
+        imported = {line.rpartition("|")[2].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
+        assert not {"torch", "hivemind"} & imported, args  # refused before the heavy imports (and any network)
     assert not (tmp_path / "c" / "checkpoints").exists() and not (tmp_path / "s").exists()
 
 
@@ -260,7 +262,8 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
 
         def rogue_node(label: str, secret: str | None) -> subprocess.Popen:  # the real node program
             return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
-                                     str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu"],
+                                     str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu",
+                                     "--join-timeout", "10"],
                                     env=env_with(secret), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, cwd=ROOT, start_new_session=True)
 
@@ -398,11 +401,12 @@ def test_replay_to_another_peer_and_relay_are_refused(tmp_path):
     _assert_replay_and_relay_refused(relay_report, dial_report)
 
 
-FLOOD_CONFIG = """
-rounds = 30
+FLOOD_ROUNDS = 20  # ~1.5 s a round here, ~3 s under the flood: the run outlasts the flood with rounds to spare
+FLOOD_CONFIG = f"""
+rounds = {FLOOD_ROUNDS}
 inner_steps = 1
 """
-FLOOD_SECONDS = 20
+FLOOD_SECONDS = 15
 
 
 @pytest.mark.multiprocess
@@ -410,7 +414,7 @@ FLOOD_SECONDS = 20
 def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
     """A closed run (coordinator + 2 nodes) while outsiders flood the coordinator with DHT requests it must refuse
     (unsigned DHT finds, DHT finds signed with a wrong secret, the averager's join_group under the closed prefix)
-    for 20 s of the run: every round is averaged by all three, and the
+    for 15 s of the run: every round is averaged by all three, and the
     replicas agree. Earlier, such a flood (9,308 refusals in 60 s) cost the coordinator 2 rounds."""
     import json as json_
     from local_run import LocalRun, assert_agree, write_config
@@ -435,7 +439,7 @@ def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
         started = time.time()
         reports = [json_.loads(f.communicate(timeout=FLOOD_SECONDS + 120)[0].strip().splitlines()[-1]) for f in floods]
         ended = time.time()
-        assert not run.records()["coordinator"][-1]["round"] >= 29, "the run ended before the flood did"
+        assert run.records()["coordinator"][-1]["round"] < FLOOD_ROUNDS - 1, "the run ended before the flood did"
         run.assert_exit_ok("coordinator", "node-0", "node-1", timeout_s=400)
     finally:
         stop_processes(floods)
@@ -444,7 +448,7 @@ def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
     assert all(r["answered"] == 0 for r in reports), reports  # none got in
     assert sum(r["refused"] for r in reports) >= 20 * FLOOD_SECONDS, reports  # and they did flood
     records = run.records()
-    assert_agree(records, range(30))
+    assert_agree(records, range(FLOOD_ROUNDS))
     during = [r for r in records["coordinator"] if started <= r["time"] <= ended + 5]
     assert len(during) >= 3, f"only {len(during)} rounds ended during the flood"
     lost = [(r["round"], r["status"], r["peers"]) for r in records["coordinator"] if r["peers"] != 3]

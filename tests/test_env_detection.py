@@ -154,12 +154,13 @@ def test_a_node_with_a_bad_env_url_fails_before_it_joins_the_dht(base, tmp_path)
 @pytest.mark.timeout(60)
 def test_an_env_url_that_is_not_a_url_is_refused_before_anything(tmp_path):
     from composer_diloco.lifecycle import GracefulStop
-    from nodes.node import Node, NodeError, NodeOptions
+    from nodes.node import Node, NodeOptions
+    from nodes.options import OptionError
 
     node = Node(NodeOptions(peer=DEAD_PEER, device="cpu", env_urls=["localhost:8000"], run_dir=tmp_path),
                 GracefulStop())
     try:
-        with pytest.raises(NodeError, match=r"^--env-url 'localhost:8000' is not a URL: expected http://HOST:PORT"):
+        with pytest.raises(OptionError, match=r"^--env-url 'localhost:8000' is not a URL: expected http://HOST:PORT"):
             node.join()
         assert node.dht is None
     finally:

@@ -228,11 +228,10 @@ def test_placement_precision_on_this_machine():
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
-def join(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--run-dir", str(tmp_path),
-                           *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-
-
+def join(tmp_path: Path, *args: str, timeout_s: float = 120, python: tuple[str, ...] = ()
+         ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python, "-m", "nodes", "join", "--peer", DEAD_PEER, "--run-dir",
+                           str(tmp_path), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
 
 
 @pytest.mark.timeout(120)
@@ -241,11 +240,19 @@ def join(tmp_path: Path, *args: str, timeout_s: float = 120) -> subprocess.Compl
     (("--grad-accum", "-1"), "--grad-accum -1: expected a number of micro-batches >= 1"),
     (("--dtype", "fp16"), "--dtype 'fp16' is not one of auto, fp32, bf16"),
     (("--device", "cuda:0x"), "--device 'cuda:0x': expected cuda:N with N a GPU index"),
+    (("--device", "cudax"), "--device 'cudax': expected cuda:N with N a GPU index"),
+    (("--env-sessions", "0"), "--env-sessions 0: expected at least 1 session per env URL"),
+    (("--task-shard", "2/2"), "--task-shard '2/2': expected K/N with 0 <= K < N"),
+    (("--env-url", "localhost:8000"), "--env-url 'localhost:8000' is not a URL: expected http://HOST:PORT"),
 ])
-def test_bad_node_options_fail_before_the_network(tmp_path, args, expected):
-    """Checked before the DHT is joined: the dead peer is never reached, so no 'no peer answered' and no wait."""
-    r = join(tmp_path, *args)
+def test_bad_node_options_fail_before_the_heavy_imports(tmp_path, args, expected):
+    """Checked by `NodeOptions.check` before torch, TRL and hivemind are imported (``-X importtime`` lists every
+    module a process imports), so before the DHT too: the dead peer is never reached."""
+    r = join(tmp_path, *args, python=("-X", "importtime"))
     assert r.returncode == 1 and expected in error_line(r)
+    imported = {line.rpartition("|")[2].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "typer" in imported and not {"torch", "hivemind", "transformers"} & imported, sorted(imported)[:20]
+    assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
 # ------------------------------------------------------------------------------ two different nodes in one run

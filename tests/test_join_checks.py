@@ -45,7 +45,8 @@ def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
         other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n{env}')
         # three independent refusals at once (each node is its own process and DHT peer)
         nodes = [join(run, "--config", str(other)),
-                 join(run, "--env-url", "http://127.0.0.1:9"),  # nothing listens there: --join-timeout bounds the wait
+                 # nothing listens there: its --join-timeout (the last one given wins) bounds the wait
+                 join(run, "--env-url", "http://127.0.0.1:9", "--join-timeout", "5"),
                  join(run, "--batch-size", "3")]  # G = 4: 3 episodes per step cannot hold whole GRPO groups
         other_config, unreachable, split = (refusal(p) for p in nodes)
         assert other_config.startswith("composer-node: error: run 'composer' has another config")

@@ -210,12 +210,12 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
         run.start_coordinator()
         bad = run.start_node("node-bad", "--run-dir", str(bad_dir),  # the later --run-dir wins
                              env={"COMPOSER_DILOCO_CACHE": str(bad_cache)})
+        run.start_node("node-a")  # beside the refused one: its refusal must not disturb the run
+        run.start_node("node-b")
         assert run.wait_exit("node-bad", timeout_s=180) == 1
         last = run.log_tail("node-bad", 1)
         assert f"base_sha256 {run_base} in the run" in last, last
         assert bad.returncode == 1
-        run.start_node("node-a")
-        run.start_node("node-b")
         for name in ("node-a", "node-b", "coordinator"):
             assert run.wait_exit(name, timeout_s=400) == 0, run.all_tails()
     finally:

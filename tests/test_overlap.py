@@ -20,7 +20,7 @@ overlap = true
 round_slack_s = 60.0
 heartbeat_s = 1.0
 heartbeat_ttl_s = 6.0
-averaging_timeout_s = 30.0
+averaging_timeout_s = 15.0  # a lost peer costs hivemind's next-chunk timeout, a third of it
 """
 
 

@@ -26,7 +26,7 @@ inner_steps = 2
 round_slack_s = 60.0
 heartbeat_s = 1.0
 heartbeat_ttl_s = 6.0
-averaging_timeout_s = 30.0
+averaging_timeout_s = 10.0
 """
 
 GONE_WITHIN_S = 5.0  # the reaper polls every 0.5 s; SIGKILL is immediate

@@ -32,10 +32,8 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator  # typing's: hivemind recognizes streaming RPCs by it
 
 import hivemind
@@ -47,51 +45,12 @@ from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, A
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from composer_diloco.outer.averaging import ExactAverager
+from composer_diloco.outer.secret import SECRET_ENV, SecretError, load_secret
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "COMPOSER_DILOCO_SECRET"
-MIN_SECRET_CHARS = 16
-
-
-class SecretError(ValueError):
-    """The run secret is unreadable, empty or too short (the message names the file or the variable)."""
-
-
 class RunSecretRefused(PermissionError):
     """A DHT request or reply was not signed with this run's secret."""
-
-
-def load_secret(secret_file: Path | None) -> bytes | None:
-    """The run secret: the content of ``secret_file`` (stripped), else ``$COMPOSER_DILOCO_SECRET``, else None.
-
-    Args:
-        secret_file: path of a UTF-8 text file holding the secret (``--secret-file``); None to use the variable.
-    Returns:
-        The secret as bytes, or None for an open run (no file given and the variable unset).
-    Raises:
-        SecretError: the file cannot be read or is not UTF-8 text, or the secret is empty or shorter than
-            ``MIN_SECRET_CHARS`` characters. The message names the file or the variable, never the secret.
-    """
-    if secret_file is not None:
-        where = f"--secret-file {str(secret_file)!r}"
-        try:
-            text = Path(secret_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise SecretError(f"{where} is not UTF-8 text") from None
-        except OSError as e:
-            raise SecretError(f"{where} cannot be read: {e.strerror or e}") from None
-    elif SECRET_ENV in os.environ:
-        where, text = SECRET_ENV, os.environ[SECRET_ENV]
-    else:
-        return None
-    secret = text.strip()
-    if not secret:
-        raise SecretError(f"{where} holds an empty run secret (unset it for an open run)")
-    if len(secret) < MIN_SECRET_CHARS:
-        raise SecretError(f"{where} holds a run secret shorter than {MIN_SECRET_CHARS} characters "
-                          "(make one with: openssl rand -hex 16)")
-    return secret.encode()
 
 
 def _derive(secret: bytes, purpose: bytes) -> bytes:

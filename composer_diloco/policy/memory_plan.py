@@ -121,9 +121,15 @@ class ModelShape:
     frozen_linear: int = 0
 
 
+_SHAPES: dict[tuple[str, str | None], ModelShape] = {}  # model_shape's results by (config JSON, [lora] JSON)
+
+
 def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShape:
     """Count a model's parameters from its ``transformers`` config, built on the ``meta`` device (and wrapped with
     peft's LoRA when ``lora`` is given, so the adapter count is peft's own).
+
+    Building an 8B model on ``meta`` takes seconds, and a refusal plans several alternatives of one model, so the
+    result is kept per (config, ``lora``) for the process.
 
     Args:
         model_config: a ``transformers.PretrainedConfig`` of a causal LM.
@@ -131,6 +137,14 @@ def model_shape(model_config: Any, lora: LoraSection | None = None) -> ModelShap
     Raises:
         composer_diloco.policy.lora.LoraError: ``lora.target_modules`` matches no module.
     """
+    key = (model_config.to_json_string(use_diff=False), None if lora is None else lora.model_dump_json())
+    if key not in _SHAPES:
+        _SHAPES[key] = _count_shape(model_config, lora)
+    return _SHAPES[key]
+
+
+def _count_shape(model_config: Any, lora: LoraSection | None) -> ModelShape:
+    """`model_shape` without the cache."""
     import torch
     from transformers import AutoModelForCausalLM
 

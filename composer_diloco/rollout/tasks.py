@@ -32,6 +32,7 @@ from typing import Any
 from composer_diloco.config import TasksConfig
 from composer_diloco.rollout.chat import task_text
 from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.rollout.task_shard import TaskShard
 
 __all__ = ["NODE_RESET_KEYS", "TaskEnvSession", "TaskSet", "TaskSetError", "TaskShard", "row_of", "task_episode_id"]
 
@@ -58,29 +59,6 @@ def row_of(episode_id: str) -> int | None:
     """The dataset row named by ``episode_id`` (`task_episode_id`), or None when it names none."""
     found = _ROW.search(episode_id)
     return int(found.group(1)) if found else None
-
-
-@dataclass(frozen=True)
-class TaskShard:
-    """Which part of the rows a node takes: shard ``index`` of ``count`` (``--task-shard K/N``)."""
-
-    index: int
-    count: int
-
-    @classmethod
-    def parse(cls, text: str) -> TaskShard:
-        """``"K/N"`` with ``0 <= K < N``.
-
-        Raises:
-            ValueError: one line naming ``text`` and the expected form.
-        """
-        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-        if not found or int(found.group(2)) < 1 or int(found.group(1)) >= int(found.group(2)):
-            raise ValueError(f"--task-shard {text!r}: expected K/N with 0 <= K < N, e.g. 0/2")
-        return cls(int(found.group(1)), int(found.group(2)))
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 def _load_rows(path: str, split: str) -> list[dict[str, Any]]:

@@ -1,0 +1,133 @@
+"""`composer-node join`'s options, and the checks that need nothing but the options themselves.
+
+`NodeOptions.check` runs in the command line before torch, transformers, TRL and hivemind are imported (5-8 s of
+CPU), so a mistyped ``--dtype`` or ``--task-shard`` costs a fraction of a second. What needs the machine (a GPU
+index, bf16 support) or the run (G, the memory plan) is checked later by `nodes.device` and `nodes.node.Node.join`,
+still before the node touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from composer_diloco.rollout.task_shard import TaskShard
+
+DTYPES = ("auto", "fp32", "bf16")
+
+
+class DeviceError(ValueError):
+    """``--device`` / ``--dtype`` name a device or precision this machine does not have."""
+
+
+class BatchError(ValueError):
+    """``--batch-size`` / ``--grad-accum`` cannot form whole GRPO groups, or are not positive."""
+
+
+class OptionError(ValueError):
+    """A ``composer-node join`` option with a value of the wrong form (``--env-sessions``, ``--env-url``)."""
+
+
+def check_device_choice(choice: str, dtype: str) -> str:
+    """The form of ``--device`` / ``--dtype``, before anything about the machine is known.
+
+    Returns:
+        The GPU index of a ``cuda`` / ``cuda:N`` choice as a string ("0" for plain ``cuda``), "" for auto and cpu.
+    Raises:
+        DeviceError: ``dtype`` is not one of `DTYPES`, or ``choice`` is not auto, cpu, cuda or cuda:N.
+    """
+    if dtype not in DTYPES:
+        raise DeviceError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if choice in ("auto", "cpu"):
+        return ""
+    if not choice.startswith("cuda"):
+        raise DeviceError(f"--device {choice!r} is not one of auto, cpu, cuda:N")
+    index = choice.partition(":")[2] or "0"
+    if not index.isdigit() or choice[4:] not in ("", f":{index}"):
+        raise DeviceError(f"--device {choice!r}: expected cuda:N with N a GPU index")
+    return index
+
+
+def check_batch_options(batch_size: int | None, grad_accum: int) -> None:
+    """Check ``--batch-size`` / ``--grad-accum`` on their own (before the run config is known).
+
+    Raises:
+        BatchError: ``batch_size`` (when given) or ``grad_accum`` is below 1.
+    """
+    if batch_size is not None and batch_size < 1:
+        raise BatchError(f"--batch-size {batch_size}: expected a number of episodes >= 1")
+    if grad_accum < 1:
+        raise BatchError(f"--grad-accum {grad_accum}: expected a number of micro-batches >= 1")
+
+
+@dataclass
+class NodeOptions:
+    """The `composer-node join` options.
+
+    Attributes:
+        peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line).
+        device: "auto", "cpu" or "cuda:N".
+        dtype: training precision, "auto" (bf16 on a CUDA GPU with native bf16, else fp32), "fp32" or "bf16".
+        batch_size: episodes per micro-batch (one forward/backward); None = the run's tasks_per_step * G.
+        grad_accum: micro-batches per inner (optimizer) step; batch_size * grad_accum episodes per inner step
+            must be a multiple of the run's G (`nodes.device.NodeBatch`).
+        env_urls: env server URLs to use round-robin; empty = start a local env server process.
+        run_dir: where ``<name>/metrics.jsonl`` goes.
+        name: this peer's unique name (default ``node-<host>-<pid>``).
+        run_name: which run of the DHT to join (needed only when several runs share it).
+        join_timeout_s: seconds to wait for each ``--env-url``'s ``/health``, the DHT and the run config.
+        secret_file: file holding a closed run's secret (None: ``$COMPOSER_DILOCO_SECRET``, else an open run).
+        expected_config: a TOML run config; joining a run whose published config differs is refused.
+        env_sessions: most env sessions (episodes at once) per ``--env-url``; None = the run's
+            ``[env] sessions_per_url``, else as many as a step has episodes within each server's capacity.
+        task_shard: ``"K/N"``: this node takes shard K of N of the run's ``[tasks]`` rows (`TaskShard`); None = its own
+            seeded order of all rows.
+        listen: multiaddr this node's DHT and averager listen on (None: 127.0.0.1, a free port).
+        announce: multiaddrs other machines dial to reach it (empty: what it listens on).
+        gradient_checkpointing: recompute each decoder layer's activations in backward (TRL's
+            ``gradient_checkpointing``; less activation memory, about a third more training compute; the same loss).
+    """
+
+    peer: str
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int | None = None
+    grad_accum: int = 1
+    env_urls: list[str] = field(default_factory=list)
+    run_dir: Path = Path("runs/default")
+    name: str = ""
+    run_name: str | None = None
+    join_timeout_s: float = 30.0
+    secret_file: Path | None = None
+    expected_config: Path | None = None
+    env_sessions: int | None = None
+    task_shard: str | None = None
+    listen: str | None = None
+    announce: list[str] = field(default_factory=list)
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"node-{socket.gethostname()}-{os.getpid()}"
+
+    def check(self) -> TaskShard | None:
+        """Check every option whose form alone can be wrong; imports nothing heavy and opens no connection.
+
+        Returns:
+            The parsed ``--task-shard`` (None when not given).
+        Raises:
+            DeviceError / BatchError / OptionError / ValueError (``--task-shard``): one line naming the option, its
+            value and what was expected.
+        """
+        check_device_choice(self.device, self.dtype)
+        check_batch_options(self.batch_size, self.grad_accum)
+        if self.env_sessions is not None and self.env_sessions < 1:
+            raise OptionError(f"--env-sessions {self.env_sessions}: expected at least 1 session per env URL")
+        for url in self.env_urls:
+            if not url.startswith(("http://", "https://")):
+                raise OptionError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
+        if self.join_timeout_s <= 0:
+            raise OptionError(f"--join-timeout {self.join_timeout_s}: expected seconds > 0")
+        return TaskShard.parse(self.task_shard) if self.task_shard else None
