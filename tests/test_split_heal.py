@@ -19,10 +19,10 @@ import pytest
 
 from local_run import LocalRun, write_config
 
-# The split lasts until node-1 has stepped alone three times: 5 coordinator rounds (~12 s) in the CI runs since the
-# nodes run one thread each. 18 rounds leave the coordinator's half room for ~15 rounds (~30 s) of split; the
+# The split lasts until node-1 has stepped alone three times: 5 coordinator rounds (~12 s) in every run since the
+# nodes run one thread each. 16 rounds leave the coordinator's half room for ~13 rounds (~26 s) of split; the
 # test says so if it ever needs more (see the assertion on the coordinator's last round).
-ROUNDS = 18
+ROUNDS = 16
 SPLIT_CONFIG = f"""
 rounds = {ROUNDS}
 inner_steps = 1
