@@ -8,6 +8,7 @@ fits its hardware, and `Node.end_round` weights its pseudo-gradient by the episo
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -161,4 +162,50 @@ class NodeBatch:
                 f" = {self.grad_accum} micro-batch(es) of {self.micro_batch}")
 
 
-__all__ = ["DTYPES", "BatchError", "DeviceError", "NodeBatch", "Placement"]
+def cpu_oversubscription(cores: int, threads: int, other_nodes: int, omp_env: str | None) -> str | None:
+    """Why CPU nodes sharing one machine would slow each other down, or None when they do not.
+
+    torch runs one intra-op thread per core by default, so N CPU nodes on C cores run N x C threads; measured here, a
+    2-node run's inner phase took 25 s a round instead of 1.1 s (`tests/conftest.py`). `simulate`
+    gives each of its nodes C / N threads; nodes started by hand get this warning instead.
+
+    Args:
+        cores: the cores this process may run on (``os.sched_getaffinity``).
+        threads: this process's torch intra-op threads (``torch.get_num_threads()``).
+        other_nodes: other ``composer-node`` processes running on this machine.
+        omp_env: ``$OMP_NUM_THREADS`` (set: the user chose, no warning).
+    Returns:
+        One line for a WARNING, or None.
+    """
+    if omp_env is not None or other_nodes < 1 or threads * (other_nodes + 1) <= cores:
+        return None
+    share = max(1, cores // (other_nodes + 1))
+    return (f"{other_nodes + 1} CPU nodes share this machine's {cores} cores at {threads} torch threads each: they "
+            f"oversubscribe the cores and each inner step slows down many times; start each node with "
+            f"OMP_NUM_THREADS={share}")
+
+
+def other_local_nodes() -> int:
+    """How many other ``composer-node join`` processes run on this machine (by command line; psutil)."""
+    import psutil
+
+    count = 0
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] != os.getpid() and ("nodes join" in cmd or "composer-node join" in cmd):
+            count += 1
+    return count
+
+
+def warn_if_cpu_oversubscribed(placement: Placement) -> None:
+    """Log `cpu_oversubscription`'s WARNING for a CPU node that shares the machine with other nodes."""
+    if not placement.use_cpu:
+        return
+    line = cpu_oversubscription(len(os.sched_getaffinity(0)), torch.get_num_threads(), other_local_nodes(),
+                                os.environ.get("OMP_NUM_THREADS"))
+    if line:
+        log.warning(line)
+
+
+__all__ = ["DTYPES", "BatchError", "DeviceError", "NodeBatch", "Placement", "cpu_oversubscription",
+           "warn_if_cpu_oversubscribed"]

@@ -39,7 +39,7 @@ from composer_diloco.outer.swarm import (
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
-from nodes.device import NodeBatch, Placement
+from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import NodeOptions
 
 log = logging.getLogger(__name__)
@@ -296,6 +296,7 @@ class Node:
                 (`ToolCallTally`; the final model is kept first, as on a normal end).
         """
         config, peer = self.config, self.peer
+        warn_if_cpu_oversubscribed(self.placement)  # now: nodes started together have all joined
         remaining = config.rounds - peer.round
         if remaining <= 0 or self.swarm_round >= config.rounds:
             log.info("the run is already over (round %d of %d)", max(peer.round, self.swarm_round), config.rounds)

@@ -222,6 +222,31 @@ def test_placement_precision_on_this_machine():
         assert not Placement.resolve("cuda:0", "fp32").bf16
 
 
+def test_cpu_nodes_sharing_cores_are_warned_unless_threads_are_set():
+    """`cpu_oversubscription`: N CPU nodes at torch's default (a thread per core) on C cores, no OMP_NUM_THREADS."""
+    from nodes.device import cpu_oversubscription
+
+    line = cpu_oversubscription(cores=2, threads=2, other_nodes=1, omp_env=None)
+    assert line and "2 CPU nodes share this machine's 2 cores" in line and "OMP_NUM_THREADS=1" in line
+    assert "OMP_NUM_THREADS=4" in cpu_oversubscription(cores=16, threads=16, other_nodes=3, omp_env=None)
+    assert cpu_oversubscription(cores=2, threads=2, other_nodes=1, omp_env="2") is None  # the user chose
+    assert cpu_oversubscription(cores=2, threads=2, other_nodes=0, omp_env=None) is None  # alone
+    assert cpu_oversubscription(cores=2, threads=1, other_nodes=1, omp_env=None) is None  # they fit
+
+
+def test_other_local_nodes_counts_node_processes_by_command_line():
+    from nodes.device import other_local_nodes
+
+    before = other_local_nodes()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "nodes join"])
+    try:
+        assert other_local_nodes() == before + 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert other_local_nodes() == before
+
+
 # ------------------------------------------------------------------------------------- bad input, one line, exit 1
 
 
