@@ -186,15 +186,17 @@ def cpu_oversubscription(cores: int, threads: int, other_nodes: int, omp_env: st
 
 
 def other_local_nodes() -> int:
-    """How many other ``composer-node join`` processes run on this machine (by command line; psutil)."""
+    """How many other ``composer-node join`` processes run on this machine (by command line; psutil). A node's
+    forked children (hivemind's DHT and averager processes) carry its command line too: only processes whose parent
+    is not a node count."""
     import psutil
 
-    count = 0
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    nodes = {}  # pid -> parent pid, of every process with a node's command line
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["pid"] != os.getpid() and ("nodes join" in cmd or "composer-node join" in cmd):
-            count += 1
-    return count
+        if "nodes join" in cmd or "composer-node join" in cmd:
+            nodes[proc.info["pid"]] = proc.info["ppid"]
+    return sum(1 for pid, parent in nodes.items() if pid != os.getpid() and parent not in nodes)
 
 
 def warn_if_cpu_oversubscribed(placement: Placement) -> None:

@@ -9,11 +9,15 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from tests_support import error_line
 import torch
@@ -238,11 +242,17 @@ def test_other_local_nodes_counts_node_processes_by_command_line():
     from nodes.device import other_local_nodes
 
     before = other_local_nodes()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "nodes join"])
+    # a stand-in node that forks a child, as hivemind's DHT and averager processes are: one node, not two
+    forking = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nelse:\n    time.sleep(60)\n"
+    sleeper = subprocess.Popen([sys.executable, "-c", forking, "nodes join"], start_new_session=True)
     try:
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(sleeper.pid).children()) < 1:
+            assert time.monotonic() < deadline, "the stand-in did not fork"
+            time.sleep(0.05)
         assert other_local_nodes() == before + 1
     finally:
-        sleeper.kill()
+        os.killpg(sleeper.pid, signal.SIGKILL)
         sleeper.wait()
     assert other_local_nodes() == before
 
