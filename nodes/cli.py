@@ -61,8 +61,6 @@ def join(
 
     Exits 1 with one line on an error, or when no episode of any of its rounds produced a parsed tool call
     ("trained on nothing: ..."); 130 when stopped by a signal."""
-    from composer_diloco.config import ConfigError, load_config
-    from composer_diloco.outer.secret import SecretError, load_secret
     from nodes.options import NodeOptions
 
     options = NodeOptions(peer=peer, device=device, dtype=dtype, batch_size=batch_size, grad_accum=grad_accum,
@@ -72,10 +70,7 @@ def join(
                           listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing)
     try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
         options.check()
-        if config is not None:
-            load_config(config)
-        load_secret(secret_file)
-    except (ValueError, ConfigError, SecretError) as e:
+    except ValueError as e:  # every error of check() is one (ConfigError and SecretError included)
         typer.echo(f"composer-node: error: {e}", err=True)
         raise typer.Exit(1)
 

@@ -124,15 +124,6 @@ class NodeBatch:
         """Distinct tasks (GRPO groups) per inner step: ``episodes_per_step / num_generations``."""
         return self.episodes_per_step // self.num_generations
 
-    @staticmethod
-    def check_options(batch_size: int | None, grad_accum: int) -> None:
-        """Check ``--batch-size`` / ``--grad-accum`` on their own (before the run config is known).
-
-        Raises:
-            BatchError: ``batch_size`` (when given) or ``grad_accum`` is below 1.
-        """
-        check_batch_options(batch_size, grad_accum)
-
     @classmethod
     def resolve(cls, config: RunConfig, batch_size: int | None = None, grad_accum: int = 1) -> NodeBatch:
         """The node's batch for ``config``.
@@ -146,7 +137,7 @@ class NodeBatch:
             BatchError: a value below 1, or ``batch_size * grad_accum`` not a multiple of G (a GRPO group would be
                 split across optimizer steps); the message names the three values.
         """
-        cls.check_options(batch_size, grad_accum)
+        check_batch_options(batch_size, grad_accum)
         micro = config.batch_size if batch_size is None else batch_size
         g = config.grpo.num_generations
         if (micro * grad_accum) % g:

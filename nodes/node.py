@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 
 
 from composer_diloco import faults
-from composer_diloco.config import RunConfig, config_diff, load_config
+from composer_diloco.config import RunConfig, config_diff
 from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
@@ -138,9 +138,9 @@ class Node:
         """
         o = self.options
         # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
-        shard = o.check()  # the form of every option (the command line ran it too, before the heavy imports)
+        checked = o.check()  # the command line ran it too, before the heavy imports: milliseconds
+        expected, secret = checked.expected_config, checked.secret  # secret None: an open run
         self.placement = Placement.resolve(o.device, o.dtype)
-        expected = load_config(o.expected_config) if o.expected_config is not None else None
         parse_multiaddr(o.peer)
         check_addresses(o.listen, o.announce)
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
@@ -150,9 +150,6 @@ class Node:
         for url in o.env_urls:
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
-        from composer_diloco.outer.secret import load_secret
-
-        secret = load_secret(o.secret_file)  # None: an open run
         self.dht = start_dht(initial_peers=[o.peer], listen=o.listen, announce=o.announce or None, secret=secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
@@ -175,7 +172,7 @@ class Node:
         # server starts after the model skeleton (an architecture mismatch fails before any process is started) but
         # before the global model is downloaded; a later error stops it.
         self.tasks = TaskSet.load(config.tasks)  # a bad [tasks] dataset fails here, before any env or model
-        self.task_shard = shard
+        self.task_shard = shard = checked.shard
         first_row = self.tasks.order(1, seed=config.seed, shard=shard, peer_name=o.name)[0] if self.tasks else 0
         if self.tasks is not None and shard is not None:
             log.info("tasks: shard %s of %d rows", shard, len(self.tasks))

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from composer_diloco.config import RunConfig, load_config
+from composer_diloco.outer.secret import load_secret
 from composer_diloco.rollout.task_shard import TaskShard
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -60,6 +62,16 @@ def check_batch_options(batch_size: int | None, grad_accum: int) -> None:
         raise BatchError(f"--batch-size {batch_size}: expected a number of episodes >= 1")
     if grad_accum < 1:
         raise BatchError(f"--grad-accum {grad_accum}: expected a number of micro-batches >= 1")
+
+
+@dataclass(frozen=True)
+class CheckedOptions:
+    """What `NodeOptions.check` parsed: the ``--task-shard`` (None: not given), the ``--config`` the node agreed to
+    (None: not given) and the run secret (None: an open run)."""
+
+    shard: TaskShard | None
+    expected_config: RunConfig | None
+    secret: bytes | None
 
 
 @dataclass
@@ -112,14 +124,14 @@ class NodeOptions:
         if not self.name:
             self.name = f"node-{socket.gethostname()}-{os.getpid()}"
 
-    def check(self) -> TaskShard | None:
-        """Check every option whose form alone can be wrong; imports nothing heavy and opens no connection.
+    def check(self) -> CheckedOptions:
+        """Check every option the node can judge alone, and read ``--config`` and the run secret; imports nothing
+        heavy and opens no connection. The command line runs it before the heavy imports; `Node.join` uses what it
+        returns.
 
-        Returns:
-            The parsed ``--task-shard`` (None when not given).
         Raises:
-            DeviceError / BatchError / OptionError / ValueError (``--task-shard``): one line naming the option, its
-            value and what was expected.
+            DeviceError / BatchError / OptionError / ValueError (``--task-shard``) / ConfigError (``--config``) /
+            SecretError: one line naming the option, its value and what was expected.
         """
         check_device_choice(self.device, self.dtype)
         check_batch_options(self.batch_size, self.grad_accum)
@@ -130,4 +142,6 @@ class NodeOptions:
                 raise OptionError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
         if self.join_timeout_s <= 0:
             raise OptionError(f"--join-timeout {self.join_timeout_s}: expected seconds > 0")
-        return TaskShard.parse(self.task_shard) if self.task_shard else None
+        return CheckedOptions(shard=TaskShard.parse(self.task_shard) if self.task_shard else None,
+                              expected_config=load_config(self.expected_config) if self.expected_config else None,
+                              secret=load_secret(self.secret_file))

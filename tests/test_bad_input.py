@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests_support import error_line
+from tests_support import error_line, imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,11 +15,6 @@ def run(*args: str, timeout_s: float = 120, python: tuple[str, ...] = ()) -> sub
                           cwd=ROOT)
 
 
-def imported(result: subprocess.CompletedProcess) -> set[str]:
-    """The modules a ``python -X importtime`` process imported."""
-    return {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", ["start", "simulate"])
 def test_missing_config_file(tmp_path, command):
@@ -27,7 +22,7 @@ def test_missing_config_file(tmp_path, command):
             python=("-X", "importtime"))
     assert r.returncode != 0 and "nope.toml" in error_line(r) and "does not exist" in error_line(r)
     assert not (tmp_path / "run").exists()
-    assert not {"torch", "hivemind"} & imported(r)  # refused before the heavy imports
+    assert not {"torch", "hivemind"} & imported_modules(r)  # refused before the heavy imports
 
 
 @pytest.mark.timeout(120)
@@ -37,7 +32,7 @@ def test_invalid_config_names_field(tmp_path):
     r = run("coordinator", "simulate", "--config", str(bad), "--run-dir", str(tmp_path / "run"),
             python=("-X", "importtime"))
     assert r.returncode != 0 and "outer.momentum" in error_line(r)
-    assert not {"torch", "hivemind"} & imported(r)
+    assert not {"torch", "hivemind"} & imported_modules(r)
 
 
 @pytest.mark.timeout(120)

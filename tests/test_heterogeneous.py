@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from tests_support import error_line
+from tests_support import error_line, imported_modules
 import torch
 from transformers import TrainerCallback
 
@@ -285,7 +285,7 @@ def test_bad_node_options_fail_before_the_heavy_imports(tmp_path, args, expected
     module a process imports), so before the DHT too: the dead peer is never reached."""
     r = join(tmp_path, *args, python=("-X", "importtime"))
     assert r.returncode == 1 and expected in error_line(r)
-    imported = {line.rpartition("|")[2].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    imported = imported_modules(r)
     assert "typer" in imported and not {"torch", "hivemind", "transformers"} & imported, sorted(imported)[:20]
     assert not list(tmp_path.rglob("metrics.jsonl"))
 

@@ -60,6 +60,11 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def imported_modules(result: subprocess.CompletedProcess) -> set[str]:
+    """The modules a ``python -X importtime`` process imported (read from its stderr)."""
+    return {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+
+
 def run_processes_snapshot() -> set[int]:
     """PIDs of processes a run leaves behind if it leaks: p2pd daemons and env servers."""
     import psutil
