@@ -252,6 +252,9 @@ class OuterOptimizer(_Section):
             raise ValueError(f"kwargs must not set {', '.join(taken)}: they are fields of [outer] (or fixed)")
         if self.is_sgd and not self.kwargs:  # torch's SGD takes every lr > 0 and momentum in [0, 1) that the fields
             return self  # allow (nesterov is dropped at momentum 0): reading a config then imports no torch
+        if (self.optimizer, self.lr, self.kwargs) == tuple(DELAYED_NESTEROV_DEFAULT[k] for k in ("optimizer", "lr",
+                                                                                                  "kwargs")):
+            return self  # the --model default, built in test_config: a --model config, too, is read without torch
         from composer_diloco.outer.global_model import check_factory, optimizer_factory
 
         check_factory(optimizer_factory(self))  # an unknown name or a refused argument: one line, at load time

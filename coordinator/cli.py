@@ -27,10 +27,31 @@ SecretFileOpt = Annotated[Optional[Path], typer.Option("--secret-file", help="Fi
                                                        "the run (default: $COMPOSER_DILOCO_SECRET; neither: open).")]
 
 
-def _load(config: Path | None, rounds: int | None, model: str | None):
-    from composer_diloco.config import load_config
+def _check(config: Path | None, rounds: int | None, model: str | None, secret_file: Path | None,
+           listen: str | None = None, announce: list[str] | None = None):
+    """Everything the command line can judge before torch and hivemind are imported (a fraction of a second): the
+    config, ``--model`` as a folder or a Hub id, the form of ``--listen`` / ``--announce``, and the run secret.
 
-    return load_config(config, rounds=rounds, model=model)
+    Returns:
+        ``(config, secret)``: the `RunConfig` and the secret's bytes (None: an open run).
+    Raises:
+        typer.Exit(1): after printing the one-line error.
+    """
+    from composer_diloco.config import ConfigError, load_config
+    from composer_diloco.outer.address_form import AddressError, check_listen_and_announce
+    from composer_diloco.outer.secret import SecretError, load_secret
+    from composer_diloco.policy.errors import PolicyLoadError
+    from composer_diloco.policy.model_name import check_model_name
+
+    try:
+        cfg = load_config(config, rounds=rounds, model=model)
+        if cfg.model is not None:
+            check_model_name(cfg.model)
+        check_listen_and_announce(listen, announce or [])
+        return cfg, load_secret(secret_file)
+    except (ConfigError, SecretError, PolicyLoadError, AddressError) as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -56,16 +77,7 @@ def start(
 
     Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
     since round R: ..."); 130 when stopped by a signal."""
-    from composer_diloco.config import ConfigError
-    from composer_diloco.outer.secret import SecretError, load_secret
-
-    try:  # a bad --config or secret fails here, in a fraction of a second, before torch and hivemind are imported
-        cfg = _load(config, rounds, model)
-        load_secret(secret_file)
-    except (ConfigError, SecretError) as e:
-        typer.echo(f"composer-coordinator: error: {e}", err=True)
-        raise typer.Exit(1)
-
+    cfg, _ = _check(config, rounds, model, secret_file, listen, list(announce))  # before the heavy imports
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.malloc import fix_mmap_threshold
     from composer_diloco.reaper import watch_this_process
@@ -123,16 +135,10 @@ def simulate(
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
     against the final model on held-out tasks."""
-    from composer_diloco.config import ConfigError
-    from composer_diloco.outer.secret import SECRET_ENV, SecretError, load_secret
-
-    try:
-        cfg = _load(config, rounds, model)
-        secret = load_secret(secret_file)
-    except (ConfigError, SecretError) as e:
-        typer.echo(f"composer-coordinator: error: {e}", err=True)
-        raise typer.Exit(1)
+    cfg, secret = _check(config, rounds, model, secret_file)  # before the heavy imports
+    from composer_diloco.outer.secret import SECRET_ENV
     from coordinator.simulate import Simulation, run_simulation
+
     if secret is not None:  # every process it spawns inherits it (never on a command line or in the run dir)
         os.environ[SECRET_ENV] = secret.decode()
     if any(run_dir.glob("*/metrics.jsonl")):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer_diloco.config import RunConfig, load_config
+from composer_diloco.outer.address_form import check_address_form, check_listen_and_announce
 from composer_diloco.outer.secret import load_secret
 from composer_diloco.rollout.task_shard import TaskShard
 
@@ -130,9 +131,12 @@ class NodeOptions:
         returns.
 
         Raises:
-            DeviceError / BatchError / OptionError / ValueError (``--task-shard``) / ConfigError (``--config``) /
-            SecretError: one line naming the option, its value and what was expected.
+            AddressError (the form of ``--peer`` / ``--listen`` / ``--announce``) / DeviceError / BatchError /
+            OptionError / ValueError (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming
+            the option, its value and what was expected.
         """
+        check_address_form("--peer", self.peer, peer_id=True)
+        check_listen_and_announce(self.listen, self.announce)
         check_device_choice(self.device, self.dtype)
         check_batch_options(self.batch_size, self.grad_accum)
         if self.env_sessions is not None and self.env_sessions < 1:

@@ -36,22 +36,43 @@ def test_invalid_config_names_field(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_peer_that_is_not_a_multiaddr(tmp_path):
-    r = run("nodes", "join", "--peer", "localhost:4000", "--run-dir", str(tmp_path))
-    assert r.returncode != 0 and "'localhost:4000' is not a multiaddr" in error_line(r)
+@pytest.mark.parametrize("peer, expected", [
+    ("localhost:4000", "--peer 'localhost:4000' is not a multiaddr"),
+    ("/ip4/127.0.0.1/tcp/4000", "has no /p2p/<peer id> part"),
+])
+def test_peer_that_is_not_a_multiaddr(tmp_path, peer, expected):
+    r = run("nodes", "join", "--peer", peer, "--run-dir", str(tmp_path), python=("-X", "importtime"))
+    assert r.returncode == 1 and expected in error_line(r), error_line(r)
+    assert not {"torch", "hivemind"} & imported_modules(r)  # refused before the heavy imports
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("option, value, expected", [
-    ("--listen", "0.0.0.0:4001", "--listen '0.0.0.0:4001' is not a multiaddr"),
-    ("--announce", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+@pytest.mark.parametrize("command, option, value, expected", [
+    ("nodes", "--listen", "0.0.0.0:4001", "--listen '0.0.0.0:4001' is not a multiaddr"),
+    ("nodes", "--announce", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+     "names a peer id"),
+    ("coordinator", "--listen", "0.0.0.0:4001", "--listen '0.0.0.0:4001' is not a multiaddr"),
+    ("coordinator", "--announce", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
      "names a peer id"),
 ])
-def test_node_listen_or_announce_that_is_not_an_address(tmp_path, option, value, expected):
+def test_listen_or_announce_that_is_not_an_address(tmp_path, command, option, value, expected):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-    r = run("nodes", "join", "--peer", dead, option, value, "--run-dir", str(tmp_path), "--join-timeout", "10")
+    args = ["join", "--peer", dead] if command == "nodes" else ["start"]
+    r = run(command, *args, option, value, "--run-dir", str(tmp_path / "run"), python=("-X", "importtime"))
     assert r.returncode == 1 and expected in error_line(r), error_line(r)
-    assert "no peer answered" not in r.stderr  # refused before any network
+    assert not {"torch", "hivemind"} & imported_modules(r)  # refused before the heavy imports (and any network)
+    assert not (tmp_path / "run").exists()
+
+
+def test_swarm_parses_what_the_form_check_lets_through():
+    """The form check (no hivemind) and hivemind's parser together: a well-formed --peer parses; one that passes
+    the form check but is not a multiaddr is still refused, by the parser, in one line."""
+    from composer_diloco.outer.swarm import SwarmError, parse_multiaddr
+
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    assert str(parse_multiaddr(dead)) == dead
+    with pytest.raises(SwarmError, match=r"--peer '/ip4/not-an-ip/tcp/9/p2p/12D3KooW.*' is not a multiaddr"):
+        parse_multiaddr("/ip4/not-an-ip/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN")
 
 
 @pytest.mark.timeout(120)
@@ -62,9 +83,12 @@ def test_peer_where_no_one_answers(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_model_that_does_not_exist(tmp_path):
-    r = run("coordinator", "start", "--model", str(tmp_path / "no-such-model"), "--run-dir", str(tmp_path / "run"))
-    assert r.returncode != 0 and "no-such-model" in error_line(r)
-    assert not (tmp_path / "run" / "checkpoints").exists()
+@pytest.mark.parametrize("command", ["start", "simulate"])
+def test_model_that_does_not_exist(tmp_path, command):
+    r = run("coordinator", command, "--model", str(tmp_path / "no-such-model"), "--run-dir", str(tmp_path / "run"),
+            python=("-X", "importtime"))
+    assert r.returncode == 1 and "no-such-model" in error_line(r) and "no such directory" in error_line(r)
+    assert not {"torch", "hivemind", "transformers"} & imported_modules(r)  # refused before the heavy imports
+    assert not (tmp_path / "run").exists()
 
 

@@ -65,6 +65,9 @@ def test_outer_defaults_follow_the_policy(tmp_path):
     real = load_config(None, model="Qwen/Qwen3-0.6B")
     assert real.outer.optimizer == "composer_diloco.outer.delayed_nesterov.DelayedNesterov"
     assert (real.outer.lr, real.outer.kwargs, real.outer.momentum) == (0.7, {"momentum": 0.9, "delay": 4}, None)
+    from composer_diloco.outer.global_model import check_factory, optimizer_factory
+
+    check_factory(optimizer_factory(real.outer))  # the one non-SGD section that is not built when a config is read
     path = tmp_path / "c.toml"
     path.write_text("[outer]\nmomentum = 0.9\n")
     assert (load_config(path).outer.lr, load_config(path).outer.momentum) == (1.0, 0.9)

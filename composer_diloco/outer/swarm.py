@@ -30,6 +30,13 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from composer_diloco.config import ConfigError, RunConfig
+from composer_diloco.outer.address_form import (
+    LISTEN_EXAMPLE,
+    PEER_EXAMPLE,
+    AddressError,
+    check_address_form,
+    check_listen_and_announce,
+)
 from composer_diloco.lifecycle import keep_signal_handlers
 
 log = logging.getLogger(__name__)
@@ -49,29 +56,28 @@ class SwarmError(RuntimeError):
 def parse_multiaddr(text: str) -> Multiaddr:
     """Parse ``--peer``. Raises SwarmError naming the value unless it is a multiaddr with a /p2p/ peer id."""
     try:
-        addr = Multiaddr(text)
+        check_address_form("--peer", text, peer_id=True)
+        return Multiaddr(text)
+    except AddressError as e:
+        raise SwarmError(str(e)) from None
     except Exception as e:  # the multiaddr package raises several unrelated types
-        raise SwarmError(
-            f"--peer {text!r} is not a multiaddr (expected e.g. /ip4/127.0.0.1/tcp/4000/p2p/12D3KooW...): {e}"
-        ) from None
-    if "/p2p/" not in str(addr):
-        raise SwarmError(f"--peer {text!r} has no /p2p/<peer id> part (copy the whole `peer:` line)")
-    return addr
+        raise SwarmError(f"--peer {text!r} is not a multiaddr (expected e.g. {PEER_EXAMPLE}): {e}") from None
 
 
 def check_addresses(listen: str | None, announce: list[str]) -> None:
     """Check ``--listen`` and every ``--announce``. Raises SwarmError naming the first value that is not a multiaddr
     with a transport (``/ip4/0.0.0.0/tcp/4000``), or that names a peer id (a /p2p/ part)."""
+    try:
+        check_listen_and_announce(listen, announce)
+    except AddressError as e:
+        raise SwarmError(str(e)) from None
     for text, option in [(listen, "--listen"), *((a, "--announce") for a in announce)]:
         if text is None:
             continue
         try:
-            addr = Multiaddr(text)
+            Multiaddr(text)
         except Exception:
-            raise SwarmError(f"{option} {text!r} is not a multiaddr (expected e.g. /ip4/0.0.0.0/tcp/4000)") from None
-        if "/p2p/" in str(addr):
-            raise SwarmError(f"{option} {text!r} names a peer id: expected only an address, e.g. "
-                             "/ip4/0.0.0.0/tcp/4000")
+            raise SwarmError(f"{option} {text!r} is not a multiaddr (expected e.g. {LISTEN_EXAMPLE})") from None
 
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,

@@ -20,24 +20,31 @@ Modules, in the order a run uses them:
 No module here names a concrete env except :mod:`~composer_diloco.policy.tokenizer_recipe` (build time only).
 """
 
-from composer_diloco.policy.errors import PolicyLoadError
-from composer_diloco.policy.evaluate import evaluate_policy
-from composer_diloco.policy.load import load_policy, warmstart_cache_dir
-from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
-from composer_diloco.policy.tokenizer import (
-    DEFAULT_TOKENIZER_DIR,
-    build_tokenizer,
-    load_default_tokenizer,
-    tokenize_episode,
-    trl_qwen3_chat_template,
-)
-from composer_diloco.policy.warmstart import (
-    DEFAULT_WARMSTART_ENV,
-    DEFAULT_WARMSTART_STEPS,
-    env_demonstrations,
-    solver_examples,
-    warm_start,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> submodule. Imported on first use (PEP 562), so that `composer_diloco.policy.errors` or `.model_name` cost no
+# transformers import: the command lines check --model with them before the heavy imports.
+_EXPORTS = {
+    "PolicyLoadError": "errors",
+    "evaluate_policy": "evaluate",
+    "load_policy": "load",
+    "warmstart_cache_dir": "load",
+    "build_tiny_model": "tiny_model",
+    "tiny_model_config": "tiny_model",
+    "DEFAULT_TOKENIZER_DIR": "tokenizer",
+    "build_tokenizer": "tokenizer",
+    "load_default_tokenizer": "tokenizer",
+    "tokenize_episode": "tokenizer",
+    "trl_qwen3_chat_template": "tokenizer",
+    "DEFAULT_WARMSTART_ENV": "warmstart",
+    "DEFAULT_WARMSTART_STEPS": "warmstart",
+    "env_demonstrations": "warmstart",
+    "solver_examples": "warmstart",
+    "warm_start": "warmstart",
+}
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
@@ -57,3 +64,32 @@ __all__ = [
     "warm_start",
     "warmstart_cache_dir",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from composer_diloco.policy.errors import PolicyLoadError
+    from composer_diloco.policy.evaluate import evaluate_policy
+    from composer_diloco.policy.load import load_policy, warmstart_cache_dir
+    from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
+    from composer_diloco.policy.tokenizer import (
+        DEFAULT_TOKENIZER_DIR,
+        build_tokenizer,
+        load_default_tokenizer,
+        tokenize_episode,
+        trl_qwen3_chat_template,
+    )
+    from composer_diloco.policy.warmstart import (
+        DEFAULT_WARMSTART_ENV,
+        DEFAULT_WARMSTART_STEPS,
+        env_demonstrations,
+        solver_examples,
+        warm_start,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
+from composer_diloco.policy.model_name import check_model_name
 from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
 from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_default_tokenizer
 from composer_diloco.policy.warmstart import (
@@ -135,19 +136,12 @@ def _hub_offline() -> bool:
 
 def _load_named(value: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """A local ``save_pretrained`` directory, else a Hub id (local cache first, then the Hub unless offline)."""
-    path = Path(value).expanduser()
-    if path.exists():
-        if not (path.is_dir() and (path / "config.json").is_file()):
-            raise PolicyLoadError(f"policy {value!r}: expected a model directory with config.json "
-                                  "(save_pretrained layout)")
+    path = check_model_name(value)
+    if path is not None:
         try:
             return _load_pretrained(str(path), local=True)
         except (OSError, ValueError, KeyError) as exc:
             raise PolicyLoadError(f"policy {value!r}: cannot load model/tokenizer from this directory: {exc}") from exc
-    looks_like_path = path.is_absolute() or value.startswith((".", "~")) or value.count("/") > 1 or "\\" in value
-    if looks_like_path:
-        raise PolicyLoadError(f"policy {value!r}: no such directory (expected a save_pretrained model "
-                              "directory or a Hugging Face Hub id like 'org/name')")
     offline = _hub_offline()
     errors = []
     for local in (True,) if offline else (True, False):
