@@ -48,11 +48,29 @@ print(json.dumps({"measured": measured, "state": plan.optimizer + plan.reference
 """
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,mode,dtype", [("default", "full", "fp32"), ("small", "full", "fp32"),
-                                             ("small", "lora", "fp32"), ("small", "full", "bf16"),
-                                             ("small", "lora", "bf16")])
-def test_plan_matches_measured_allocations(kind, mode, dtype):
+CASES = [("default", "full", "fp32"), ("small", "full", "fp32"), ("small", "lora", "fp32"), ("small", "full", "bf16"),
+         ("small", "lora", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def measurements():
+    """Every case of `test_plan_matches_measured_allocations` measured at once, each in its own fresh process (the
+    resident set is per process; torch runs one thread in each): ~7 s of CPU each, mostly imports."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = {case: subprocess.Popen([sys.executable, "-c", MEASURE, *case], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT) for case in CASES}
+    try:
+        yield {case: (proc, *proc.communicate(timeout=200)) for case, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind,mode,dtype", CASES)
+def test_plan_matches_measured_allocations(measurements, kind, mode, dtype):
     """AdamW + the reference (measured once allocated), and the peak of one inner step over a micro-batch of 4 rows x
     512 tokens (state + the gradients backward creates + activations + the step's temporaries), as planned against the
     resident-set growth in a fresh process (glibc maps every tensor >= 64 KiB on its own, so the resident set follows
@@ -61,11 +79,9 @@ def test_plan_matches_measured_allocations(kind, mode, dtype):
     0.9 M parameters (vocab 878), the small random model 5.2 M (hidden 256, 4 layers, vocab 8192). bf16 is a
     ``--dtype bf16`` node rehearsed on CPU autocast: the reference copy's linear weights in bf16 (full fine-tuning), the
     LoRA base's likewise."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", MEASURE, kind, mode, dtype], env=env, capture_output=True, text=True,
-                       timeout=110, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    proc, stdout, stderr = measurements[(kind, mode, dtype)]
+    assert proc.returncode == 0, stderr[-2000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
     m = out["measured"]
     # a LoRA state is < 1 MB: the resident set moves in pages and small allocations, so 256 KiB of slack
     assert m["state"] == pytest.approx(out["state"], rel=0.10, abs=256 * 1024), out
