@@ -8,5 +8,6 @@ outer step -> load theta.
 - `screening`: which contributions of a group are dropped (NaN/Inf, norm outliers);
 - `compression`: the all-reduce codecs (none, fp16, int8);
 - `swarm`: the DHT records of a run (config, heartbeats, rounds);
-- `auth`: closed runs (a shared secret).
+- `auth`: closed runs (a shared secret); `secret`: where the secret is read from, without hivemind;
+- `address_form`: the form of ``--peer`` / ``--listen`` / ``--announce``, checked without hivemind.
 """

@@ -30,6 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from composer_diloco.config import ConfigError, RunConfig
+from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer.address_form import (
     LISTEN_EXAMPLE,
     PEER_EXAMPLE,
@@ -37,7 +38,6 @@ from composer_diloco.outer.address_form import (
     check_address_form,
     check_listen_and_announce,
 )
-from composer_diloco.lifecycle import keep_signal_handlers
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,8 @@ Modules, in the order a run uses them:
   the embedded default's warm start is cached once per machine in :func:`warmstart_cache_dir`
   (:mod:`~composer_diloco.policy.cache`: ``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
   ``~/.cache/composer_diloco``; a file lock, atomic renames).
+* :mod:`~composer_diloco.policy.model_name`: :func:`check_model_name` tells a ``--model`` folder from a Hub id without
+  importing transformers (the command lines refuse a missing folder before the heavy imports).
 * :mod:`~composer_diloco.policy.evaluate`: :func:`evaluate_policy`, fixed fresh episodes against a served env or
   the env package in process (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
 * :mod:`~composer_diloco.policy.cli`: ``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``.
