@@ -481,8 +481,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
 
     Run it in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every tensor of 64 KiB or
     more on its own and returns it at free, so the resident set follows the allocations). A forward/backward over 16
-    tokens runs before the baseline, so what a process allocates once (BLAS workspaces, which differ by CPU: on one
-    CI machine they were ~14 MB more than here) is not counted as the step's. The pass is a proxy of the
+    tokens runs before the baseline, so what a process allocates once, on its first forward/backward (~9 MB on a Xeon;
+    ~14 MB more on one CI machine's CPU), is not counted as the step's. The pass is a proxy of the
     GRPO loss (logits of ``rows`` x ``seq_len`` random tokens divided by the temperature, TRL's
     ``selective_log_softmax``, a masked mean), with the DPO reference's no-grad forward first.
 
@@ -534,8 +534,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
     with torch.no_grad():  # from_pretrained may map the safetensors file: fault the weights in before the baseline
         for p in model.parameters():
             p.sum()
-    # one tiny forward/backward first: what a process allocates once (the BLAS library's workspaces, autograd's engine
-    # state) sizes itself to the machine's caches and cores, not to the step, and is left out of the baseline
+    # one tiny forward/backward first: what a process allocates once on its first pass depends on the CPU, not on the
+    # step, and is left out of the baseline
     model(input_ids=ids[:1, :16], attention_mask=mask[:1, :16]).logits.float().sum().backward()
     model.zero_grad(set_to_none=True)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # the small tensors it freed go back too, or the moments would reuse them
