@@ -182,14 +182,13 @@ ARMS = [
     Arm("grpo-avg-N8-H16", nodes=8, inner_steps=16, averaging=True, **GRPO),
     Arm("grpo-nesterov-lr0.7-m0.9-N8-H16", nodes=8, inner_steps=16, outer=(0.7, 0.9, True), **GRPO),
     Arm("grpo-delayed-lr0.7-m0.9-d4-N8-H16", nodes=8, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
-    # N = 2, H = 64: run with --budget 2048 (4 rounds; beside grpo-sync-N2 at the same budget, in its own --out)
-    Arm("grpo-avg-N2-H64", nodes=2, inner_steps=64, averaging=True, **GRPO),
-    Arm("grpo-nesterov-lr0.7-m0.9-N2-H64", nodes=2, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
-    Arm("grpo-delayed-lr0.7-m0.9-d4-N2-H64", nodes=2, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
-    # N = 4, H = 64: run with --budget 4096 (4 rounds; beside grpo-sync-N4 at the same budget, in its own --out)
-    Arm("grpo-avg-N4-H64", nodes=4, inner_steps=64, averaging=True, **GRPO),
-    Arm("grpo-nesterov-lr0.7-m0.9-N4-H64", nodes=4, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
-    Arm("grpo-delayed-lr0.7-m0.9-d4-N4-H64", nodes=4, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
+    # H = 64: run with --budget 2048 at N = 2, 4096 at N = 4 (4 rounds; beside grpo-sync-N{n} at the same budget, in
+    # its own --out)
+    *(arm for n in (2, 4) for arm in (
+        Arm(f"grpo-avg-N{n}-H64", nodes=n, inner_steps=64, averaging=True, **GRPO),
+        Arm(f"grpo-nesterov-lr0.7-m0.9-N{n}-H64", nodes=n, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
+        Arm(f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64", nodes=n, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9),
+            **GRPO))),
     # The coding env (configs/coding.toml: GRPO alone, T = 0.6, inner lr 2e-5), N = 4, H = 16 against its sync baseline
     Arm("coding-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, **GRPO),
     Arm("coding-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, **GRPO),
