@@ -88,6 +88,7 @@ class Arm:
     outer: tuple[float, float, bool] | None = None
     outer_toml: str | None = None
     base: str | None = None
+    inner_lr: float | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -112,7 +113,8 @@ class Arm:
                 + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
                 + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
-                f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
+                + (f"[inner]\nlr = {self.inner_lr}\n" if self.inner_lr is not None else "")
+                + f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
         if self.base is None:
             return own
@@ -182,9 +184,9 @@ ARMS = [
     Arm("grpo-avg-N8-H16", nodes=8, inner_steps=16, averaging=True, **GRPO),
     Arm("grpo-nesterov-lr0.7-m0.9-N8-H16", nodes=8, inner_steps=16, outer=(0.7, 0.9, True), **GRPO),
     Arm("grpo-delayed-lr0.7-m0.9-d4-N8-H16", nodes=8, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9), **GRPO),
-    # H = 64: run with --budget 2048 at N = 2, 4096 at N = 4 (4 rounds; beside grpo-sync-N{n} at the same budget, in
-    # its own --out)
-    *(arm for n in (2, 4) for arm in (
+    # H = 64: run with --budget 2048 at N = 2, 4096 at N = 4, 8192 at N = 8 (4 rounds; beside grpo-sync-N{n} at the
+    # same budget, in its own --out)
+    *(arm for n in (2, 4, 8) for arm in (
         Arm(f"grpo-avg-N{n}-H64", nodes=n, inner_steps=64, averaging=True, **GRPO),
         Arm(f"grpo-nesterov-lr0.7-m0.9-N{n}-H64", nodes=n, inner_steps=64, outer=(0.7, 0.9, True), **GRPO),
         Arm(f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64", nodes=n, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9),
@@ -192,6 +194,10 @@ ARMS = [
     # The coding env (configs/coding.toml: GRPO alone, T = 0.6, inner lr 2e-5), N = 4, H = 16 against its sync baseline
     Arm("coding-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, **GRPO),
     Arm("coding-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, **GRPO),
+    # the coding baseline at a larger inner lr (configs/coding.toml's 2e-5 did not learn at 2,048 episodes; 1e-4
+    # collapsed the policy): does the step size, not the budget, hold the baseline back?
+    Arm("coding-sync-N4-lr5e-5", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, inner_lr=5e-5,
+        **GRPO),
     Arm("coding-delayed-lr0.7-m0.9-d4-N4-H16", nodes=4, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9),
         base=CODING, **GRPO),
     # the sparse codec on the shipped loss, beside grpo-avg-N4-H16 (section 1d) and sparse-N4-H16 (the old composite)
@@ -353,6 +359,11 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_outer_h64.png": ("Outer optimizers, GRPO alone, N = 2, H = 64 (2,048 samples)",
                                    ["grpo-sync-N2", "grpo-avg-N2-H64", "grpo-nesterov-lr0.7-m0.9-N2-H64",
                                     "grpo-delayed-lr0.7-m0.9-d4-N2-H64"]),
+        **{f"learning_outer_n{n}_h64.png": (f"Outer optimizers, GRPO alone, N = {n}, H = 64 ({1024 * n:,} samples)",
+                                            [f"grpo-sync-N{n}", f"grpo-avg-N{n}-H64",
+                                             f"grpo-nesterov-lr0.7-m0.9-N{n}-H64",
+                                             f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64"])
+           for n in (4, 8)},
     }
     placed = {n for _, names in panels.values() for n in names}
     others = [n for n in summary if n not in placed]  # e.g. the smoke arm
