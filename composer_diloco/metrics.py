@@ -79,17 +79,26 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
     """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
     and success rate weighted by samples, mean losses, summed channel counts (sites, pairs, ...), the slowest
     node's inner and sync seconds, and the bytes all peers sent; ``samples``, ``episodes_without_tool_call`` and
-    ``episodes_env_error`` (summed over the nodes) are in every row but not in the table."""
+    ``episodes_env_error`` (summed over the nodes) are in every row but not in the table.
+
+    ``sha_agree`` compares each peer's last record of the round: a peer whose theta left the run's lineage and was
+    healed (`composer_diloco.outer.recovery.heal_split`, a later "resynced" record of the same round) counts with
+    the theta it ended the round on. ``healed`` lists those peers (their pseudo-gradients of the round were dropped);
+    it is not a column."""
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
     by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for records in metrics.values():
+    by_peer: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for name, records in metrics.items():
         for r in records:
             by_round[int(r["round"])].append(r)
+            by_peer[int(r["round"])][name].append(r)
     rows = []
     for rnd in sorted(by_round):
         recs = by_round[rnd]
+        named = by_peer[rnd]  # a peer's records of this round in file order: a heal appends one
+        last = {name: records[-1] for name, records in named.items()}
         nodes = [r for r in recs if r.get("role") == "node"]
         samples = sum(r.get("samples", 0) for r in nodes) or 1
         row = {
@@ -102,7 +111,9 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             # the nodes' sync: the coordinator's also holds its wait for the nodes' inner phase
             "sync_seconds": max((r.get("sync_seconds", 0.0) for r in nodes), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),
-            "sha_agree": len({r.get("global_sha256") for r in recs}) == 1,
+            "sha_agree": len({r.get("global_sha256") for r in last.values()}) == 1,
+            "healed": sorted(name for name, r in last.items()
+                             if any(e.get("global_sha256") != r.get("global_sha256") for e in named[name])),
             # not columns (the table's format is fixed): `no_tool_call_rounds` reads them
             "samples": sum(int(r.get("samples", 0)) for r in nodes),
             "episodes_without_tool_call": sum(int(r.get("episodes_without_tool_call", 0)) for r in nodes),

@@ -222,6 +222,12 @@ def _run_simulation(sim: Simulation, total_rounds: int) -> int:
     for name in failed:
         proc = next(p for p in sim.procs if p.name == name)
         console.print(f"[red]{name} exited with code {failed[name]}[/red]; last lines of {proc.log_path}:\n{proc.tail()}")
+    for row in rows:
+        if row["healed"]:
+            console.print(f"[yellow]WARNING: round {row['round']}: the replicas parted (several all-reduce groups, or "
+                          f"a partition); {', '.join(row['healed'])} took the canonical theta at their next sync "
+                          "(heal_split): their pseudo-gradients of that round and the inner steps after it were "
+                          "dropped[/yellow]")
     disagree = [r["round"] for r in rows if not r["sha_agree"]]
     if disagree:
         console.print(f"[red]global_sha256 differs between peers in round(s) {disagree}[/red]")

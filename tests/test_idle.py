@@ -85,6 +85,31 @@ def test_the_table_rows_name_the_rounds_without_any_tool_call():
     assert format_table(rows) == format_table(round_table(old))  # the table itself is unchanged
 
 
+def test_the_table_judges_agreement_on_the_theta_each_peer_ended_the_round_on():
+    """Recorded at N = 8 (bench/learning.py, grpo-avg-N8-H64 seed 1, 2026-11-25): round 0's matchmaking split the 9
+    peers into three all-reduce groups; at the next sync the nodes outside the coordinator's group took its theta
+    (`heal_split`), each appending a "resynced" record of round 0. The run ended on one theta: not a disagreement."""
+    from composer_diloco.metrics import round_table
+
+    def line(rnd: int, role: str, sha: str, status: str = "averaged") -> dict:
+        return {"round": rnd, "role": role, "samples": 0 if role == "coordinator" else 4, "global_sha256": sha,
+                "status": status}
+
+    healed = {"coordinator": [line(0, "coordinator", "C"), line(1, "coordinator", "D")],
+              "node-6": [line(0, "node", "C"), line(1, "node", "D")],
+              "node-0": [line(0, "node", "X"), line(0, "node", "C", "resynced"), line(1, "node", "D")],
+              "node-3": [line(0, "node", "Y"), line(0, "node", "C", "resynced"), line(1, "node", "D")]}
+    rows = round_table(healed)
+    assert [(r["round"], r["sha_agree"], r["healed"]) for r in rows] == [(0, True, ["node-0", "node-3"]),
+                                                                        (1, True, [])]
+    assert rows[0]["samples"] == 4 * 5  # the dropped inner phase's episodes were played: they stay counted
+
+    unhealed = {**healed, "node-3": [line(0, "node", "Y"), line(1, "node", "E")]}  # never took the theta
+    assert [(r["sha_agree"], r["healed"]) for r in round_table(unhealed)] == [(False, ["node-0"]), (False, [])]
+    stuck = {**healed, "node-3": [line(0, "node", "C"), line(0, "node", "Y", "unsettled")]}  # ended on another
+    assert round_table(stuck)[0]["sha_agree"] is False
+
+
 # -------------------------------------------------------------------------- a coordinator with no node alive
 
 
