@@ -88,16 +88,14 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
-    by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    by_peer: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    by_round: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for name, records in metrics.items():
         for r in records:
-            by_round[int(r["round"])].append(r)
-            by_peer[int(r["round"])][name].append(r)
+            by_round[int(r["round"])][name].append(r)
     rows = []
     for rnd in sorted(by_round):
-        recs = by_round[rnd]
-        named = by_peer[rnd]  # a peer's records of this round in file order: a heal appends one
+        named = by_round[rnd]  # a peer's records of this round in file order: a heal appends one
+        recs = [r for records in named.values() for r in records]
         last = {name: records[-1] for name, records in named.items()}
         nodes = [r for r in recs if r.get("role") == "node"]
         samples = sum(r.get("samples", 0) for r in nodes) or 1
