@@ -28,6 +28,10 @@ Failure behaviour of `DiLoCoPeer.sync`:
   authority: the coordinator, else the live node with the lowest name (`step_order`). A peer whose theta differs
   at a round both hold takes the authority's state before it averages again (`heal_split`); the authority logs
   each peer it finds diverged, and any state taken from a peer of another lineage is logged as a split.
+- a round that matchmaking split into several all-reduce groups (each averaged apart, so theta forks at once): a
+  peer whose group was smaller than the peers its barrier found, and lacked the authority, compares its new theta
+  with the authority's as soon as that is published, and takes it before the next inner phase
+  (`join_authority_after_split`), so no inner phase is trained on a forked theta.
 
 The run's end: a peer that finished the last round keeps serving its state while a live peer may still need it
 (`serve_until_settled`): behind the last round, or at its end with an unsettled theta.
@@ -168,6 +172,53 @@ def heal_split(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundC
     if not load_from_first(peer, [authority], min_round=0):
         return None  # it did not answer: try again at the next sync
     return peer._finish(model, clock, peers=0, status="resynced")
+
+
+def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> bool:
+    """Right after round ``r``'s outer step in an all-reduce group smaller than the barrier's peers: take the
+    authority's theta if matchmaking split the round into groups that averaged apart.
+
+    hivemind's matchmaking may form several groups out of one round's peers (seen with 9 peers on 2 busy cores: three
+    groups), each stepping theta by its own mean, so the replicas part. `heal_split` would bring them back at the next
+    sync, after a whole inner phase trained on a theta that is then dropped; here a peer whose group lacks the
+    authority (the first live peer by `step_order`) waits for the authority to publish its theta of round ``r + 1``
+    (at most ``network.averaging_timeout_s``) and, when it differs from ours, downloads it before training on. The
+    pseudo-gradients of this peer's group are then lost for round ``r``, as in `heal_split`: the rule is the same on
+    every peer, so the replicas agree again without a second all-reduce.
+
+    Args:
+        r: the round whose outer step this peer just took (its theta is at round ``r + 1``).
+        members: the names of this peer's all-reduce group, this peer included.
+    Returns:
+        True when the authority's state was loaded (the caller ends the round "resynced"); False when nothing was to
+        heal (the authority is this peer or was in its group, holds the same theta, or moved on) or it did not
+        answer in time (`heal_split` tries again at the next sync).
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
+    """
+    me, ours = peer.swarm.name, peer.global_model.sha256()
+    deadline = time.monotonic() + peer.config.network.averaging_timeout_s
+    while time.monotonic() < deadline:
+        others = [p for p in peer.swarm.live_peers() if p.name != me]
+        if not others:
+            return False
+        authority = min(others, key=lambda p: step_order(p.role, p.name))
+        if authority.name in members or step_order(peer.swarm.role, me) < step_order(authority.role, authority.name):
+            return False
+        if authority.round > r + 1:
+            return False  # it finished round r + 1 without us: `recover` takes its state at our barrier
+        if authority.round == r + 1 and authority.settled and authority.sha:
+            if authority.sha == ours:
+                return False
+            log.warning("%s round %d: matchmaking split the round: this peer averaged with %s only, and %s (the "
+                        "run's authority) with others, so their thetas differ; taking its state (the pseudo-gradients "
+                        "of this peer's group are dropped for this round)", me, r, ", ".join(sorted(members)),
+                        authority.name)
+            return load_from_first(peer, [authority], min_round=r + 1)
+        time.sleep(0.25)
+    log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking again "
+                "at the next sync", me, r, len(members), authority.name, peer.config.network.averaging_timeout_s)
+    return False
 
 
 def _lineage(p: PeerRecord) -> dict[int, str]:
@@ -323,5 +374,6 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     return max(newest, peer.round)
 
 
-__all__ = ["RoundFailed", "by_precedence", "heal_split", "join_at_round_boundary", "load_from_first", "recover",
-           "serve_until_settled", "settle", "step_alone", "step_order", "waiting_at_run_end"]
+__all__ = ["RoundFailed", "by_precedence", "heal_split", "join_at_round_boundary", "join_authority_after_split",
+           "load_from_first", "recover", "serve_until_settled", "settle", "step_alone", "step_order",
+           "waiting_at_run_end"]
