@@ -77,7 +77,7 @@ def start(
 
     Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
     since round R: ..."); 130 when stopped by a signal."""
-    cfg, _ = _check(config, rounds, model, secret_file, listen, list(announce))  # before the heavy imports
+    cfg, secret = _check(config, rounds, model, secret_file, listen, list(announce))  # before the heavy imports
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.malloc import fix_mmap_threshold
     from composer_diloco.reaper import watch_this_process
@@ -94,7 +94,7 @@ def start(
 
         check_addresses(listen, list(announce))
         coordinator = Coordinator(CoordinatorOptions(cfg, run_dir, listen, list(announce) or None, resume,
-                                                     secret_file=secret_file, max_idle_s=max_idle,
+                                                     secret=secret, max_idle_s=max_idle,
                                                      idle_log_s=idle_log), stop)
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)

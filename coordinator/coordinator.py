@@ -50,7 +50,8 @@ class CoordinatorOptions:
         resume: continue from the newest checkpoint in ``run_dir`` (theta, outer optimizer state, round), even with a
             changed config (e.g. more rounds); without it a run dir that holds checkpoints of the same config is
             continued, and one of another config is refused.
-        secret_file: file holding the run secret that closes the run (None: ``$COMPOSER_DILOCO_SECRET``, else open).
+        secret: the run secret that closes the run, as read by `composer_diloco.outer.secret.load_secret` from
+            ``--secret-file`` or ``$COMPOSER_DILOCO_SECRET`` (None: an open run). Never logged or written.
         max_idle_s: seconds without a live node (no node heartbeat) after which the run ends with an error; None =
             wait for nodes forever.
         idle_log_s: seconds without a live node before the coordinator logs what it waits for, and between two
@@ -62,7 +63,7 @@ class CoordinatorOptions:
     listen: str | None = None
     announce: list[str] | None = None
     resume: bool = False
-    secret_file: Path | None = None
+    secret: bytes | None = None
     max_idle_s: float | None = None
     idle_log_s: float = 60.0
 
@@ -148,15 +149,13 @@ class Coordinator:
         self.dht = None
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
-        self.secret: bytes | None = None  # the run secret (never logged or written); None = an open run
+        self.secret = options.secret  # the run secret (never logged or written); None = an open run
         self.idle_error: str | None = None  # set when the run ended for want of nodes (`IdleWatch`)
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
-        from composer_diloco.outer.secret import load_secret
         from composer_diloco.policy import load_policy
 
-        self.secret = load_secret(self.options.secret_file)  # a bad secret fails before any work
         config = self.config
         if config.tasks.path is not None:  # a [tasks] dataset that cannot serve the nodes fails before the model
             from composer_diloco.rollout.tasks import TaskSet
