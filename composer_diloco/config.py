@@ -167,8 +167,25 @@ _OUTER_CHOICES = ("optimizer", "lr", "momentum", "nesterov", "kwargs")  # the [o
 # 0.023) and N = 8 (+0.305 +- 0.010 against +0.256 +- 0.018, delayed +0.249 +- 0.018): runs of 4 outer steps, in
 # which the delay lets the momentum act once; no H = 64 run had the 16-32 outer steps where plain stopped learning
 # above, so the delayed one stays the default.
-DELAYED_NESTEROV_DEFAULT = {"optimizer": "composer_diloco.outer.delayed_nesterov.DelayedNesterov", "lr": 0.7,
-                            "kwargs": {"momentum": 0.9, "delay": 4}}
+DELAYED_NESTEROV = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"
+DELAYED_NESTEROV_DEFAULT = {"optimizer": DELAYED_NESTEROV, "lr": 0.7, "kwargs": {"momentum": 0.9, "delay": 4}}
+
+
+def check_delayed_nesterov(lr: float, momentum: float = 0.9, delay: int = 4, c: float = 1.0) -> None:
+    """The argument check of `composer_diloco.outer.delayed_nesterov.DelayedNesterov`, free of torch so that a config
+    naming it (the default of every ``--model`` run) is judged without building it. Its arguments are documented there.
+
+    Raises:
+        ValueError: an argument out of its range, in one line naming it and what was expected.
+    """
+    if not lr > 0:
+        raise ValueError(f"DelayedNesterov: lr={lr} (expected > 0)")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"DelayedNesterov: momentum={momentum} (expected 0 <= momentum < 1)")
+    if isinstance(delay, bool) or int(delay) != delay or delay < 1:
+        raise ValueError(f"DelayedNesterov: delay={delay} (expected a whole number of rounds >= 1)")
+    if not 0 <= c <= 1:
+        raise ValueError(f"DelayedNesterov: c={c} (expected 0 <= c <= 1)")
 
 
 class OuterOptimizer(_Section):
@@ -255,11 +272,17 @@ class OuterOptimizer(_Section):
         taken = sorted(reserved & set(self.kwargs))
         if taken:
             raise ValueError(f"kwargs must not set {', '.join(taken)}: they are fields of [outer] (or fixed)")
-        if self.is_sgd and not self.kwargs:  # torch's SGD takes every lr > 0 and momentum in [0, 1) that the fields
-            return self  # allow (nesterov is dropped at momentum 0): reading a config then imports no torch
-        if (self.optimizer, self.lr, self.kwargs) == tuple(DELAYED_NESTEROV_DEFAULT[k] for k in ("optimizer", "lr",
-                                                                                                  "kwargs")):
-            return self  # the --model default, built in test_config: a --model config, too, is read without torch
+        # torch's SGD takes every lr > 0 and momentum in [0, 1) that the fields allow (nesterov is dropped at momentum
+        # 0), and our Delayed Nesterov (every --model run's default) has a torch-free check: reading their configs
+        # imports no torch. Any other optimizer is built once
+        if self.is_sgd and not self.kwargs:
+            return self
+        if self.optimizer == DELAYED_NESTEROV:
+            try:
+                check_delayed_nesterov(self.lr, **self.kwargs)
+            except TypeError as e:  # an argument it does not take
+                raise ValueError(f"outer optimizer DelayedNesterov cannot be used: {e}") from None
+            return self
         from composer_diloco.outer.global_model import check_factory, optimizer_factory
 
         check_factory(optimizer_factory(self))  # an unknown name or a refused argument: one line, at load time

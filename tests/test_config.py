@@ -1,5 +1,8 @@
 """The run config: defaults run the embedded default, TOML is validated field by field."""
 
+import subprocess
+import sys
+
 import pytest
 
 from composer_diloco.config import ConfigError, RunConfig, load_config
@@ -67,7 +70,7 @@ def test_outer_defaults_follow_the_policy(tmp_path):
     assert (real.outer.lr, real.outer.kwargs, real.outer.momentum) == (0.7, {"momentum": 0.9, "delay": 4}, None)
     from composer_diloco.outer.global_model import check_factory, optimizer_factory
 
-    check_factory(optimizer_factory(real.outer))  # the one non-SGD section that is not built when a config is read
+    check_factory(optimizer_factory(real.outer))  # read without building it (config.check_delayed_nesterov): it builds
     path = tmp_path / "c.toml"
     path.write_text("[outer]\nmomentum = 0.9\n")
     assert (load_config(path).outer.lr, load_config(path).outer.momentum) == (1.0, 0.9)
@@ -79,3 +82,18 @@ def test_outer_defaults_follow_the_policy(tmp_path):
     chosen = load_config(path, model="m").outer
     assert chosen.overlap and chosen.optimizer.endswith("DelayedNesterov") and chosen.lr == 0.7
     assert RunConfig.from_json(real.to_json()) == real and RunConfig.from_json(embedded.to_json()) == embedded
+
+
+def test_a_model_runs_config_is_read_without_importing_torch(tmp_path):
+    """The command lines judge a config before their heavy imports: a --model run's default outer optimizer (Delayed
+    Nesterov) and a bad argument of it are checked without torch (`config.check_delayed_nesterov`)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[outer]\noptimizer = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"\nlr = 0.5\n'
+                    "kwargs = {momentum = 0.95, delay = 0}\n")
+    code = ("import sys\nfrom composer_diloco.config import ConfigError, load_config\n"
+            "assert load_config(None, model='Qwen/Qwen3-0.6B').outer.optimizer.endswith('DelayedNesterov')\n"
+            f"try:\n    load_config({str(path)!r}, model='m')\nexcept ConfigError as e:\n    print(e)\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "delay=0" in r.stdout and r.stdout.strip().endswith("no torch"), r.stdout

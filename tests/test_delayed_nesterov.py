@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_diloco.config import ConfigError, RunConfig
+from composer_diloco.config import ConfigError, RunConfig, load_config
 from composer_diloco.outer.delayed_nesterov import DelayedNesterov
 from composer_diloco.outer.global_model import GlobalModel, make_factory, optimizer_factory
 
@@ -64,7 +64,15 @@ def test_config_selects_it_and_a_joiner_takes_its_state_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, bad", [({"momentum": 1.0}, "momentum=1.0"), ({"delay": 0}, "delay=0"),
-                                         ({"c": 2.0}, "c=2.0")])
-def test_bad_arguments_are_one_line_config_errors(kwargs, bad):
-    with pytest.raises((ConfigError, ValueError), match=bad):
-        RunConfig.model_validate({"outer": {"optimizer": NAME, "lr": 0.8, "kwargs": kwargs}})
+                                         ({"delay": 2.5}, "delay=2.5"), ({"c": 2.0}, "c=2.0"),
+                                         ({"betas": [0.9, 0.9]}, "unexpected keyword argument 'betas'")])
+def test_bad_arguments_are_one_line_config_errors(kwargs, bad, tmp_path):
+    """Refused when the config is read, without building the optimizer (a --model config is read without torch);
+    the optimizer itself refuses the same values."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[outer]\noptimizer = "{NAME}"\nlr = 0.8\nkwargs = {{{", ".join(f"{k} = {v}" for k, v in kwargs.items())}}}\n')
+    with pytest.raises(ConfigError, match=bad) as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises((TypeError, ValueError), match=bad):
+        DelayedNesterov([torch.zeros(2)], lr=0.8, **kwargs)

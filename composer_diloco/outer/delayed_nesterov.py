@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import torch
 
+from composer_diloco.config import check_delayed_nesterov
+
 
 class DelayedNesterov(torch.optim.Optimizer):
     """Delayed Nesterov momentum (arXiv 2401.09135) as a ``torch.optim.Optimizer`` (module docstring for the rule).
@@ -39,14 +41,7 @@ class DelayedNesterov(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.9, delay: int = 4,
                  c: float = 1.0):
-        if not lr > 0:
-            raise ValueError(f"DelayedNesterov: lr={lr} (expected > 0)")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"DelayedNesterov: momentum={momentum} (expected 0 <= momentum < 1)")
-        if int(delay) != delay or delay < 1:
-            raise ValueError(f"DelayedNesterov: delay={delay} (expected a whole number of rounds >= 1)")
-        if not 0 <= c <= 1:
-            raise ValueError(f"DelayedNesterov: c={c} (expected 0 <= c <= 1)")
+        check_delayed_nesterov(lr, momentum, delay, c)
         super().__init__(params, dict(lr=lr, momentum=momentum, delay=int(delay), c=c))
 
     @torch.no_grad()
