@@ -192,8 +192,9 @@ ARMS = [
         Arm(f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64", nodes=n, inner_steps=64, outer_toml=delayed_nesterov(0.7, 0.9),
             **GRPO))),
     # N = 8, H = 64: is plain Nesterov's lead over averaging its step size, not its momentum? SGD without momentum
-    # at Nesterov 0.7 / 0.9's first-step scale, lr x (1 + m) = 1.33 mean pseudo-gradients (--budget 8192)
-    Arm("grpo-sgd-lr1.33-N8-H64", nodes=8, inner_steps=64, outer=(1.33, 0.0, False), **GRPO),
+    # at Nesterov 0.7 / 0.9's first step, lr x (1 + m) = 1.33 mean pseudo-gradients, and at its mean step over 4
+    # rounds (1.33, 1.90, 2.41, 2.87 for a constant pseudo-gradient: 2.1) (--budget 8192)
+    *(Arm(f"grpo-sgd-lr{lr}-N8-H64", nodes=8, inner_steps=64, outer=(lr, 0.0, False), **GRPO) for lr in (1.33, 2.1)),
     # The coding env (configs/coding.toml: GRPO alone, T = 0.6, inner lr 2e-5), N = 4, H = 16 against its sync baseline
     Arm("coding-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, **GRPO),
     Arm("coding-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, **GRPO),
