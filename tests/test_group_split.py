@@ -1,11 +1,13 @@
-"""A round that hivemind's matchmaking splits into two all-reduce groups heals before the next inner phase.
+"""A round that hivemind's matchmaking splits into several all-reduce groups heals before the next inner phase.
 
-Four real peers (their own DHTs and averagers, the real barrier and all-reduce) meet in round 0; node-c and node-d
-are made to look for their group under other group bits, as two groups that formed apart in one window would, so
+Four real peers (their own DHTs and averagers, the real barrier and all-reduce). In round 0 node-c and node-d are
+made to look for their group under other group bits, as two groups that formed apart in one window would, so
 {node-a, node-b} and {node-c, node-d} each average on their own and theta forks. node-c and node-d, whose groups were
 smaller than the four peers their barrier found and lacked the authority (node-a, the lowest name), take node-a's
-theta as soon as it is published (`recovery.join_authority_after_split`): every peer ends round 0 on one theta, and
-round 1 averages all four. Before that fix, the fork lived a whole round (healed at the next sync, `heal_split`).
+theta as soon as it is published (`recovery.join_authority_after_split`): every peer ends round 0 on one theta.
+Before that fix, the fork lived a whole round (healed at the next sync, `heal_split`). In round 1 the authority
+itself finds no group while the three others average: it takes their theta (`recovery.recover`) rather than step
+alone, and they keep it. Round 2 averages all four.
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from composer_diloco.config import load_config
 from composer_diloco.outer.global_model import GlobalModel, optimizer_factory
 
 SPLIT_CONFIG = """
-rounds = 2
+rounds = 3
 [outer]
 lr = 1.0
 momentum = 0.0
 nesterov = false
 [network]
 matchmaking_time_s = 2.0
-averaging_timeout_s = 30.0
+averaging_timeout_s = 10.0
 round_slack_s = 30.0
 heartbeat_s = 1.0
 heartbeat_ttl_s = 6.0
 """
 NAMES = ["node-a", "node-b", "node-c", "node-d"]
-SPLIT = {"node-c", "node-d"}  # look for round 0's group under other bits
+SPLIT = {0: {"node-c", "node-d"}, 1: {"node-a"}}  # by round: the peers that look for its group under other bits
 OTHER_BITS = "1" * 32  # `round_group_bits` of a round no run reaches
 
 
@@ -54,7 +56,7 @@ def test_a_round_split_into_two_groups_ends_on_the_authoritys_theta(tmp_path):
 
 def split_scenario(tmp_path: Path) -> None:
     """The body of the test above, in its own process; prints "scenario passed" and leaves at once."""
-    from composer_diloco.outer.peer import DiLoCoPeer
+    from composer_diloco.outer.peer import DiLoCoPeer, round_group_bits
     from composer_diloco.outer.swarm import Swarm, start_dht, visible_multiaddr
     from test_outer_optimizer import Tiny
 
@@ -68,10 +70,12 @@ def split_scenario(tmp_path: Path) -> None:
             peers[name] = DiLoCoPeer(Tiny(), config, swarm)
             swarm.set_round(0, sha=peers[name].global_model.sha256())
             swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
-        for name in SPLIT:
+        for name in NAMES:
             averager = peers[name].averager
+            moved = {round_group_bits(r) for r, names in SPLIT.items() if name in names}
             set_bits = averager.set_group_bits
-            averager.set_group_bits = lambda bits, set_bits=set_bits: set_bits(OTHER_BITS if bits == "0" * 32 else bits)
+            averager.set_group_bits = lambda bits, set_bits=set_bits, moved=moved: set_bits(
+                OTHER_BITS if bits in moved else bits)
         start = GlobalModel(Tiny(), outer_optimizer=optimizer_factory(config.outer))
         results: dict[str, list] = {name: [] for name in NAMES}
 
@@ -98,10 +102,16 @@ def split_scenario(tmp_path: Path) -> None:
         assert len({x.global_sha256 for x in first.values()}) == 1, first
         # node-a's theta is the mean of node-a's and node-b's pseudo-gradients only (outer lr 1: averaging)
         assert first["node-a"].global_sha256 != start.sha256()
-        # round 1: all four averaged from that one theta
+        # round 1: the authority found no group; it took the theta the other three averaged to
         second = {n: results[n][1] for n in NAMES}
-        assert {(x.status, x.peers) for x in second.values()} == {("averaged", 4)}, second
+        print({n: (x.status, x.peers, x.global_sha256[:12]) for n, x in second.items()}, flush=True)
+        assert second["node-a"].status == "resynced", second
+        assert {(second[n].status, second[n].peers) for n in NAMES[1:]} == {("averaged", 3)}, second
         assert len({x.global_sha256 for x in second.values()}) == 1, second
+        # round 2: all four averaged from that one theta
+        third = {n: results[n][2] for n in NAMES}
+        assert {(x.status, x.peers) for x in third.values()} == {("averaged", 4)}, third
+        assert len({x.global_sha256 for x in third.values()}) == 1, third
         assert len({p.round for p in peers.values()}) == 1
     finally:
         for peer in peers.values():

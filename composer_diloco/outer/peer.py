@@ -410,11 +410,12 @@ class DiLoCoPeer:
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
             return recovery.recover(self, model, r, clock)
+        result = self._finish(model, clock, peers=len(reduced.members),        # 5. load theta into the policy
+                              weight_total=reduced.weight_total, status=status, rejected=reduced.rejected)
         if status == "averaged" and len(reduced.members) < len(partners) + 1 and \
                 recovery.join_authority_after_split(self, r, reduced.members):  # matchmaking split the round
             return self._finish(model, clock, peers=0, status="resynced")
-        return self._finish(model, clock, peers=len(reduced.members),          # 5. load theta into the policy
-                            weight_total=reduced.weight_total, status=status, rejected=reduced.rejected)
+        return result
 
     def _pseudo_gradient(self, model: nn.Module | None, r: int, weight: float = 0.0) -> float:
         """Write Delta_i into the averager's buffers (zeros on the coordinator); returns its L2 norm (NaN/Inf

@@ -184,10 +184,12 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
     authority (the first live peer by `step_order`) waits for the authority to publish its theta of round ``r + 1``
     (at most ``network.averaging_timeout_s``) and, when it differs from ours, downloads it before training on. The
     pseudo-gradients of this peer's group are then lost for round ``r``, as in `heal_split`: the rule is the same on
-    every peer, so the replicas agree again without a second all-reduce.
+    every peer, so the replicas agree again without a second all-reduce. This peer's own theta of round ``r + 1`` is
+    published first (settled), so an authority that found no group at all takes it (`recover`) instead of stepping
+    alone, and then holds the same theta.
 
     Args:
-        r: the round whose outer step this peer just took (its theta is at round ``r + 1``).
+        r: the round whose outer step this peer just took and published (its theta is at round ``r + 1``).
         members: the names of this peer's all-reduce group, this peer included.
     Returns:
         True when the authority's state was loaded (the caller ends the round "resynced"); False when nothing was to
