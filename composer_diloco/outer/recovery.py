@@ -198,13 +198,14 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
     Raises:
         ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
     """
-    me, ours = peer.swarm.name, peer.global_model.sha256()
+    me, ours, waited_for = peer.swarm.name, peer.global_model.sha256(), "the authority"
     deadline = time.monotonic() + peer.config.network.averaging_timeout_s
     while time.monotonic() < deadline:
         others = [p for p in peer.swarm.live_peers() if p.name != me]
         if not others:
             return False
         authority = min(others, key=lambda p: step_order(p.role, p.name))
+        waited_for = authority.name
         if authority.name in members or step_order(peer.swarm.role, me) < step_order(authority.role, authority.name):
             return False
         if authority.round > r + 1:
@@ -219,7 +220,7 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
             return load_from_first(peer, [authority], min_round=r + 1)
         time.sleep(0.25)
     log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking again "
-                "at the next sync", me, r, len(members), authority.name, peer.config.network.averaging_timeout_s)
+                "at the next sync", me, r, len(members), waited_for, peer.config.network.averaging_timeout_s)
     return False
 
 
