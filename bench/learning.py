@@ -366,7 +366,8 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         **{f"learning_outer_n{n}_h64.png": (f"Outer optimizers, GRPO alone, N = {n}, H = 64 ({1024 * n:,} samples)",
                                             [f"grpo-sync-N{n}", f"grpo-avg-N{n}-H64",
                                              f"grpo-nesterov-lr0.7-m0.9-N{n}-H64",
-                                             f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64"])
+                                             f"grpo-delayed-lr0.7-m0.9-d4-N{n}-H64",
+                                             *(f"grpo-sgd-lr{lr}-N{n}-H64" for lr in (1.33, 2.1))])
            for n in (4, 8)},
     }
     placed = {n for _, names in panels.values() for n in names}
