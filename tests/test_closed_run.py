@@ -427,7 +427,11 @@ def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
         peer = run.start_coordinator(env=env)
         for name in ("node-0", "node-1"):
             run.start_node(name, env=env)
-        run.wait_round("coordinator", 0, timeout_s=400)
+        # the flood starts once the three average together: a node that starts late on a loaded machine misses round
+        # 0 (the others finish it without it and it takes their theta), which is no cost of the flood
+        run.wait_until(lambda: any(r["peers"] == 3 for r in run.records().get("coordinator", [])), 400,
+                       "a round averaged by all three peers")
+        met = next(r["round"] for r in run.records()["coordinator"] if r["peers"] == 3)
         join = ["--join-prefix", averaging_prefix("composer", SECRET.encode())]  # as libp2p's identify tells it
         for i, kind in enumerate(([], ["--signed"], join)):
             floods.append(subprocess.Popen(
@@ -450,6 +454,7 @@ def test_a_flood_of_refused_requests_costs_no_round(run_dir, tmp_path):
     assert_agree(records, range(FLOOD_ROUNDS))
     during = [r for r in records["coordinator"] if started <= r["time"] <= ended + 5]
     assert len(during) >= 3, f"only {len(during)} rounds ended during the flood"
-    lost = [(r["round"], r["status"], r["peers"]) for r in records["coordinator"] if r["peers"] != 3]
+    lost = [(r["round"], r["status"], r["peers"]) for r in records["coordinator"]
+            if r["round"] >= met and r["peers"] != 3]
     assert not lost, f"rounds the flood cost the coordinator: {lost}"
     print(f"{len(during)} rounds during {ended - started:.0f} s of flood, all averaged by the 3 peers")
