@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer_diloco.config import RunConfig, config_diff
@@ -63,7 +63,7 @@ class CoordinatorOptions:
     listen: str | None = None
     announce: list[str] | None = None
     resume: bool = False
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)  # never in a repr or a log line
     max_idle_s: float | None = None
     idle_log_s: float = 60.0
 

@@ -78,6 +78,15 @@ def test_load_secret_errors_name_the_variable(monkeypatch):
             load_secret(None)
 
 
+def test_the_coordinators_options_never_show_the_secret(tmp_path):
+    """The command line hands the secret it read to the coordinator as bytes: they are kept out of any repr."""
+    from composer_diloco.config import load_config
+    from coordinator.coordinator import CoordinatorOptions
+
+    options = CoordinatorOptions(load_config(None), tmp_path, secret=SECRET.encode())
+    assert options.secret == SECRET.encode() and SECRET not in repr(options) and SECRET not in str(options)
+
+
 def test_averaging_prefix():
     assert averaging_prefix("composer", None) == "composer_diloco"
     closed = averaging_prefix("composer", SECRET.encode())
