@@ -12,9 +12,6 @@ alone, and they keep it. Round 2 averages all four.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,6 +20,8 @@ import torch
 
 from composer_diloco.config import load_config
 from composer_diloco.outer.global_model import GlobalModel, optimizer_factory
+
+from tests_support import close_peers, end_peer_scenario, run_scenario_in_child
 
 SPLIT_CONFIG = """
 rounds = 3
@@ -46,10 +45,7 @@ OTHER_BITS = "1" * 32  # `round_group_bits` of a round no run reaches
 @pytest.mark.timeout(300)
 def test_a_round_split_into_two_groups_ends_on_the_authoritys_theta(tmp_path):
     """The peers run in a child process (several hivemind averagers in one process can abort at its exit)."""
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_group_split as t; " \
-           f"t.split_scenario(t.Path({str(tmp_path)!r}))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280,
-                       start_new_session=True)
+    r = run_scenario_in_child("test_group_split", "split_scenario", tmp_path)
     assert "scenario passed" in r.stdout, (r.stdout[-3000:], r.stderr[-6000:])
     assert "matchmaking split the round" in r.stderr, r.stderr[-6000:]
 
@@ -114,10 +110,5 @@ def split_scenario(tmp_path: Path) -> None:
         assert len({x.global_sha256 for x in third.values()}) == 1, third
         assert len({p.round for p in peers.values()}) == 1
     finally:
-        for peer in peers.values():
-            peer.swarm.close()
-            peer.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-    print("scenario passed", flush=True)
-    os._exit(0)  # the checks are done: skip the interpreter teardown (see the test's docstring)
+        close_peers(peers.values(), dhts)
+    end_peer_scenario()

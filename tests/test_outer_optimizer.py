@@ -3,9 +3,6 @@ through checkpoints and state sharing, and two real peers that average through h
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +13,8 @@ from torch import nn
 from composer_diloco.checkpoint import CheckpointError, latest_checkpoint, restore_outer_state, save_checkpoint
 from composer_diloco.config import ConfigError, load_config
 from composer_diloco.outer.global_model import GlobalModel, make_factory, optimizer_factory
+
+from tests_support import close_peers, end_peer_scenario, run_scenario_in_child
 
 ADAM = """
 rounds = 2
@@ -159,10 +158,7 @@ def test_two_peers_average_with_adam_chosen_by_config_and_a_joiner_downloads_the
     The peers run in a child process: a process that held several hivemind averagers can abort at interpreter
     exit (torch's shared-memory manager, "Broken pipe"), which must not take pytest down with it.
     """
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_outer_optimizer as t; " \
-           f"t.two_peers_scenario(t.Path({str(tmp_path)!r}))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280,
-                       start_new_session=True)
+    r = run_scenario_in_child("test_outer_optimizer", "two_peers_scenario", tmp_path)
     assert "scenario passed" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
 
 
@@ -235,10 +231,5 @@ def two_peers_scenario(tmp_path: Path) -> None:
         assert restore_outer_state(latest_checkpoint(tmp_path / "run"), resumed) == config.rounds
         assert state_bytes(resumed) == state_bytes(a.global_model)
     finally:
-        for peer in peers.values():
-            peer.swarm.close()
-            peer.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-    print("scenario passed", flush=True)
-    os._exit(0)  # the checks are done: skip the interpreter teardown (see the test's docstring)
+        close_peers(peers.values(), dhts)
+    end_peer_scenario()

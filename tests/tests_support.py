@@ -146,3 +146,31 @@ def peer_script_args():
         with open(args.addr_out, "w") as f:
             f.write(str(dht.get_visible_maddrs()[0]))
     return args, dht
+
+
+def run_scenario_in_child(module: str, function: str, tmp_path: Path,
+                          timeout_s: float = 280) -> subprocess.CompletedProcess:
+    """Run ``module.function(tmp_path)`` (a test module in this folder) in a fresh Python process and return it.
+
+    For scenarios that hold several hivemind averagers in one process: such a process can abort at interpreter exit
+    (torch's shared-memory manager, "Broken pipe"), which must not take pytest down. The scenario prints "scenario
+    passed" and leaves through `end_peer_scenario`."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {module} as t; "
+            f"t.{function}(t.Path({str(tmp_path)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                          start_new_session=True)
+
+
+def close_peers(peers, dhts) -> None:
+    """Stop in-process `DiLoCoPeer`s (their heartbeats and averagers), then their DHTs."""
+    for peer in peers:
+        peer.swarm.close()
+        peer.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+
+
+def end_peer_scenario() -> None:
+    """Say "scenario passed" and leave at once, skipping the interpreter teardown (see `run_scenario_in_child`)."""
+    print("scenario passed", flush=True)
+    os._exit(0)
