@@ -3,7 +3,7 @@
 A round's mean reward mostly says which task families that round drew; this plays the same fresh tasks with every
 policy. Episode i is ``make_task(seed, f"eval-{i}", source)`` (seed 777 and the generated families by default, as
 ``configs/coding.toml`` trains on), played against one local coding env server with the project's evaluation loop
-(``composer_diloco.policy.evaluate_policy``, one episode at a time): render the episode with the chat template and the
+(``composer_diloco.policy.evaluate_policy``, ``--batch-size`` episodes at a time): render the episode with the chat template and the
 env's tools, generate one assistant turn (greedy, or sampled at a temperature), parse the tool call, run it on the
 server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a parsable
 call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
@@ -29,7 +29,7 @@ CODING_SERVER = "envs.coding_env.server"
 
 
 def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: str, temperature: float,
-             max_calls: int, max_turn_tokens: int) -> dict:
+             max_calls: int, max_turn_tokens: int, batch_size: int = 16) -> dict:
     """Mean reward of the policy in ``model_dir`` on ``episodes`` fixed tasks (see the module docstring).
 
     Args:
@@ -38,6 +38,7 @@ def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: 
         episodes, seed, source: the tasks, ``make_task(seed, f"eval-{i}", source)`` for ``i < episodes``.
         temperature: 0 for greedy, else the sampling temperature.
         max_calls: tool calls per episode; max_turn_tokens: tokens per assistant turn.
+        batch_size: episodes generated together (left-padded; 1 generates each prompt alone).
 
     Returns:
         ``{"policy", "temperature", "mean_reward", "by_family": {family: mean reward}, "episodes", "seconds"}``.
@@ -47,7 +48,7 @@ def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: 
     """
     model, tokenizer = load_policy(model_dir, seed=0, warmstart_steps=0)
     stats = evaluate_policy(model, tokenizer, episodes, seed, env_url=env_url, temperature=temperature,
-                            max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=1,
+                            max_calls=max_calls, max_new_tokens=max_turn_tokens, batch_size=batch_size,
                             reset_kwargs={"source": source},
                             family=lambda task_seed, episode_id: make_task(task_seed, episode_id, source).family)
     return {"policy": model_dir, "temperature": temperature, "mean_reward": round(stats["mean_reward"], 4),
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
     parser.add_argument("--max-calls", type=int, default=6)
     parser.add_argument("--max-turn-tokens", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16, help="episodes generated together")
     args = parser.parse_args()
     try:
         with start_env_server(CODING_SERVER) as server:
@@ -72,7 +74,8 @@ def main() -> int:
                 for temperature in args.temperature:
                     print(json.dumps(evaluate(policy, env_url=server.url, episodes=args.episodes, seed=args.seed,
                                               source=args.source, temperature=temperature, max_calls=args.max_calls,
-                                              max_turn_tokens=args.max_turn_tokens)), flush=True)
+                                              max_turn_tokens=args.max_turn_tokens,
+                                              batch_size=args.batch_size)), flush=True)
     except (PolicyLoadError, EnvServerError, ValueError) as exc:
         print(f"coding_eval: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1

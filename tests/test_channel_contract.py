@@ -182,9 +182,25 @@ def test_round_stats_record_keeps_the_metrics_keys_of_before():
     stats.add_channel_stats("dpo", DpoStats(dpo_pairs=2, pair_stats=PairStats(sites=2, pairs=2)))
     assert stats.record() == {
         "samples": 4, "mean_reward": 0.625, "success_rate": 0.5, "step_rewards": [0.5, 0.75],
-        "step_success": [0.5, 0.5], "tool_errors_per_episode": 0.0, "loss_grpo": 0.125, "loss_sdpo": 0.125,
+        "step_success": [0.5, 0.5], "frac_reward_zero_std": 1.0,  # four "groups" of one episode: no variance
+        "tool_errors_per_episode": 0.0, "loss_grpo": 0.125, "loss_sdpo": 0.125,
         "loss_dpo": 0.0, "sdpo_sites": 4, "dpo_pairs": 2, "episodes_without_tool_call": 4,  # no turns: no call
         "episodes_env_error": 0,
         "sdpo_skipped": {"no_hint": 1, "empty_recovery": 0, "no_recovery": 0, "truncated": 2, "unverified": 0},
         "pair_stats": {**PairStats().as_dict(), "sites": 2, "pairs": 2},
     }
+
+
+def test_frac_reward_zero_std_counts_the_groups_whose_rewards_are_all_equal():
+    """A group is one step's episodes of one task; equal rewards (all 0, all 1, or all 0.5) give GRPO no advantage."""
+    from composer_diloco.inner.step import RoundStats
+
+    def group(task: str, *rewards: float) -> list[Episode]:
+        return [Episode(0, task, [], [], [], reward=r) for r in rewards]
+
+    stats = RoundStats((), episodes_per_step=8)  # two groups of G = 4 per step
+    stats.add_episodes(group("a", 0, 0, 0, 0) + group("b", 0, 1, 0, 0))  # step 0: one flat group of 2
+    stats.add_episodes(group("a", 0.5, 0.5, 0.5, 0.5) + group("c", 1, 1, 1, 0.75))  # step 1: the same task id
+    assert stats.frac_reward_zero_std == 2 / 4  # "a" counts once per step: it is a new group in each step
+    assert stats.record()["frac_reward_zero_std"] == 0.5
+    assert RoundStats((), episodes_per_step=8).frac_reward_zero_std == 0.0

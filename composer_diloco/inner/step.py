@@ -138,6 +138,25 @@ class RoundStats:
         """True when the round played episodes and not one of them had a parsed tool call."""
         return self.samples > 0 and self.episodes_without_tool_call == self.samples
 
+    @property
+    def frac_reward_zero_std(self) -> float:
+        """Fraction of the round's GRPO groups (the episodes of one step sharing ``(seed, episode_id)``: one task
+        played G times) whose rewards are all equal, in [0, 1] (0.0 for a round without episodes).
+
+        Such a group's advantages are all 0 (GRPO, arXiv 2402.03300: reward minus the group mean), so GRPO's loss
+        carries no signal from it; TRL logs the same quantity per step as ``frac_reward_zero_std``. A round near 1.0
+        learns nearly nothing from GRPO, however many episodes it played (DAPO's dynamic sampling, arXiv
+        2503.14476, exists to avoid exactly this).
+        """
+        per_step, groups, flat = self.episodes_per_step, 0, 0
+        for start in range(0, len(self.episodes), per_step):
+            by_task: dict[tuple[int, str], list[float]] = {}
+            for e in self.episodes[start:start + per_step]:
+                by_task.setdefault((e.seed, e.episode_id), []).append(e.reward)
+            groups += len(by_task)
+            flat += sum(1 for rewards in by_task.values() if max(rewards) == min(rewards))
+        return flat / groups if groups else 0.0
+
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
         """Keep one step's played episodes (in TRL's row order)."""
         self.episodes.extend(episodes)
@@ -155,8 +174,8 @@ class RoundStats:
 
     def record(self) -> dict[str, Any]:
         """The round's keys of a node's metrics line: ``samples``, ``mean_reward``, ``success_rate`` (reward >= 1),
-        ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``tool_errors_per_episode``,
-        ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over steps) and every channel's
+        ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``frac_reward_zero_std`` (4 decimals),
+        ``tool_errors_per_episode``, ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over steps) and every channel's
         `LossChannel.round_record` (its loss's mean over steps, its counts)."""
         episodes, samples = self.episodes, self.samples
         rewards = [e.reward for e in episodes]
@@ -167,6 +186,7 @@ class RoundStats:
             "success_rate": sum(r >= 1.0 for r in rewards) / samples if samples else 0.0,
             "step_rewards": [round(statistics.fmean(step), 4) for step in steps],
             "step_success": [round(sum(x >= 1.0 for x in step) / len(step), 4) for step in steps],
+            "frac_reward_zero_std": round(self.frac_reward_zero_std, 4),
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
             "episodes_without_tool_call": self.episodes_without_tool_call,
             "episodes_env_error": self.episodes_env_error,
