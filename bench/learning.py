@@ -263,6 +263,14 @@ def step_curve(run_dir: Path) -> list[tuple[int, float, float]]:
     return curve
 
 
+def flat_groups(run_dir: Path) -> float | None:
+    """The nodes' ``frac_reward_zero_std`` (GRPO groups whose rewards are all equal: no advantage, no GRPO signal)
+    averaged over every node-round of the run; None for a run whose metrics predate the key."""
+    values = [rec["frac_reward_zero_std"] for recs in read_metrics(run_dir).values() for rec in recs
+              if rec.get("role") == "node" and "frac_reward_zero_std" in rec]
+    return statistics.fmean(values) if values else None
+
+
 def binned(curve: list[tuple[int, float, float]], width: int) -> dict[int, tuple[float, float]]:
     """Mean (reward, success) of the steps whose sample count falls in each bin ``(k - 1) * width < x <= k * width``,
     keyed by the bin's right edge."""
@@ -297,7 +305,7 @@ def summarize(out: Path, width: int) -> dict[str, dict]:
         seeds = sorted((out / arm.name).glob("seed*/done.json"))
         if not seeds:
             continue
-        per_seed, firsts, finals, walls, rounds, evals = [], [], [], [], 0, []
+        per_seed, firsts, finals, walls, rounds, evals, flats = [], [], [], [], 0, [], []
         for done in seeds:
             info = json.loads(done.read_text())
             evals.append(parse_eval(info.get("eval", [])))
@@ -309,13 +317,15 @@ def summarize(out: Path, width: int) -> dict[str, dict]:
             finals.append((statistics.fmean(c[1] for c in tail), statistics.fmean(c[2] for c in tail)))
             walls.append(info["wall_s"])
             rounds = info["rounds"]
+            if (flat := flat_groups(done.parent)) is not None:
+                flats.append(flat)
         edges = sorted(set.intersection(*(set(b) for b in per_seed)))
         band = {e: [b[e][0] for b in per_seed] for e in edges}
         summary[arm.name] = {
             "seeds": len(seeds), "rounds": rounds, "wall_s": statistics.fmean(walls),
             "first_reward": firsts, "final_reward": [f[0] for f in finals], "final_success": [f[1] for f in finals],
             "curve": {e: (statistics.fmean(v), min(v), max(v)) for e, v in band.items()},
-            "eval": evals,
+            "eval": evals, "flat_groups": flats,
         }
     return summary
 
@@ -403,17 +413,19 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
 
 def table(summary: dict[str, dict]) -> str:
     """Markdown table: first- and last-quarter reward, last-quarter success (mean ± std over seeds, min-max), rounds,
-    the runs that collapsed (last-quarter reward below `COLLAPSED`), wall seconds."""
+    the share of GRPO groups with equal rewards (`flat_groups`; "-" for runs that predate it), the runs that collapsed
+    (last-quarter reward below `COLLAPSED`), wall seconds."""
     def stat(values: list[float]) -> str:
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.3f} ± {spread:.3f} ({min(values):.3f}-{max(values):.3f})"
 
     lines = ["| arm | seeds | rounds (syncs) | reward, first quarter | reward, last quarter | success, last quarter "
-             "| collapsed | wall s/run |", "|---|---|---|---|---|---|---|---|"]
+             "| groups with equal rewards | collapsed | wall s/run |", "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         collapsed = sum(r < COLLAPSED for r in s["final_reward"])
         lines.append(f"| {name} | {s['seeds']} | {s['rounds']} | {stat(s['first_reward'])} | "
-                     f"{stat(s['final_reward'])} | {stat(s['final_success'])} | {collapsed}/{s['seeds']} | "
+                     f"{stat(s['final_reward'])} | {stat(s['final_success'])} | "
+                     f"{stat(s['flat_groups']) if s['flat_groups'] else '-'} | {collapsed}/{s['seeds']} | "
                      f"{s['wall_s']:.0f} |")
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ def test_learning_traffic_and_overhead_bench_smokes(tmp_path, warm_cache):
     arm = summary["diloco-N2-H2"]
     assert arm["rounds"] == 1 and arm["curve"] and 0.0 <= arm["final_reward"][0] <= 1.0
     assert "| diloco-N2-H2 | 1 | 1 |" in report and 0.0 <= arm["first_reward"][0] <= 1.0
+    assert len(arm["flat_groups"]) == 1 and 0.0 <= arm["flat_groups"][0] <= 1.0  # the nodes' frac_reward_zero_std
     assert (tmp_path / "fig" / "learning_other.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # traffic: measured bytes per node, replicas identical
