@@ -83,7 +83,7 @@ def start(
     from composer_diloco.reaper import watch_this_process
     from coordinator.coordinator import Coordinator, CoordinatorOptions
 
-    fix_mmap_threshold()  # the coordinator never trains: its big buffers are theta-sized copies (malloc.py)
+    fix_mmap_threshold()  # its big buffers are theta-sized copies; it trains only in a first warm start (malloc.py)
     setup_logging("coordinator", verbose)
     stop = GracefulStop().install()
     watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
