@@ -175,8 +175,8 @@ class RoundStats:
     def record(self) -> dict[str, Any]:
         """The round's keys of a node's metrics line: ``samples``, ``mean_reward``, ``success_rate`` (reward >= 1),
         ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``frac_reward_zero_std`` (4 decimals),
-        ``tool_errors_per_episode``, ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over steps) and every channel's
-        `LossChannel.round_record` (its loss's mean over steps, its counts)."""
+        ``tool_errors_per_episode``, ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over
+        steps) and every channel's `LossChannel.round_record` (its loss's mean over steps, its counts)."""
         episodes, samples = self.episodes, self.samples
         rewards = [e.reward for e in episodes]
         per_step = self.episodes_per_step  # episodes are kept in the order of the inner steps
