@@ -3,10 +3,10 @@
 A round's mean reward mostly says which task families that round drew; this plays the same fresh tasks with every
 policy. Episode i is ``make_task(seed, f"eval-{i}", source)`` (seed 777 and the generated families by default, as
 ``configs/coding.toml`` trains on), played against one local coding env server with the project's evaluation loop
-(``composer_diloco.policy.evaluate_policy``, ``--batch-size`` episodes at a time): render the episode with the chat template and the
-env's tools, generate one assistant turn (greedy, or sampled at a temperature), parse the tool call, run it on the
-server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a parsable
-call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
+(``composer_diloco.policy.evaluate_policy``, ``--batch-size`` episodes at a time): render the episode with the chat
+template and the env's tools, generate one assistant turn (greedy, or sampled at a temperature), parse the tool call,
+run it on the server (the sandbox runs ``run_tests`` and ``submit``), until the env ends the episode, a turn without a
+parsable call, or ``--max-calls``. Reward: the fraction of hidden tests passed at ``submit``, else 0.
 
     python bench/coding_eval.py ~/.cache/composer_diloco/warmstart/KEY RUN/checkpoints/round-000006 --temperature 0 0.6
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 DEFAULT_MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value
-DYNAMIC_MAX_BYTES = 32 * 1024 * 1024  # where glibc's dynamic threshold stops rising on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+DYNAMIC_MAX_BYTES = 32 * 1024 * 1024  # where the dynamic threshold stops rising on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 _pinned_at: int | None = None  # the threshold `fix_mmap_threshold` pinned in this process, if it did
 
 
