@@ -15,9 +15,9 @@ is applied where training is not: in hivemind's averager process of every peer (
 whole coordinator (`composer-coordinator start`), whose own process serves the state downloads (theta and the outer
 state, cloned and handed to the averager process, tensor by tensor).
 
-The coordinator trains once: the embedded default's warm start, on a machine's first run. `heap_for_training` lets
-it train from the heap (threshold 32 MiB, where the dynamic one ends up) and pins the threshold again after. Pinned
-through it, 30 warm-start steps took 1.5x as long on the coding env (6.14 s a step against 4.10) and 1.7x on
+The coordinator trains once: the embedded default's warm start, on a machine's first run. `heap_for_training`, around
+the warm start (`composer_diloco.policy.load`), lets it train from the heap (threshold 32 MiB, where the dynamic one
+ends up) and pins the threshold again after. Pinned through it, 30 warm-start steps took 1.5x as long on the coding env (6.14 s a step against 4.10) and 1.7x on
 `tool_env` (0.82 s against 0.48; `python -m composer_diloco.policy warm-start --steps 30 --env ENV` with and without
 ``MALLOC_MMAP_THRESHOLD_=131072``, 2-core AMD EPYC VM).
 """

@@ -15,7 +15,6 @@ downloads their state when it is newer than its newest checkpoint, and checkpoin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -27,7 +26,6 @@ from composer_diloco.config import RunConfig, config_diff
 from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
-from composer_diloco.malloc import heap_for_training
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
@@ -166,11 +164,9 @@ class Coordinator:
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
-            # the embedded default's first run on a machine warm-starts here: the one time the coordinator trains
-            with heap_for_training() if config.model is None else contextlib.nullcontext():
-                self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
-                                                         warmstart_steps=config.warmstart.steps,
-                                                         env=config.env.server_module)
+            self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
+                                                     warmstart_steps=config.warmstart.steps,
+                                                     env=config.env.server_module)
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), seed=0, warmstart_steps=0)
         if config.lora is not None:  # before any network: a [lora] that does not fit the model fails here

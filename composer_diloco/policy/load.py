@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
+from composer_diloco.malloc import heap_for_training
 from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.model_name import check_model_name
@@ -108,8 +109,9 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
     def build(out_dir: Path) -> None:
         logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
                     seed, out_dir)
-        warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps, out_dir=out_dir,
-                   env=env)
+        with heap_for_training():  # in the coordinator, whose mmap threshold is pinned (composer_diloco/malloc.py)
+            warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
+                       out_dir=out_dir, env=env)
 
     t0 = time.monotonic()
     folder = warmstart_cache_dir()
