@@ -237,3 +237,17 @@ def test_the_entry_key_covers_the_torch_and_transformers_versions(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
     assert load_module._default_cache_key(0, 200, config) != key
+
+
+@pytest.mark.timeout(120)
+def test_a_cached_warm_start_loads_without_importing_the_env_package(warm_cache):
+    """Every coordinator start (and `simulate`, the evaluations) loads the cached warm start: finding its key must not
+    import the env package, whose ``envs/__init__.py`` imports OpenEnv's core (~2 s of CPU a process). A fresh process,
+    as a coordinator is; the session's warm start is cached."""
+    code = ("import sys; from composer_diloco.config import load_config; from composer_diloco.policy import load_policy;"
+            f"cfg = load_config({str(ROOT / 'configs' / 'smoke.toml')!r});"
+            "load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps);"
+            "print(sorted(m for m in sys.modules if m == 'envs' or m.startswith(('envs.', 'openenv'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

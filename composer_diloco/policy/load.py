@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import logging
@@ -37,8 +38,24 @@ _CACHE_KEY_VERSION = 2  # bump when the warm-start recipe changes in a way the k
 
 
 def _package_dir(env: str) -> Path:
-    """The directory of ``env``'s package (``"envs.tool_env.server"`` -> ``envs/tool_env``)."""
-    spec = importlib.util.find_spec(package_of(env))
+    """The directory of ``env``'s package (``"envs.tool_env.server"`` -> ``envs/tool_env``), found without importing
+    it or its parents (this project's ``envs/__init__.py`` imports OpenEnv's core: ~2 s of CPU).
+
+    Raises:
+        PolicyLoadError: (one line, from ``env_demonstrations``) ``env`` is not an importable package.
+    """
+    top, *rest = package_of(env).split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name is found, not run
+    except (ImportError, ValueError):
+        spec = None
+    for part in rest:
+        if spec is None or not spec.submodule_search_locations:
+            break
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    if spec is None or not spec.submodule_search_locations:
+        env_demonstrations(env)  # imports it: raises the one-line error naming the env
+        raise PolicyLoadError(f"env {env!r}: not a package (expected a folder with demos.py beside server.py)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -101,7 +118,12 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
     tokenizer = load_default_tokenizer()
     config = tiny_model_config(tokenizer, seed)
     if warmstart_steps > 0:
-        env_demonstrations(env)  # fails early
+        # The env's demonstrations are imported (and checked again) by `warm_start` only when the entry is built:
+        # importing an env package costs every process ~2 s of CPU (OpenEnv's core), and a cached entry's key covers
+        # the package's source. No package, or no demos module: the one-line error, before any cache folder.
+        package = _package_dir(env)
+        if not ((package / "demos.py").is_file() or (package / "demos" / "__init__.py").is_file()):
+            env_demonstrations(env)  # raises the one-line error naming the env
         env = package_of(env)  # one key, and one warmstart.json "env", per env package
     else:
         env = DEFAULT_WARMSTART_ENV  # untrained weights do not depend on the env
