@@ -122,13 +122,15 @@ class _StandInTrainer:
         pass
 
 
-def _make_standin_node(inner_s: float, start_at: float, samples: int):
+def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int):
     from composer_diloco.outer import recovery
     from nodes.node import Node
 
     class StandInNode(Node):
         """`nodes.node.Node` whose inner phase is one random step on every parameter (std 1e-4) and a sleep to
-        ``inner_s`` seconds; everything after the phase (`Node.end_round` and on) is the node's own."""
+        ``inner_s`` seconds; everything after the phase (`Node.end_round` and on) is the node's own. Round 0
+        starts on every node together: once all ``nodes`` have joined (each touches ``<run dir>/.ready-<name>``),
+        at ``start_at`` (epoch s) at the latest."""
 
         def train(self) -> int:
             config, peer = self.config, self.peer
@@ -136,7 +138,11 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int):
                 return 0
             self.trainer = _StandInTrainer(samples)
             first = peer.round
-            self.stop.event.wait(max(0.0, start_at - time.time()))  # both nodes start round 0 together
+            run_dir = Path(self.options.run_dir)
+            (run_dir / f".ready-{self.options.name}").touch()
+            while len(list(run_dir.glob(".ready-*"))) < nodes and time.time() < start_at:
+                if self.stop.event.wait(0.05):
+                    break
             gen = torch.Generator().manual_seed(sum(map(ord, self.options.name)))
             self._round_started = time.monotonic()
             while not self.stop.event.is_set():
@@ -167,7 +173,7 @@ def node_main(args: argparse.Namespace) -> int:
                           join_timeout_s=600.0)
     setup_logging(options.name, False)
     stop = GracefulStop().install()
-    node = _make_standin_node(args.inner_s, args.start_at, args.samples)(options, stop)
+    node = _make_standin_node(args.inner_s, args.start_at, args.samples, nodes=2)(options, stop)
     watch_this_process()
     try:
         node.join()
@@ -222,7 +228,8 @@ def run_mode(link: Link, model_dir: Path, out: Path, *, overlap: bool, rounds: i
             memory.watch("coordinator", coordinator.pid)
         peer = _wait_for_peer_line(clog, coordinator, 300.0)
         # node 1 downloads theta and the outer state over the link first (1 GB, 88 s at 126M parameters, 100 Mbit/s);
-        # join_grace_s above lets it join round 0 that late; round 0's inner phase starts at start_at on both nodes
+        # join_grace_s above lets it join round 0 that late; round 0's inner phase starts on both nodes once both
+        # have joined, at start_at at the latest
         start_at = time.time() + lead_s
         for i in range(2):
             procs.append(subprocess.Popen(
@@ -255,7 +262,8 @@ def main() -> None:
     node.add_argument("--run-dir", type=Path, required=True)
     node.add_argument("--listen", required=True)
     node.add_argument("--inner-s", type=float, required=True)
-    node.add_argument("--start-at", type=float, default=0.0, help="wall time (epoch s) round 0 starts at")
+    node.add_argument("--start-at", type=float, default=0.0,
+                      help="wall time (epoch s) round 0 starts at, at the latest (sooner once both nodes joined)")
     node.add_argument("--samples", type=int, default=16, help="all-reduce weight each phase claims")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8, help="Qwen3-0.6B layers of the stand-in policy (of 28)")
@@ -263,7 +271,8 @@ def main() -> None:
                     help="stand-in inner phase, s (default: 600 s scaled by the policy's size against 0.5B)")
     ap.add_argument("--link", default="100mbit", help="RATE of bench/netns.py, e.g. 100mbit")
     ap.add_argument("--codec", default="int8", choices=["none", "fp16", "int8", "sparse-2bit"])
-    ap.add_argument("--lead-s", type=float, default=150.0, help="seconds from the coordinator's address to round 0")
+    ap.add_argument("--lead-s", type=float, default=300.0,
+                    help="most seconds from the coordinator's address to round 0 (it starts once both nodes joined)")
     ap.add_argument("--modes", default="blocking,overlapped")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-blocked-link"))
     ap.add_argument("--memory", action="store_true",
