@@ -367,7 +367,8 @@ class RunConfig(_Section):
     )
     rounds: int = Field(3, ge=1, description="Outer steps (rounds) of the run.")
     inner_steps: int = Field(4, ge=1, description="H: inner optimizer steps per round.")
-    max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample.")
+    max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample; at most the model's "
+                             "positions (max_position_embeddings, checked before any network).")
     checkpoint_every: int = Field(1, ge=1, description="Rounds between coordinator checkpoints.")
     # "none": sparse-2bit learned less than no codec at N = 4, H = 16 (BENCHMARKS.md 3b, shipped loss: +0.109 against
     # +0.185 held-out gain); int8 / fp16 were not run through the learning bench

@@ -155,6 +155,7 @@ class Coordinator:
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
         from composer_diloco.policy import load_policy
+        from composer_diloco.policy.context_length import check_context_length
 
         config = self.config
         if config.tasks.path is not None:  # a [tasks] dataset that cannot serve the nodes fails before the model
@@ -169,6 +170,7 @@ class Coordinator:
                                                      env=config.env.server_module)
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), seed=0, warmstart_steps=0)
+        check_context_length(config.max_seq_len, self.model.config, config.model)  # before any network
         if config.lora is not None:  # before any network: a [lora] that does not fit the model fails here
             from composer_diloco.policy.lora import apply_lora, load_adapters
 

@@ -251,7 +251,7 @@ class Node:
 
     def plan_memory(self, config: RunConfig):
         """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), log it, and refuse
-        one that does not fit the device's free memory.
+        one that does not fit the device's free memory, or episodes longer than the model's context.
 
         The model's sizes come from its config alone (the embedded default's, or ``config.json`` of ``--model``
         read from local files or the Hub cache): nothing is built or downloaded. A model whose config is not in
@@ -261,9 +261,11 @@ class Node:
             the `MemoryPlan`, or None when the model config could not be read.
         Raises:
             DeviceMemoryError: one line naming the need, the free memory and the options that would fit.
+            ConfigError: the run's ``max_seq_len`` is longer than the model's positions (`check_context_length`).
             ValueError: ``$COMPOSER_DILOCO_DEVICE_MEMORY_BYTES`` is not a positive number.
             BatchError: ``--batch-size`` x ``--grad-accum`` is not a multiple of the run's G.
         """
+        from composer_diloco.policy.context_length import check_context_length
         from composer_diloco.policy.memory_plan import check_plan, device_free_bytes
 
         o = self.options
@@ -272,6 +274,7 @@ class Node:
         if model_config is None:
             log.warning("memory plan skipped: the config of model %r is not in local files", config.model)
             return None
+        check_context_length(config.max_seq_len, model_config, config.model)
         free, source = device_free_bytes(self.placement.device)
         host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
         self.memory_plan = check_plan(

@@ -92,3 +92,16 @@ def test_model_that_does_not_exist(tmp_path, command):
     assert not (tmp_path / "run").exists()
 
 
+
+
+@pytest.mark.timeout(240)
+def test_episodes_longer_than_the_model_s_context_are_refused_before_the_network(tmp_path, warm_cache):
+    """``max_seq_len`` past the policy's positions (the embedded default's 2048): one line naming both, exit 1, before
+    the DHT starts, nothing written in the run dir."""
+    config = tmp_path / "long.toml"
+    config.write_text("max_seq_len = 4096\n[warmstart]\nsteps = 200\n")
+    r = run("coordinator", "start", "--config", str(config), "--run-dir", str(tmp_path / "run"), timeout_s=200)
+    line = error_line(r)
+    assert r.returncode == 1 and "max_seq_len = 4096" in line and "2048 positions" in line, r.stderr[-2000:]
+    assert "peer:" not in r.stdout
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file()]  # no config.json, no checkpoint

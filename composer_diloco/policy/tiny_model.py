@@ -14,7 +14,7 @@ def tiny_model_config(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overr
     """Config of the embedded default policy: a ~0.9M-parameter Qwen3 sized for CPU warm starts.
 
     Hidden 128, 4 layers, 4 attention heads of 32, 2 key/value heads (GQA), SwiGLU 384, tied
-    embeddings, RoPE theta 10000, 1024 positions (tokens), fp32. ``seed`` is recorded as
+    embeddings, RoPE theta 10000, 2048 positions (tokens; coding episodes reach ~1,150), fp32. ``seed`` is recorded as
     ``config.init_seed`` (provenance only; :func:`build_tiny_model` seeds the initialisation).
 
     Args:
@@ -36,7 +36,7 @@ def tiny_model_config(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **overr
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         initializer_range=0.02,

@@ -57,7 +57,7 @@ MARKUP_TOKENS: tuple[str, ...] = (
 
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 
-_MODEL_MAX_LENGTH = 1024  # tokens; the tiny model's max_position_embeddings
+_MODEL_MAX_LENGTH = 2048  # tokens; the tiny model's max_position_embeddings
 
 
 def trl_qwen3_chat_template() -> str:
