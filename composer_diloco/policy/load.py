@@ -44,15 +44,19 @@ def _package_dir(env: str) -> Path:
     Raises:
         PolicyLoadError: (one line, from ``env_demonstrations``) ``env`` is not an importable package.
     """
-    top, *rest = package_of(env).split(".")
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name is found, not run
-    except (ImportError, ValueError):
-        spec = None
+    def find(name: str, path: list[str] | None = None):
+        try:  # a top-level name is found, not run; PathFinder runs nothing either
+            return importlib.machinery.PathFinder.find_spec(name, path) if path else importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+
+    package = package_of(env)
+    top, *rest = package.split(".")
+    spec = find(top)
     for part in rest:
-        if spec is None or not spec.submodule_search_locations:
-            break
-        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+        spec = find(part, list(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else None
+    if spec is None or not spec.submodule_search_locations:
+        spec = find(package)  # a package only the import system proper finds (a custom finder): imports its parents
     if spec is None or not spec.submodule_search_locations:
         env_demonstrations(env)  # imports it: raises the one-line error naming the env
         raise PolicyLoadError(f"env {env!r}: not a package (expected a folder with demos.py beside server.py)")
