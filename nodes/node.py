@@ -476,10 +476,10 @@ def _model_config(config: RunConfig):
     """The ``transformers`` config of the run's policy without building it: the embedded default's
     (`tiny_model_config`), or ``config.json`` of ``config.model`` from local files (a folder, or the Hub cache);
     None when it is not there."""
-    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+    from composer_diloco.policy import load_embedded_tokenizer, tiny_model_config
 
     if config.model is None:
-        return tiny_model_config(load_default_tokenizer(), config.warmstart.seed)
+        return tiny_model_config(load_embedded_tokenizer(config.env.server_module), config.warmstart.seed)
     from transformers import AutoConfig
 
     try:
@@ -495,7 +495,7 @@ def _policy_skeleton(config: RunConfig):
     per machine in ``composer_diloco.policy.load.warmstart_cache_dir()``) the run's base itself, as the coordinator
     does, and wraps it with the adapters (`composer_diloco.policy.lora.apply_lora`); its base hash is checked
     against the run's at the state download."""
-    from composer_diloco.policy import build_tiny_model, load_default_tokenizer, load_policy
+    from composer_diloco.policy import build_tiny_model, load_embedded_tokenizer, load_policy
 
     if config.lora is not None:
         from composer_diloco.policy.lora import apply_lora
@@ -504,7 +504,7 @@ def _policy_skeleton(config: RunConfig):
                                        warmstart_steps=config.warmstart.steps, env=config.env.server_module)
         return apply_lora(model, config.lora), tokenizer
     if config.model is None:
-        tokenizer = load_default_tokenizer()
+        tokenizer = load_embedded_tokenizer(config.env.server_module)  # the coordinator's, for the run's env
         return build_tiny_model(tokenizer, config.warmstart.seed), tokenizer
     return load_policy(config.model, seed=config.seed, warmstart_steps=0)
 

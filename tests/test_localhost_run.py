@@ -111,3 +111,36 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
     records = read_metrics(run_dir)
     assert records["node-0"][0]["global_sha256"] == records["coordinator"][0]["global_sha256"]
     assert cached() == cached_before  # no warm start for a user's model
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
+    """``configs/coding.toml`` end to end: the coordinator warm-starts the embedded policy with the coding env's own
+    tokenizer (``envs/coding_env/policy_tokenizer``), the node builds the same architecture from the run's env, and
+    both end the round on the same theta. A short warm start (60 steps) already makes parsable calls."""
+    import tomllib
+
+    import tomli_w
+
+    from composer_diloco.policy import embedded_tokenizer_dir, load_embedded_tokenizer
+
+    config = tomllib.loads((ROOT / "configs" / "coding.toml").read_text())
+    config.update(rounds=1, inner_steps=2)
+    config["warmstart"] = {"steps": 60}
+    path = tmp_path / "coding.toml"
+    path.write_text(tomli_w.dumps(config))
+    run_dir = tmp_path / "run"
+    result = simulate(run_dir, "--nodes", "1", "--config", str(path), "--eval-episodes", "4")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert re.search(r"^eval: greedy: warm start [\d.]+ -> round 1 [\d.]+ .*4 tasks\)$", result.stdout, re.M), (
+        result.stdout)
+    shipped = embedded_tokenizer_dir("envs.coding_env.server")
+    final = run_dir / "checkpoints" / "round-000001"
+    assert (final / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
+    vocab = json.loads((final / "config.json").read_text())["vocab_size"]
+    assert vocab == len(load_embedded_tokenizer("envs.coding_env.server"))
+    records = read_metrics(run_dir)
+    node, coordinator = records["node-0"][0], records["coordinator"][0]
+    assert node["status"] == "averaged" and node["global_sha256"] == coordinator["global_sha256"], records
+    assert node["samples"] == 2 * 8

@@ -12,17 +12,20 @@ import torch
 from composer_diloco import policy
 from composer_diloco.policy import (
     DEFAULT_TOKENIZER_DIR,
+    ENV_TOKENIZER_FOLDER,
     PolicyLoadError,
     build_tiny_model,
+    embedded_tokenizer_dir,
     evaluate_policy,
     load_default_tokenizer,
+    load_embedded_tokenizer,
     load_policy,
     tokenize_episode,
     warm_start,
 )
 from composer_diloco.policy import load as load_module
 from composer_diloco.policy import warmstart as warmstart_module
-from composer_diloco.policy.tokenizer_recipe import build_default_tokenizer
+from composer_diloco.policy.tokenizer_recipe import build_env_tokenizer
 from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.rollout.env_process import start_env_server
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task, solve
@@ -76,13 +79,52 @@ def test_shipped_tokenizer_is_trl_qwen3(tok):
     assert parsed["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 3, "b": 4}}
 
 
-@pytest.mark.timeout(60)
-def test_shipped_tokenizer_is_current(tmp_path):
-    """The shipped files equal a fresh deterministic build (rebuild them after changing tasks.py)."""
-    build_default_tokenizer(tmp_path)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", ["envs.tool_env", "envs.coding_env"])
+def test_shipped_tokenizer_is_current(tmp_path, env):
+    """The shipped files equal a fresh deterministic build (rebuild them after changing the env's tasks or demos)."""
+    build_env_tokenizer(env, tmp_path)
+    shipped = embedded_tokenizer_dir(env)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (tmp_path / name).read_bytes() == (DEFAULT_TOKENIZER_DIR / name).read_bytes(), (
-            f"{name} is stale: run `python -m composer_diloco.policy build-tokenizer`")
+        assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), (
+            f"{shipped / name} is stale: run `python -m composer_diloco.policy build-tokenizer --env {env}`")
+
+
+def test_each_env_gets_its_own_tokenizer_else_the_projects(tmp_path, monkeypatch):
+    """The coding env ships its own tokenizer; tool_env, a foreign env package without one and a name that is no
+    package here get the project's."""
+    assert embedded_tokenizer_dir("envs.tool_env.server") == DEFAULT_TOKENIZER_DIR
+    coding = embedded_tokenizer_dir("envs.coding_env.server")
+    assert coding == embedded_tokenizer_dir("envs.coding_env") != DEFAULT_TOKENIZER_DIR
+    assert coding.name == ENV_TOKENIZER_FOLDER and coding.parent.name == "coding_env"
+    (tmp_path / "foreign_env").mkdir()
+    (tmp_path / "foreign_env" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert embedded_tokenizer_dir("foreign_env.server") == DEFAULT_TOKENIZER_DIR
+    assert embedded_tokenizer_dir("no_such_package_here.server") == DEFAULT_TOKENIZER_DIR
+    assert len(load_embedded_tokenizer("envs.coding_env.server")) != len(load_default_tokenizer())
+
+
+def test_coding_tokenizer_keeps_what_the_code_copies_whole():
+    """With the coding env's tokenizer an episode is short and the task's function name is one token, the same token
+    in the prompt and in the code, and numbers are digits; the project's tokenizer spells both out in characters
+    (why a warm start on it never learned to copy them: BENCHMARKS.md 1, the coding env)."""
+    from envs.coding_env.demos import demonstration
+    from envs.coding_env.tasks import FUNCTION_NAMES
+
+    coding = load_embedded_tokenizer("envs.coding_env")
+    for name in FUNCTION_NAMES:
+        assert len(coding(name, add_special_tokens=False)["input_ids"]) == 1, name
+    prompt = coding("Fix scale(x): it must return 8 * x + 5.", add_special_tokens=False)["input_ids"]
+    code = coding("def scale(x):\n    return 8 * x + 5\n", add_special_tokens=False)["input_ids"]
+    scale, eight = coding.convert_tokens_to_ids("scale"), coding("8", add_special_tokens=False)["input_ids"]
+    assert scale in prompt and scale in code and len(eight) == 1 and eight[0] in prompt and eight[0] in code
+    demo = demonstration(7, 0, 0.0)
+    lengths = {}
+    for label, tok in (("own", coding), ("project", load_default_tokenizer())):
+        enc = tokenize_episode(tok, episode_messages(demo.question, demo.calls, demo.replies), tools=demo.tools)
+        lengths[label] = len(enc["input_ids"])
+    assert lengths["own"] * 4 < lengths["project"], lengths
 
 
 # -------------------------------------------------------------------------------------------- chat

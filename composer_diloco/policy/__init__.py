@@ -3,13 +3,15 @@
 Modules, in the order a run uses them:
 
 * :mod:`~composer_diloco.policy.tokenizer`: :func:`load_default_tokenizer` loads the tokenizer shipped in
-  ``composer_diloco/assets/tokenizer/``; :func:`build_tokenizer` builds one (the shipped one's inputs are in
+  ``composer_diloco/assets/tokenizer/`` (or an env package's own ``policy_tokenizer/``: the coding env ships one);
+  :func:`build_tokenizer` builds one (the shipped ones' inputs are in
   :mod:`~composer_diloco.policy.tokenizer_recipe`); :func:`tokenize_episode` gives ids and the assistant mask.
 * :mod:`~composer_diloco.policy.tiny_model`: :func:`tiny_model_config` / :func:`build_tiny_model`, a
   ~0.9M-parameter ``Qwen3ForCausalLM``.
 * :mod:`~composer_diloco.policy.warmstart`: :func:`warm_start`, a short SFT pass with TRL's ``SFTTrainer`` on the run
   env's scripted demonstrations (taken through ``composer_diloco.rollout.env_package``).
-* :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project;
+* :mod:`~composer_diloco.policy.load`: :func:`load_policy`, the one entry point for the rest of the project
+  (:func:`load_embedded_tokenizer` picks the embedded default's tokenizer for the run's env);
   the embedded default's warm start is cached once per machine in :func:`warmstart_cache_dir`
   (:mod:`~composer_diloco.policy.cache`: ``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
   ``~/.cache/composer_diloco``; a file lock, atomic renames).
@@ -32,11 +34,14 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "PolicyLoadError": "errors",
     "evaluate_policy": "evaluate",
+    "embedded_tokenizer_dir": "load",
+    "load_embedded_tokenizer": "load",
     "load_policy": "load",
     "warmstart_cache_dir": "load",
     "build_tiny_model": "tiny_model",
     "tiny_model_config": "tiny_model",
     "DEFAULT_TOKENIZER_DIR": "tokenizer",
+    "ENV_TOKENIZER_FOLDER": "tokenizer",
     "build_tokenizer": "tokenizer",
     "load_default_tokenizer": "tokenizer",
     "tokenize_episode": "tokenizer",
@@ -52,12 +57,15 @@ __all__ = [
     "DEFAULT_TOKENIZER_DIR",
     "DEFAULT_WARMSTART_ENV",
     "DEFAULT_WARMSTART_STEPS",
+    "ENV_TOKENIZER_FOLDER",
     "PolicyLoadError",
     "build_tiny_model",
     "build_tokenizer",
+    "embedded_tokenizer_dir",
     "env_demonstrations",
     "evaluate_policy",
     "load_default_tokenizer",
+    "load_embedded_tokenizer",
     "load_policy",
     "solver_examples",
     "tiny_model_config",
@@ -71,10 +79,16 @@ assert sorted(__all__) == sorted(_EXPORTS)
 if TYPE_CHECKING:
     from composer_diloco.policy.errors import PolicyLoadError
     from composer_diloco.policy.evaluate import evaluate_policy
-    from composer_diloco.policy.load import load_policy, warmstart_cache_dir
+    from composer_diloco.policy.load import (
+        embedded_tokenizer_dir,
+        load_embedded_tokenizer,
+        load_policy,
+        warmstart_cache_dir,
+    )
     from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
     from composer_diloco.policy.tokenizer import (
         DEFAULT_TOKENIZER_DIR,
+        ENV_TOKENIZER_FOLDER,
         build_tokenizer,
         load_default_tokenizer,
         tokenize_episode,

@@ -1,6 +1,6 @@
 """``python -m composer_diloco.policy``: build the shipped tokenizer, warm-start the default policy, evaluate a policy.
 
-    python -m composer_diloco.policy build-tokenizer
+    python -m composer_diloco.policy build-tokenizer [--env envs.coding_env]
     python -m composer_diloco.policy warm-start --steps 200 --out runs/ws
     python -m composer_diloco.policy evaluate runs/ws --episodes 100
     python -m composer_diloco.policy evaluate runs/ws --env envs.coding_env.server --reset-kwarg source=generated
@@ -22,7 +22,6 @@ from typing import Annotated
 import typer
 
 from composer_diloco.policy.errors import PolicyLoadError
-from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR
 from composer_diloco.policy.warmstart import (
     DEFAULT_WARMSTART_ENV,
     DEFAULT_WARMSTART_STEPS,
@@ -56,16 +55,19 @@ def _fail(exc: BaseException) -> typer.Exit:
 
 @app.command("build-tokenizer")
 def build_tokenizer_command(
-    out: Annotated[Path, typer.Option(help="Output directory.")] = DEFAULT_TOKENIZER_DIR,
+    env: Annotated[str, typer.Option(help="The env package whose shipped tokenizer to rebuild: envs.tool_env (the "
+                                          "project's, composer_diloco/assets/tokenizer) or envs.coding_env (its "
+                                          "policy_tokenizer/).")] = "envs.tool_env",
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: over the shipped files).")] = None,
 ) -> None:
-    """Rebuild the shipped tokenizer (tool_env's corpus, see composer_diloco.policy.tokenizer_recipe)."""
-    from composer_diloco.policy.tokenizer_recipe import build_default_tokenizer
+    """Rebuild a shipped tokenizer from its env's corpus (see composer_diloco.policy.tokenizer_recipe)."""
+    from composer_diloco.policy.tokenizer_recipe import build_env_tokenizer
 
     try:
-        tok = build_default_tokenizer(out)
+        tok = build_env_tokenizer(env, out)
     except (OSError, ValueError) as exc:
         raise _fail(exc) from None
-    typer.echo(f"tokenizer: {len(tok)} tokens -> {out}")
+    typer.echo(f"tokenizer of {env}: {len(tok)} tokens -> {out or 'the shipped files'}")
 
 
 @app.command("warm-start")
@@ -81,13 +83,13 @@ def warm_start_command(
                                           "on.")] = DEFAULT_WARMSTART_ENV,
 ) -> None:
     """Warm-start the tiny default policy into a new directory."""
+    from composer_diloco.policy.load import load_embedded_tokenizer
     from composer_diloco.policy.tiny_model import build_tiny_model
-    from composer_diloco.policy.tokenizer import load_default_tokenizer
     from composer_diloco.policy.warmstart import warm_start
 
     t0 = time.monotonic()
     try:
-        tokenizer = load_default_tokenizer()
+        tokenizer = load_embedded_tokenizer(env)
         result = warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=steps, out_dir=out,
                             batch_size=batch_size, lr=lr, error_rate=error_rate, env=env)
     except (PolicyLoadError, ValueError, OSError) as exc:  # FileExistsError is an OSError

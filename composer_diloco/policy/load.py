@@ -19,7 +19,7 @@ from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.model_name import check_model_name
 from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config
-from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_default_tokenizer
+from composer_diloco.policy.tokenizer import DEFAULT_TOKENIZER_DIR, ENV_TOKENIZER_FOLDER, load_default_tokenizer
 from composer_diloco.policy.warmstart import (
     DEFAULT_WARMSTART_ENV,
     WARMSTART_BATCH_SIZE,
@@ -30,20 +30,17 @@ from composer_diloco.policy.warmstart import (
 )
 from composer_diloco.rollout.env_package import package_of
 
-__all__ = ["load_policy", "warmstart_cache_dir"]
+__all__ = ["embedded_tokenizer_dir", "load_embedded_tokenizer", "load_policy", "warmstart_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
 _CACHE_KEY_VERSION = 2  # bump when the warm-start recipe changes in a way the key does not see
 
 
-def _package_dir(env: str) -> Path:
+def _find_package_dir(env: str) -> Path | None:
     """The directory of ``env``'s package (``"envs.tool_env.server"`` -> ``envs/tool_env``), found without importing
-    it or its parents (this project's ``envs/__init__.py`` imports OpenEnv's core: ~2 s of CPU).
-
-    Raises:
-        PolicyLoadError: (one line, from ``env_demonstrations``) ``env`` is not an importable package.
-    """
+    it or its parents where a plain path search finds it (this project's ``envs/__init__.py`` imports OpenEnv's core:
+    ~2 s of CPU); None when no package of that name is found."""
     def find(name: str, path: list[str] | None = None):
         try:  # a top-level name is found, not run; PathFinder runs nothing either
             return importlib.machinery.PathFinder.find_spec(name, path) if path else importlib.util.find_spec(name)
@@ -58,15 +55,53 @@ def _package_dir(env: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         spec = find(package)  # a package only the import system proper finds (a custom finder): imports its parents
     if spec is None or not spec.submodule_search_locations:
-        env_demonstrations(env)  # imports it: raises the one-line error naming the env
-        raise PolicyLoadError(f"env {env!r}: not a package (expected a folder with demos.py beside server.py)")
+        return None
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV) -> str:
+def _package_dir(env: str) -> Path:
+    """`_find_package_dir`, for an env that must be a package.
+
+    Raises:
+        PolicyLoadError: (one line, from ``env_demonstrations``) ``env`` is not an importable package.
+    """
+    found = _find_package_dir(env)
+    if found is None:
+        env_demonstrations(env)  # imports it: raises the one-line error naming the env
+        raise PolicyLoadError(f"env {env!r}: not a package (expected a folder with demos.py beside server.py)")
+    return found
+
+
+def embedded_tokenizer_dir(env: str = DEFAULT_WARMSTART_ENV) -> Path:
+    """The tokenizer folder of the embedded default policy when it plays ``env``: the env package's own
+    ``policy_tokenizer/`` when it ships one (``ENV_TOKENIZER_FOLDER``; the coding env does), else the project's
+    (``DEFAULT_TOKENIZER_DIR``, built from tool_env). Never raises: an env that is not a package here (a remote
+    fleet's name, say) gets the project's.
+
+    Args:
+        env: ``[env] server_module`` or its package, e.g. ``"envs.coding_env.server"``.
+    """
+    package = _find_package_dir(env)
+    if package is not None and (package / ENV_TOKENIZER_FOLDER / "tokenizer.json").is_file():
+        return package / ENV_TOKENIZER_FOLDER
+    return DEFAULT_TOKENIZER_DIR
+
+
+def load_embedded_tokenizer(env: str = DEFAULT_WARMSTART_ENV) -> PreTrainedTokenizerFast:
+    """The embedded default policy's tokenizer for ``env`` (:func:`embedded_tokenizer_dir`): a coordinator and its
+    nodes load the same one from the run's ``[env] server_module``.
+
+    Raises:
+        PolicyLoadError: the folder's files are missing.
+    """
+    return load_default_tokenizer(embedded_tokenizer_dir(env))
+
+
+def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV,
+                       tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR) -> str:
     """Short hash of what determines the default warm-started weights: seed, steps, the warm-start
-    recipe, the model config, the tokenizer files, the source of the env package's top-level modules
-    (tasks, tools, demonstrations) and the torch and transformers versions (a new release may change the
+    recipe, the model config, the tokenizer files (``tokenizer_dir``), the source of the env package's top-level
+    modules (tasks, tools, demonstrations) and the torch and transformers versions (a new release may change the
     kernels' numerics or the trainer's defaults, so an entry built under another version would not be the
     weights this install builds)."""
     import torch
@@ -83,9 +118,9 @@ def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DE
     for path in sorted(_package_dir(env).glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    for name in sorted(os.listdir(DEFAULT_TOKENIZER_DIR)):
+    for name in sorted(os.listdir(tokenizer_dir)):
         h.update(name.encode())
-        h.update((DEFAULT_TOKENIZER_DIR / name).read_bytes())
+        h.update((tokenizer_dir / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -119,7 +154,8 @@ def warmstart_cache_dir() -> Path:
 
 def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The embedded default, warm-started into (or reused from) ``warmstart_cache_dir() / <key>``."""
-    tokenizer = load_default_tokenizer()
+    tokenizer_dir = embedded_tokenizer_dir(env)
+    tokenizer = load_default_tokenizer(tokenizer_dir)
     config = tiny_model_config(tokenizer, seed)
     if warmstart_steps > 0:
         # The env's demonstrations are imported (and checked again) by `warm_start` only when the entry is built:
@@ -130,7 +166,7 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
             env_demonstrations(env)  # raises the one-line error naming the env
         env = package_of(env)  # one key, and one warmstart.json "env", per env package
     else:
-        env = DEFAULT_WARMSTART_ENV  # untrained weights do not depend on the env
+        env = DEFAULT_WARMSTART_ENV  # untrained weights depend on the env only through its tokenizer (in the key)
 
     def build(out_dir: Path) -> None:
         logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
@@ -142,8 +178,8 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
     t0 = time.monotonic()
     folder = warmstart_cache_dir()
     try:
-        entry, built = get_or_build(folder / _default_cache_key(seed, warmstart_steps, config, env), build,
-                                    required=_WARMSTART_FILES)
+        key = _default_cache_key(seed, warmstart_steps, config, env, tokenizer_dir)
+        entry, built = get_or_build(folder / key, build, required=_WARMSTART_FILES)
     except OSError as exc:
         raise PolicyLoadError(f"cannot cache the warm start in {folder}: {exc}; point {CACHE_ENV} at a writable "
                               "folder with space") from exc
@@ -190,7 +226,8 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
 
-    ``None``: the tiny Qwen3 of ``build_tiny_model`` with the shipped tokenizer, warm-started for
+    ``None``: the tiny Qwen3 of ``build_tiny_model`` with the env's shipped tokenizer (:func:`embedded_tokenizer_dir`:
+    the env package's own, else the project's), warm-started for
     ``warmstart_steps`` steps on ``env``'s scripted demonstrations (``warm_start``), cached once per machine in
     ``warmstart_cache_dir() / <hash>`` (``$COMPOSER_DILOCO_CACHE``, else ``$XDG_CACHE_HOME/composer_diloco``, else
     ``~/.cache/composer_diloco``, then ``warmstart/``) where the hash covers ``seed``, ``warmstart_steps``, the

@@ -2,7 +2,9 @@
 
 The shipped tokenizer (``composer_diloco/assets/tokenizer/``) is a byte-level BPE over rendered tool episodes with
 one token per digit, Qwen3's special tokens, atomic domain words, and TRL's Qwen3 chat template verbatim, so TRL
-recognises it (``supports_tool_calling``, ``add_response_schema``, ``get_training_chat_template``).
+recognises it (``supports_tool_calling``, ``add_response_schema``, ``get_training_chat_template``). An env package may
+ship its own, built the same way from its own episodes, in a ``policy_tokenizer/`` folder (`ENV_TOKENIZER_FOLDER`):
+the embedded default playing that env uses it (``composer_diloco.policy.load.embedded_tokenizer_dir``).
 :func:`build_tokenizer` is the generic builder (any demonstrations, any domain words);
 :mod:`composer_diloco.policy.tokenizer_recipe` holds the inputs the shipped files were built from.
 
@@ -31,6 +33,7 @@ from composer_diloco.rollout.chat import episode_messages
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
+    "ENV_TOKENIZER_FOLDER",
     "EOS_TOKEN",
     "MARKUP_TOKENS",
     "PAD_TOKEN",
@@ -45,7 +48,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 """The shipped tokenizer of the embedded default policy (built by ``python -m composer_diloco.policy
-build-tokenizer``)."""
+build-tokenizer``); built from tool_env's episodes, it is the one every env without its own uses."""
+
+ENV_TOKENIZER_FOLDER = "policy_tokenizer"
+"""The folder of an env package that holds its own tokenizer for the embedded default policy (optional; this
+project's coding env ships one: ``python -m composer_diloco.policy build-tokenizer --env envs.coding_env``)."""
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Control tokens (``special=True``: dropped by ``decode(skip_special_tokens=True)``), as in Qwen3."""
@@ -165,22 +172,24 @@ def build_tokenizer(
     return tokenizer
 
 
-def load_default_tokenizer() -> PreTrainedTokenizerFast:
-    """Load the shipped tokenizer from :data:`DEFAULT_TOKENIZER_DIR` (no TRL files needed).
+def load_default_tokenizer(directory: str | Path = DEFAULT_TOKENIZER_DIR) -> PreTrainedTokenizerFast:
+    """Load a shipped tokenizer (no TRL files needed): the project's (:data:`DEFAULT_TOKENIZER_DIR`), or an env
+    package's ``policy_tokenizer/`` (see ``composer_diloco.policy.load.embedded_tokenizer_dir``).
 
     Returns:
-        The tokenizer (pad ``<|endoftext|>``, eos ``<|im_end|>``, ``model_max_length`` 1024 tokens).
+        The tokenizer (pad ``<|endoftext|>``, eos ``<|im_end|>``, ``model_max_length`` 2048 tokens).
 
     Raises:
         PolicyLoadError: if the shipped files are missing (rebuild with
             ``python -m composer_diloco.policy build-tokenizer``).
     """
-    if not (DEFAULT_TOKENIZER_DIR / "tokenizer.json").is_file():
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
         raise PolicyLoadError(
-            f"default tokenizer missing at {DEFAULT_TOKENIZER_DIR}; "
+            f"default tokenizer missing at {directory}; "
             "build it with `python -m composer_diloco.policy build-tokenizer`"
         )
-    return AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR, local_files_only=True)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def tokenize_episode(

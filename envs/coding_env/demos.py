@@ -45,7 +45,8 @@ def _failed_attempt(call: tuple[str, dict[str, Any]], rng: random.Random) -> tup
     return tool, {**args, "path": rng.choice(("solutions.py", "main.py", TEST_FILE.replace("test_", "tests_")))}
 
 
-def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE, source: str = "generated") -> Demonstration:
+def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE, source: str = "generated",
+                  prefix: str = "warmstart") -> Demonstration:
     """Episode ``index`` of the scripted solver under ``seed``; a pure function of its arguments.
 
     Args:
@@ -53,13 +54,15 @@ def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE, source:
         index: the demonstration's number.
         error_rate: probability in [0, 1] of one failed call and its recovery.
         source: `make_task`'s task source.
+        prefix: the episode id is ``f"{prefix}-{index}"`` (the warm start's by default; the tokenizer's corpus
+            uses ``"corpus"``, so it shares no episode with a warm start).
 
     Raises:
         ValueError: if ``error_rate`` is outside [0, 1] or ``source`` is unknown.
     """
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
-    episode = f"warmstart-{index}"
+    episode = f"{prefix}-{index}"
     task = make_task(seed, episode, source)
     calls = solve(task)
     rng = random.Random(f"{seed}:{episode}:solver")

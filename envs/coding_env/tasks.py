@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 __all__ = [
     "FAMILIES",
+    "FUNCTION_NAMES",
     "HANDWRITTEN",
     "SOLUTION_FILE",
     "SOURCES",
@@ -233,6 +234,13 @@ _BY_ID = {t.task_id: t for t in HANDWRITTEN}
 # ------------------------------------------------------------------------------------------- generated families
 
 
+_AFFINE_NAMES = ("scale", "score", "price", "adjust")
+_FILTER_NAMES = ("keep", "select", "pick")
+_STRING_NAMES = ("transform", "convert", "encode")
+FUNCTION_NAMES: tuple[str, ...] = _AFFINE_NAMES + _FILTER_NAMES + _STRING_NAMES + ("total", "count_multiples", "clamp")
+"""Every function name the generated families use (the embedded policy's tokenizer has each as one token)."""
+
+
 def _ints(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
     return [[rng.randint(lo, hi)] for _ in range(n)]
 
@@ -240,7 +248,7 @@ def _ints(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
 def _affine_fix(rng: random.Random, tag: str) -> CodingTask:
     a = rng.randint(2, 9)
     b = rng.choice([v for v in range(1, 10) if v != a])  # a != b: every bug below changes the result
-    name = rng.choice(("scale", "score", "price", "adjust"))
+    name = rng.choice(_AFFINE_NAMES)
     bug = rng.choice((f"{a} * x - {b}", f"{b} * x + {a}", f"{a} * x + {b + 1}", f"{a} + x * {b}"))
     return _build(
         f"gen/affine_fix/{tag}", "affine_fix", "fix", f"{name}(x)",
@@ -268,7 +276,7 @@ def _filter_write(rng: random.Random, tag: str) -> CodingTask:
     words, test = rng.choice(_CONDITIONS)
     k, t = rng.randint(2, 5), rng.randint(-3, 6)
     words, test = words.format(k=k, t=t), test.format(k=k, t=t)
-    name = rng.choice(("keep", "select", "pick"))
+    name = rng.choice(_FILTER_NAMES)
     return _build(
         f"gen/filter_write/{tag}", "filter_write", "write", f"{name}(xs)",
         f"Write {name}(xs): the items of the list of integers xs that are {words}, in order.", None,
@@ -302,7 +310,7 @@ def _string_write(rng: random.Random, tag: str) -> CodingTask:
          f"    return ''.join(chr((ord(ch) - 97 + {shift}) % 26 + 97) if 'a' <= ch <= 'z' else ch for ch in s)\n"),
     ]
     words, body = rng.choice(ops)
-    name = rng.choice(("transform", "convert", "encode"))
+    name = rng.choice(_STRING_NAMES)
     return _build(
         f"gen/string_write/{tag}", "string_write", "write", f"{name}(s)", f"Write {name}(s): {words}.", None,
         f"def {name}(s):\n{body}", _strings(rng, 3), _strings(rng, 7) + [[""]],
