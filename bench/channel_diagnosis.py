@@ -210,7 +210,8 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
     model, tok = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
                              env=config.env.server_module)
     env = load_env_package(config.env.server_module)
-    sessions = [env.local_session(max_tool_calls=config.env.max_tool_calls) for _ in range(config.batch_size)]
+    sessions = [env.local_session(max_tool_calls=config.env.max_tool_calls, reset_kwargs=config.env.reset_kwargs)
+                for _ in range(config.batch_size)]
     with tempfile.TemporaryDirectory() as scratch:
         trainer = ComposerGRPOTrainer(model=model, tokenizer=tok, config=config, sessions=sessions, peer_name="diag",
                                       args=grpo_args(config, output_dir=Path(scratch), max_steps=1, use_cpu=True,
