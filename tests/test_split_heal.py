@@ -86,10 +86,13 @@ def _latest_per_round(records: list[dict]) -> dict[int, dict]:
 def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
     ns, host_dev = split_link
     run = LocalRun(run_dir, write_config(tmp_path / "split.toml", SPLIT_CONFIG))
-    port = 46000 + os.getpid() % 1000
     try:
-        coordinator = run.start_coordinator("--listen", f"/ip4/0.0.0.0/tcp/{port}")
+        # the OS picks the port (a port chosen here, even from a pid, can be one another process is using: it cost a
+        # CI run); both nodes dial it, over loopback and over the veth
+        coordinator = run.start_coordinator("--listen", "/ip4/0.0.0.0/tcp/0")
         peer_id = coordinator.rsplit("/p2p/", 1)[1]
+        port = int(coordinator.split("/tcp/", 1)[1].split("/", 1)[0])
+        assert port > 0, coordinator
         # both nodes paced by a 1 s sleep per inner step, so that neither half races through the run while apart: on a
         # slow machine node-1 takes up to ~30 s to notice the cut, and an unpaced node-0 (0.5 s rounds) with the
         # coordinator had finished the run before the link came back, leaving nobody to heal to
