@@ -12,7 +12,7 @@ parsable call, or ``--max-calls``. Reward: the fraction of hidden tests passed a
 
 (the warm start's ``KEY`` is in the coordinator's log: ``warm start cached at ...`` / ``reusing ... at ...``).
 
-Prints one JSON line per (policy, temperature): the mean reward and the mean per family.
+Prints one JSON line per (policy, temperature): the mean reward, the mean per family, and the tool calls by name.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: 
         batch_size: episodes generated together (left-padded; 1 generates each prompt alone).
 
     Returns:
-        ``{"policy", "temperature", "mean_reward", "by_family": {family: mean reward}, "episodes", "seconds"}``.
+        ``{"policy", "temperature", "mean_reward", "by_family": {family: mean reward}, "calls_by_tool": {tool:
+        calls over all episodes}, "episodes", "seconds"}``.
 
     Raises:
         PolicyLoadError: ``model_dir`` cannot be loaded. EnvServerError: the server stops answering.
@@ -53,6 +54,7 @@ def evaluate(model_dir: str, *, env_url: str, episodes: int, seed: int, source: 
                             family=lambda task_seed, episode_id: make_task(task_seed, episode_id, source).family)
     return {"policy": model_dir, "temperature": temperature, "mean_reward": round(stats["mean_reward"], 4),
             "by_family": {f: round(v["mean_reward"], 3) for f, v in stats["by_family"].items()},
+            "calls_by_tool": stats["calls_by_tool"],
             "episodes": episodes, "seconds": round(stats["seconds"], 1)}
 
 

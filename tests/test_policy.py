@@ -339,6 +339,11 @@ def test_compare_policies_is_paired_on_the_same_episodes(tok, warm_cache):
         assert c.diff_se == pytest.approx((p * (1 - p) * 24 / 23 / 24) ** 0.5, abs=1e-9)
     assert worse[0].before == same[0].before  # sampled, seed 7, the same episodes: the same draws
     assert "greedy: warm start" in worse[1].describe() and "paired se, 24 tasks" in worse[1].describe()
+    # what the warm start does, counted by tool: every parsed call, and the tool_env episode's end (submit) among them
+    greedy = evaluate_policy(warm, tok, 8, 7, env="envs.tool_env.server")
+    assert sum(greedy["calls_by_tool"].values()) == round(greedy["mean_tool_calls"] * 8)
+    assert set(greedy["calls_by_tool"]) <= {"lookup", "add", "subtract", "multiply", "submit"}
+    assert greedy["calls_by_tool"].get("submit", 0) >= round(greedy["success_rate"] * 8) > 0  # no success unsubmitted
 
 
 @pytest.mark.timeout(30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,7 @@ def _summary(outcomes: list[_Outcome], keys: list[tuple[int, str]], family: Fami
         format_error_rate=sum(o.format_error for o in outcomes) / n,
         tool_error_rate=sum(o.tool_errors for o in outcomes) / max(calls, 1),
         mean_tool_calls=calls / n,
+        calls_by_tool=dict(sorted(Counter(name for o in outcomes for name, _ in o.calls).items())),
         n_episodes=len(outcomes),
         seconds=round(seconds, 2),
     )
@@ -188,7 +190,9 @@ def evaluate_policy(
         ``mean_reward`` (the env's final reward per episode, 0 without one), ``reward_se`` (its standard error: the
         episodes' sample standard deviation / sqrt(n)), ``success_rate`` (episodes with
         reward >= 1), ``format_error_rate`` (episodes ended by an unparsable turn), ``tool_error_rate`` (failed
-        calls / all calls), ``mean_tool_calls`` (per episode), ``n_episodes``, ``seconds`` (wall clock), and with
+        calls / all calls), ``mean_tool_calls`` (per episode), ``calls_by_tool`` (``{tool name: calls}`` over all
+        episodes, parsed calls only: what the policy does, e.g. writes that never reach ``submit``), ``n_episodes``,
+        ``seconds`` (wall clock), and with
         ``family`` ``by_family``: ``{family: {"episodes", "mean_reward", "success_rate"}}``, sorted by name.
 
     Raises:
