@@ -195,15 +195,20 @@ ARMS = [
     # at Nesterov 0.7 / 0.9's first step, lr x (1 + m) = 1.33 mean pseudo-gradients, and at its mean step over 4
     # rounds (1.33, 1.90, 2.41, 2.87 for a constant pseudo-gradient: 2.1) (--budget 8192)
     *(Arm(f"grpo-sgd-lr{lr}-N8-H64", nodes=8, inner_steps=64, outer=(lr, 0.0, False), **GRPO) for lr in (1.33, 2.1)),
-    # The coding env (configs/coding.toml: GRPO alone, T = 0.6, inner lr 2e-5), N = 4, H = 16 against its sync baseline
+    # The coding env (configs/coding.toml: its own tokenizer, GRPO alone, T = 1, inner lr 1e-4), N = 4, H = 16 against
+    # its sync baseline
     Arm("coding-sync-N4", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, **GRPO),
     Arm("coding-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, **GRPO),
-    # the coding baseline at a larger inner lr (configs/coding.toml's 2e-5 did not learn at 2,048 episodes; 1e-4
-    # collapsed the policy): does the step size, not the budget, hold the baseline back?
-    Arm("coding-sync-N4-lr5e-5", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING, inner_lr=5e-5,
-        **GRPO),
+    # the coding baseline at other inner lrs (with the project's tokenizer 2e-5 did not learn at 2,048 episodes, 5e-5
+    # unlearned and 1e-4 collapsed; with the coding env's own, 2e-5 against the config's 1e-4)
+    *(Arm(f"coding-sync-N4-lr{name}", nodes=1, inner_steps=16, tasks_per_step=4, sync=True, base=CODING,
+          inner_lr=lr, **GRPO) for name, lr in (("2e-5", 2e-5), ("5e-5", 5e-5))),
     Arm("coding-delayed-lr0.7-m0.9-d4-N4-H16", nodes=4, inner_steps=16, outer_toml=delayed_nesterov(0.7, 0.9),
         base=CODING, **GRPO),
+    # the published composite (GRPO + 0.2 SDPO + 0.2 DPO) beside coding-avg-N4-H16 (GRPO alone), and each channel alone
+    Arm("coding-composite-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING),
+    Arm("coding-sdpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, beta_dpo=0.0),
+    Arm("coding-dpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, alpha_sdpo=0.0),
     # the sparse codec on the shipped loss, beside grpo-avg-N4-H16 (section 1d) and sparse-N4-H16 (the old composite)
     Arm("grpo-sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit", **GRPO),
 ]
@@ -368,8 +373,10 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
                                        "grpo-delayed-lr0.7-m0.9-d4-N8-H16"]),
         "learning_sparse.png": ("The sparse-2bit codec, GRPO alone, N = 4, H = 16",
                                 ["grpo-avg-N4-H16", "grpo-sparse-N4-H16"]),
-        "learning_coding.png": ("The coding env, GRPO alone, N = 4, H = 16",
-                                ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16"]),
+        "learning_coding.png": ("The coding env (its own tokenizer), N = 4, H = 16",
+                                ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16",
+                                 "coding-composite-avg-N4-H16", "coding-sdpo-avg-N4-H16", "coding-dpo-avg-N4-H16",
+                                 "coding-sync-N4-lr2e-5"]),
         "learning_outer_h64.png": ("Outer optimizers, GRPO alone, N = 2, H = 64 (2,048 samples)",
                                    ["grpo-sync-N2", "grpo-avg-N2-H64", "grpo-nesterov-lr0.7-m0.9-N2-H64",
                                     "grpo-delayed-lr0.7-m0.9-d4-N2-H64"]),

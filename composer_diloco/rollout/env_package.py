@@ -44,6 +44,11 @@ episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already 
 
 Every entry is optional: a package without ``demos.py`` trains with a real ``--model`` and no scripted teacher.
 
+**A tokenizer for the embedded default, optional**: ``P/policy_tokenizer/`` (``save_pretrained`` files of a tokenizer
+built by ``composer_diloco.policy.tokenizer.build_tokenizer`` from the package's own episodes) is what the embedded
+default plays ``P`` with; without it, the project's (`composer_diloco.policy.load.embedded_tokenizer_dir`). Found
+by path, without importing the package.
+
 **Evaluation in process, optional**: `EnvPackage.local_session` plays the one ``Environment`` subclass that
 ``P/server/__init__.py`` exports (built with no arguments) in this process, through the same protocol fields, for
 evaluating a policy on the env without a server.
