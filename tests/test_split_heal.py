@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from composer_diloco.outer.swarm import parse_multiaddr
 from local_run import LocalRun, write_config
 
 # The split lasts until node-1 has stepped alone three times: 5 coordinator rounds (~12 s) in every run since the
@@ -91,7 +92,7 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         # CI run); both nodes dial it, over loopback and over the veth
         coordinator = run.start_coordinator("--listen", "/ip4/0.0.0.0/tcp/0")
         peer_id = coordinator.rsplit("/p2p/", 1)[1]
-        port = int(coordinator.split("/tcp/", 1)[1].split("/", 1)[0])
+        port = int(parse_multiaddr(coordinator).value_for_protocol("tcp"))
         assert port > 0, coordinator
         # both nodes paced by a 1 s sleep per inner step, so that neither half races through the run while apart: on a
         # slow machine node-1 takes up to ~30 s to notice the cut, and an unpaced node-0 (0.5 s rounds) with the
