@@ -9,8 +9,10 @@
         window). Every later request is *relayed*: forwarded to MADDR, and the reply (an insider's genuine signed
         reply, if MADDR accepts) returned to the caller. Prints ``peer: MADDR`` first; when stdin closes, prints
         ``{"peer_id", "replays": {rpc: {"ok", "detail"}}, "relay": {"forwarded", "answered", "refused",
-        "errors"}}`` as JSON (``ok``: the target answered the replay; ``answered``: relayed requests that got a
-        reply from the target; ``refused``: those the target refused) and exits 0.
+        "unreached", "failed", "errors"}}`` as JSON (``ok``: the target answered the replay; ``answered``: relayed
+        requests that got a reply from the target; ``refused``: those the target refused; ``unreached``: those that
+        never reached it because this host could not dial it (libp2p's "failed to dial", e.g. a timeout on a loaded
+        machine); ``failed``: any other error) and exits 0.
 
 The attack of issue 14 item 7: before requests were bound to the sender's and receiver's libp2p peer IDs, both the
 replay and the relay were accepted, and the target recorded the insider's DHT identity (node_id) at this host's
@@ -39,6 +41,15 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
+def _outcome(e: BaseException) -> str:
+    """How a relayed request ended that raised ``e``: refused by the target, never sent to it, or another error."""
+    if "RunSecretRefused" in str(e):
+        return "refused"
+    if "failed to dial" in str(e):  # the daemon could not open a stream to the target: the request never left
+        return "unreached"
+    return "failed"
+
+
 async def serve(target_maddr: str, stdin_closed: threading.Event) -> dict:
     target = PeerID.from_base58(target_maddr.rsplit("/p2p/", 1)[1])
     p2p = await P2P.create(initial_peers=[target_maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -65,7 +76,7 @@ async def serve(target_maddr: str, stdin_closed: threading.Event) -> dict:
                 reply = await asyncio.wait_for(p2p.call_protobuf_handler(target, name, request, response_type),
                                                TIMEOUT_S)
             except Exception as e:
-                relay["refused" if "RunSecretRefused" in str(e) else "failed"] += 1
+                relay[_outcome(e)] += 1
                 errors[_error(e)[:160]] += 1
                 raise
             relay["answered"] += 1
@@ -83,7 +94,7 @@ async def serve(target_maddr: str, stdin_closed: threading.Event) -> dict:
     await p2p.shutdown()
     return {"peer_id": p2p.peer_id.to_base58(), "replays": replays,
             "relay": {"forwarded": relay["forwarded"], "answered": relay["answered"], "refused": relay["refused"],
-                      "errors": dict(errors)}}
+                      "unreached": relay["unreached"], "failed": relay["failed"], "errors": dict(errors)}}
 
 
 def main() -> None:

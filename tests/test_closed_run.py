@@ -379,7 +379,10 @@ def _assert_replay_and_relay_refused(relay_report: dict, dial_report: dict) -> N
         assert not result["ok"] and "RunSecretRefused" in result["detail"], (rpc, result)
         assert "another peer" in result["detail"], (rpc, result)
     relay = relay_report["relay"]
-    assert relay["forwarded"] >= 3 and relay["answered"] == 0 and relay["refused"] == relay["forwarded"], relay
+    # every relayed request that reached the target was refused; on a loaded 2-core machine a few may never reach
+    # it (the relay's dial to the target times out), which says nothing either way, so they are counted apart
+    assert relay["answered"] == 0 and relay["failed"] == 0 and relay["refused"] >= 3, relay
+    assert relay["refused"] + relay["unreached"] == relay["forwarded"], relay
     assert not any(answered for answered, _ in dial_report["via"].values()), dial_report  # no reply reached us
     # the insider's DHT identity stayed at its own libp2p peer: the target never routed it to the outsider
     assert relay_report["peer_id"] not in dial_report["routes"], (relay_report["peer_id"], dial_report)
