@@ -35,6 +35,7 @@ RPCS = {"rpc_ping": (dht_pb2.PingRequest, dht_pb2.PingResponse),
         "rpc_store": (dht_pb2.StoreRequest, dht_pb2.StoreResponse),
         "rpc_find": (dht_pb2.FindRequest, dht_pb2.FindResponse)}
 TIMEOUT_S = 10.0
+RELAY_COUNTS = ("forwarded", "answered", "refused", "unreached", "failed")  # reported even when 0
 
 
 def _error(e: BaseException) -> str:
@@ -93,8 +94,7 @@ async def serve(target_maddr: str, stdin_closed: threading.Event) -> dict:
         await asyncio.sleep(0.2)
     await p2p.shutdown()
     return {"peer_id": p2p.peer_id.to_base58(), "replays": replays,
-            "relay": {"forwarded": relay["forwarded"], "answered": relay["answered"], "refused": relay["refused"],
-                      "unreached": relay["unreached"], "failed": relay["failed"], "errors": dict(errors)}}
+            "relay": {**{count: relay[count] for count in RELAY_COUNTS}, "errors": dict(errors)}}
 
 
 def main() -> None:
