@@ -3,14 +3,23 @@
 It starts ``python -m coordinator start``, waits for its ``peer:`` line, starts N ``python -m nodes join``
 (each starts its own env server process), shows progress from the metrics files, waits for all, prints the
 per-round table (with a WARNING line under it for each round in which no episode produced a parsed tool call),
-and returns 0 only if every process exited 0 and every round's ``global_sha256`` agreed.
-Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C, SIGTERM or SIGHUP stops them all (SIGTERM to each process group,
-then SIGKILL after 10 s; exit 130, or 128 + the signal number).
+and returns 0 only if every process exited 0, every round completed and every round's ``global_sha256`` agreed;
+else 1. Each process logs to ``<run-dir>/logs/<name>.log``. Ctrl+C, SIGTERM or SIGHUP stops them all (SIGTERM to
+each process group, then SIGKILL after 10 s; exit 130, or 128 + the signal number).
+
+It ends when its nodes do. Once every node process has exited and one of them exited non-zero, it stops the
+coordinator at once (SIGTERM to its process, SIGKILL to its group 20 s later if it still runs) and returns 1 within
+seconds, its last lines naming the stopped coordinator and each failed node with the node's last error line
+(``node-0 exited with code 1: composer-node: error: ...``). A node that exits 0 (its rounds done) is no failure:
+when every node exited 0, the coordinator has `Simulation.end_grace_s` to end the run by itself (its linger of
+``network.averaging_timeout_s`` + 5 s, its last checkpoint, its shutdown); one still running then is stopped and
+counted as failed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from composer_diloco.metrics import format_table, no_tool_call_rounds, read_metrics, round_table
@@ -43,6 +53,25 @@ class Proc:
         except OSError:
             return ""
 
+    def error_line(self) -> str:
+        """The cause of this process's failure, as one line of its log (`last_error_line`); "" without a log."""
+        try:
+            return last_error_line(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return ""
+
+
+_CLI_ERROR = re.compile(r"^[\w.-]+: error: ")  # the one line each CLI prints on a fatal error
+
+
+def last_error_line(log: str) -> str:
+    """The line of a process's log that names why it failed: the last CLI error line (``composer-node: error: ...``,
+    ``composer-coordinator: error: ...``), else the last non-empty line (a traceback's exception line, or whatever the
+    process said last); "" for an empty log."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if _CLI_ERROR.match(line)]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
 
 @dataclass
 class Simulation:
@@ -58,8 +87,11 @@ class Simulation:
     eval_episodes: int = 256
     max_idle_s: float = 600.0  # a node loading a large --model sends no heartbeat for minutes
     peer_timeout_s: float = 3600.0  # a machine's first run warm-starts the default policy: ~10 min on the coding env
+    end_margin_s: float = 60.0  # beyond its linger: the coordinator's last checkpoint (a large model's) and shutdown
     procs: list[Proc] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
+    coordinator_stopped: str | None = field(default=None, init=False)  # why `wait` stopped it; None: it was not
+    _nodes_ended_at: float | None = field(default=None, init=False)  # time.monotonic() when the last node exited
 
     def _spawn(self, name: str, args: list[str], stdout: int | None = None, threads: int = 1) -> Proc:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -118,11 +150,14 @@ class Simulation:
             self._spawn(f"node-{i}", args)
 
     def wait(self, total_rounds: int) -> dict[str, int]:
-        """Show progress until every process exits; returns ``{name: exit code}``."""
+        """Show progress until every process exits, stopping the coordinator once every node has exited
+        (`_end_with_nodes`); returns ``{name: exit code}`` (a stopped process's code: 130, or minus the signal)."""
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=self.console, transient=False) as progress:
             tasks = {p.name: progress.add_task(p.name, total=total_rounds) for p in self.procs}
             while any(p.popen.poll() is None for p in self.procs):
+                if self._end_with_nodes():
+                    continue
                 metrics = read_metrics(self.run_dir)
                 for p in self.procs:
                     done = len(metrics.get(p.name, []))
@@ -134,6 +169,58 @@ class Simulation:
                 progress.update(tasks[p.name], completed=len(metrics.get(p.name, [])),
                                 description=f"{p.name} (exit {p.popen.returncode})")
         return {p.name: p.popen.returncode for p in self.procs}
+
+    def _end_with_nodes(self) -> bool:
+        """Once every node has exited, stop a coordinator still running: at once when a node exited non-zero (the
+        run cannot go on, and the coordinator would wait ``max_idle_s`` for nodes that never come), else after
+        `end_grace_s` (a coordinator still up by then is stuck). Sets `coordinator_stopped` to why.
+
+        Returns:
+            True when it stopped the coordinator (it has exited then).
+        """
+        nodes = [p for p in self.procs if p.name != "coordinator"]
+        coordinator = next((p for p in self.procs if p.name == "coordinator"), None)
+        if not nodes or coordinator is None or coordinator.popen.poll() is not None \
+                or any(p.popen.poll() is None for p in nodes):
+            return False
+        if self._nodes_ended_at is None:
+            self._nodes_ended_at = time.monotonic()
+        failed = [p.name for p in nodes if p.popen.returncode != 0]
+        if failed:
+            self.coordinator_stopped = (f"every node had exited ({', '.join(failed)} with an error), so the run "
+                                        "could not go on")
+            self._stop_coordinator(coordinator)
+            return True
+        grace_s = self.end_grace_s()
+        if time.monotonic() - self._nodes_ended_at < grace_s:
+            return False
+        self.coordinator_stopped = f"every node had exited 0, and it was still running {grace_s:.0f} s later"
+        self._stop_coordinator(coordinator)
+        return True
+
+    def _stop_coordinator(self, coordinator: Proc, timeout_s: float = 10.0) -> None:
+        """SIGTERM the coordinator's process alone, so that it shuts its DHT, averager and p2pd down itself (in 1 s
+        on 2 cores; a SIGTERM to its whole process group kills them under it, and it waits out its 8 s hard exit);
+        if it still runs after ``timeout_s``, `stop_all` (its group: SIGTERM, then SIGKILL)."""
+        coordinator.popen.send_signal(signal.SIGTERM)  # a no-op once it has exited
+        try:
+            coordinator.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stop_all()
+
+    def end_grace_s(self) -> float:
+        """Seconds the coordinator may run on after every node exited 0: its linger (``network.averaging_timeout_s``
+        + 5 s, read from the ``<run-dir>/config.json`` it wrote at start; 45 s when that cannot be read) plus
+        `end_margin_s` for its last checkpoint and shutdown."""
+        from composer_diloco.config import ConfigError, RunConfig
+
+        try:
+            averaging_timeout_s = RunConfig.from_json((self.run_dir / "config.json").read_text()) \
+                .network.averaging_timeout_s
+        except (OSError, ConfigError):
+            averaging_timeout_s = 45.0  # the default of network.averaging_timeout_s
+        return averaging_timeout_s + 5.0 + self.end_margin_s
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every process group still running, then SIGKILL what is left after ``timeout_s``."""
@@ -208,20 +295,25 @@ def _run_simulation(sim: Simulation, total_rounds: int) -> int:
         sim.start_nodes(peer)
         codes = sim.wait(total_rounds)
     except SimulationError as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}")
         sim.stop_all()
         return 1
     finally:
         sim.stop_all()
-    rows = round_table(read_metrics(sim.run_dir))
+    metrics = read_metrics(sim.run_dir)
+    rows = round_table(metrics) if metrics else []  # no metrics (every node failed at join): skip its torch import
     print(format_table(rows))
     for rnd in no_tool_call_rounds(rows):
         print(f"WARNING: round {rnd}: no episode produced a parsed tool call (it trained on nothing: check the chat "
               "template / tools / --model)")
-    failed = {n: c for n, c in codes.items() if c != 0}
-    for name in failed:
+    failed = {n: c for n, c in codes.items() if c != 0 or (n == "coordinator" and sim.coordinator_stopped)}
+    nodes_failed = any(name != "coordinator" for name in failed)
+    for name, code in failed.items():
+        if name == "coordinator" and sim.coordinator_stopped and nodes_failed:
+            continue  # its log ends with its shutdown, not the cause: `_print_causes` says why it was stopped
         proc = next(p for p in sim.procs if p.name == name)
-        console.print(f"[red]{name} exited with code {failed[name]}[/red]; last lines of {proc.log_path}:\n{proc.tail()}")
+        console.print(f"[red]{name} exited with code {code}[/red]; last lines of {proc.log_path}:\n"
+                      f"{escape(proc.tail())}", soft_wrap=True)
     for row in rows:
         if row["healed"]:
             console.print(f"[yellow]WARNING: round {row['round']}: the replicas parted (several all-reduce groups, or "
@@ -233,11 +325,24 @@ def _run_simulation(sim: Simulation, total_rounds: int) -> int:
         console.print(f"[red]global_sha256 differs between peers in round(s) {disagree}[/red]")
     if len(rows) < total_rounds:
         console.print(f"[red]only {len(rows)} of {total_rounds} rounds completed[/red]")
+    _print_causes(sim, failed)
     ok = not failed and not disagree and len(rows) >= total_rounds
     if ok and sim.eval_episodes > 0:
         for line in evaluate_run(sim.run_dir, sim.eval_episodes):
             print(line)
     return 0 if ok else 1
+
+
+def _print_causes(sim: Simulation, failed: dict[str, int]) -> None:
+    """Last, one line per failed process: ``NAME exited with code C: <its last error line>``; for a coordinator that
+    `simulate` stopped, why it did instead (its own last line would only say that it was stopped)."""
+    for name, code in failed.items():
+        proc = next(p for p in sim.procs if p.name == name)
+        if name == "coordinator" and sim.coordinator_stopped:
+            cause = f"stopped by simulate (exit {code}): {sim.coordinator_stopped}"
+        else:
+            cause = f"exited with code {code}: {proc.error_line() or f'(nothing in {proc.log_path})'}"
+        sim.console.print(f"[red]{name}[/red] {escape(cause)}", soft_wrap=True)
 
 
 def evaluate_run(run_dir: Path, episodes: int, seed: int = 12345) -> list[str]:
