@@ -175,7 +175,7 @@ def run_peer(args: argparse.Namespace) -> None:
         mm = args.matchmaking_s
         sparse = make_sparse_codec(RunConfig(compression=codec), [t.shape for t in tensors])
         averagers.append(TimedAverager(
-            tensors, dht, state_provider=lambda: ({}, []), prefix=prefix, start=True, min_group_size=2,
+            tensors, dht, prefix=prefix, start=True, min_group_size=2,
             min_matchmaking_time=mm, request_timeout=min(5.0, mm / 2),
             allreduce_timeout=args.timeout_s, next_chunk_timeout=min(10.0, args.timeout_s / 3),
             compression=make_compression(codec), sparse_codec=sparse, declare_state_period=5.0,

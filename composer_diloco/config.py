@@ -308,6 +308,21 @@ class NetworkConfig(_Section):
     )
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats in the DHT.")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="A peer silent this many seconds is taken for dead.")
+    state_chunk_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a state download (a join, a resync) waits for its next chunk, or a keepalive "
+                                "of a peer still hashing its state, before it retries from the last byte received, "
+                                "from that peer or another holding the same state (composer_diloco.outer.state_transfer).",
+    )
+    state_min_rate_mb_s: float = Field(
+        10.0, gt=0, description="The slowest link a state download is given time for: its deadline is the start "
+                                "timeout plus the bytes to move at this many MB/s (a node's --join-deadline overrides "
+                                "it). 10 MB/s gives Qwen3-0.6B's 7.2 GB of full-fine-tuning state 12 minutes.",
+    )
+    state_hold_s: float = Field(
+        60.0, ge=0, description="Seconds an outer step waits for a state download in flight from this peer to end "
+                                "before it moves theta under it (the downloader then starts over at the new round; "
+                                "0 = never wait). torchft's checkpoint server makes its step wait for readers alike.",
+    )
 
     @model_validator(mode="after")
     def _ttl_covers_heartbeats(self) -> NetworkConfig:
@@ -316,6 +331,9 @@ class NetworkConfig(_Section):
                 f"heartbeat_ttl_s={self.heartbeat_ttl_s} must be at least twice heartbeat_s={self.heartbeat_s}"
             )
         return self
+
+
+_STATE_TRANSFER_KEYS = ("state_chunk_timeout_s", "state_min_rate_mb_s", "state_hold_s")
 
 
 class WarmStartConfig(_Section):
@@ -436,14 +454,17 @@ class RunConfig(_Section):
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
-        ``[sparse_codec]``), or with ``outer.overlap`` off, has no such key, so its JSON and `digest` are those of a
-        config written before it existed."""
+        ``[sparse_codec]``), with ``outer.overlap`` off, or with the ``network.state_*`` settings at their defaults,
+        has no such key, so its JSON and `digest` are those of a config written before it existed."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
             if data.get(optional) is None:
                 data.pop(optional, None)
         if not data["outer"].get("overlap"):  # overlap off: the JSON (and digest) of configs written before it
             data["outer"].pop("overlap", None)
+        for key in _STATE_TRANSFER_KEYS:  # the state transfer's settings at their defaults: likewise
+            if data["network"].get(key) == NetworkConfig.model_fields[key].default:
+                data["network"].pop(key, None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

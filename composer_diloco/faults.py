@@ -24,6 +24,10 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R       (point pseudo_gradient)
     hold:*:PATH                after every inner step, wait while the file PATH exists (a test pauses a node
                                until something else has happened, whatever the machine's load) (point inner_step_end)
+    slow_state:R:S             as the serving peer of a state download while at round R, wait S seconds before the
+                               first chunk of each stream (a slow or far peer)               (`state_serve_delay_s`)
+    kill_in_state_serve:R:N    as the serving peer of a state download while at round R, SIGKILL this peer once it
+                               has sent N chunks (a server lost mid-download)                 (`state_chunk_sent`)
 
 ``R`` may be ``*`` (every round). The plan is inherited by the processes hivemind forks (its averager), since it
 is installed before they start.
@@ -44,7 +48,7 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
 KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
-         "nan_pseudo_gradient", "hold")
+         "nan_pseudo_gradient", "hold", "slow_state", "kill_in_state_serve")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end", "pseudo_gradient"]
 
 log = logging.getLogger(__name__)
@@ -150,6 +154,21 @@ def reply_delay_s(round_: int | None) -> float:
     0.0 when none is armed). The caller awaits it (an asyncio sleep): the averager's other work goes on meanwhile."""
     fault = _plan.armed("slow_reply", round_) if _plan.faults else None
     return float(fault.value or 0.0) if fault is not None else 0.0
+
+
+def state_serve_delay_s(round_: int | None) -> float:
+    """Seconds this peer, serving a state download at round ``round_``, waits before the first chunk of a stream
+    (``slow_state``; 0.0 when none is armed). The caller awaits it (an asyncio sleep)."""
+    fault = _plan.armed("slow_state", round_) if _plan.faults else None
+    return float(fault.value or 0.0) if fault is not None else 0.0
+
+
+def state_chunk_sent(round_: int | None, sent: int) -> None:
+    """This peer, serving a state download at round ``round_``, has sent ``sent`` chunks in all: SIGKILL it when
+    ``kill_in_state_serve`` is armed for that round and ``sent`` reached its count (default 1)."""
+    fault = _plan.armed("kill_in_state_serve", round_) if _plan.faults else None
+    if fault is not None and sent >= int(fault.value or 1):
+        kill_this_peer(f"while serving a state download, after {sent} chunks")
 
 
 def kill_this_peer(reason: str, *, from_child: bool = False) -> None:

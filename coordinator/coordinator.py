@@ -182,7 +182,7 @@ class Coordinator:
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=PEER_NAME, role="coordinator",
                            secret=self.secret)
-        self.peer = DiLoCoPeer(self.model, config, self.swarm)
+        self.peer = DiLoCoPeer(self.model, config, self.swarm, base_sha256=self._model_sha256(checkpoint))
         self.stop.add_cleanup(self.peer.shutdown)
         newer_live_state = False
         if checkpoint is not None:
@@ -191,9 +191,28 @@ class Coordinator:
         publish_config(self.dht, config)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
         if checkpoint is None or newer_live_state:  # a resumed run's starting point is already a checkpoint
-            save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
-                            config.to_json())
+            self._save()
         return visible_multiaddr(self.dht)
+
+    def _model_sha256(self, checkpoint: Path | None) -> str | None:
+        """A full-fine-tuning ``--model`` run's base, the weights theta started from (every joiner that loaded the
+        same ``--model`` holds it: `composer_diloco.outer.state_transfer` then moves only what differs): hashed now on
+        a new run, read from the checkpoint on a resumed one (None when it predates the record). None for LoRA (the
+        peer hashes its base itself) and for the embedded default (nodes start from a random skeleton)."""
+        if self.config.lora is not None or self.config.model is None:
+            return None
+        if checkpoint is not None:
+            return read_outer_state(checkpoint).get("model_sha256")
+        from composer_diloco.policy.lora import base_sha256
+
+        return base_sha256(self.model)
+
+    def _save(self) -> Path:
+        """Checkpoint theta, the outer state and the round (`save_checkpoint`), with the run's base of a
+        full-fine-tuning ``--model`` run."""
+        model_sha = self.peer.base_sha256 if self.config.lora is None else None
+        return save_checkpoint(self.run_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
+                               self.config.to_json(), model_sha256=model_sha)
 
     def _continue_point(self) -> Path | None:
         """The checkpoint to continue from, or None for a new run.
@@ -243,7 +262,7 @@ class Coordinator:
         if not self.swarm.live_peers() and not self._known_peers():
             return False
         from_round = self.peer.round
-        timeout_s = min(self.config.network.join_timeout_s, 15.0)
+        timeout_s = min(self.config.network.join_timeout_s, 15.0)  # to find a node's manifest; the bytes take longer
         if not self.peer.load_state_from_peers(timeout_s=timeout_s, min_round=from_round + 1):
             return False
         self.peer.global_model.load_into(self.model)
@@ -258,7 +277,8 @@ class Coordinator:
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
-        self.peer.round = restore_outer_state(folder, self.peer.global_model, self.peer.base_sha256)
+        lora_base = self.peer.base_sha256 if self.config.lora is not None else None  # a LoRA checkpoint's base
+        self.peer.round = restore_outer_state(folder, self.peer.global_model, lora_base)
         self.peer._update_priority()
         self.swarm.set_round(self.peer.round)
         log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round,
@@ -300,8 +320,7 @@ class Coordinator:
                      result.weight_total, result.global_sha256[:12])
             self._write_known_peers()
             if peer.round % config.checkpoint_every == 0 or peer.round == config.rounds:
-                path = save_checkpoint(self.run_dir, peer.round, self.model, self.tokenizer, peer.global_model,
-                                       config.to_json())
+                path = self._save()
                 log.info("checkpoint %s", path)
 
     def _linger(self) -> None:

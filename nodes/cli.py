@@ -36,7 +36,13 @@ def join(
     run_dir: Annotated[Path, typer.Option(help="Where <name>/metrics.jsonl is written.")] = Path("runs/default"),
     name: Annotated[str, typer.Option(help="Unique peer name (default node-<host>-<pid>).")] = "",
     run_name: Annotated[str, typer.Option(help="Run to join when the DHT holds several.")] = "",
-    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for the DHT and the run config.")] = 30.0,
+    join_timeout: Annotated[float, typer.Option(help="Seconds to wait for the DHT, the run config and a peer "
+                                                     "that sends the global model's manifest.")] = 30.0,
+    join_deadline: Annotated[str, typer.Option(help="Seconds the global model's download may take at join, or "
+                                                    "auto: --join-timeout plus the bytes to move at the run's "
+                                                    "[network] state_min_rate_mb_s.")] = "auto",
+    state_chunk_size: Annotated[str, typer.Option(help="Bytes per chunk of a state download (each chunk is "
+                                                       "retried on its own), e.g. 8MiB; 64KiB to 256MiB.")] = "8MiB",
     secret_file: Annotated[Path | None, typer.Option(help="File holding a closed run's secret (default: "
                                                           "$COMPOSER_DILOCO_SECRET; neither: an open run).")] = None,
     config: Annotated[Path | None, typer.Option(help="The run config (TOML) this node agreed to: it refuses to join "
@@ -67,7 +73,8 @@ def join(
                           env_urls=list(env_url), run_dir=run_dir, name=name,
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
-                          listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing)
+                          listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing,
+                          join_deadline=join_deadline, state_chunk_size=state_chunk_size)
     try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
         options.check()
     except ValueError as e:  # every error of check() is one (ConfigError and SecretError included)

@@ -183,27 +183,29 @@ class Node:
         if urls:  # round-robin over the URLs; each URL's protocol was detected above
             self.sessions = open_env_sessions(urls, n_sessions, protocols=protocols, **opening)
         model, self.tokenizer = _policy_skeleton(config)
+        # a full-fine-tuning --model: what this node loaded is the run's base, theta's round-0 value (checked against
+        # the run's at the download, and at round 0 nothing else travels)
+        base = _full_model_sha256(model) if config.model is not None and config.lora is None else None
         if not urls:
             server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s,
                                       args=config.env.server_args)
             self.env_servers.append(server)
             self.stop.add_cleanup(server.stop)
             self.sessions = open_env_sessions([server.url], n_sessions, **opening)
-        self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False)  # serves no state before the download
+        # serves no state before the download
+        self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)
+        self.peer.chunk_bytes = checked.state_chunk_bytes
         self.stop.add_cleanup(self.peer.shutdown)
         if config.outer.overlap:  # `[outer] overlap`: sync in the background (composer_diloco.outer.overlap)
             from composer_diloco.outer.overlap import OverlappedSync
 
             self.overlap = OverlappedSync(self.peer, self.stop.event)
             self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
-        deadline = time.monotonic() + o.join_timeout_s
-        while not self.peer.load_state_from_peers(timeout_s=max(1.0, deadline - time.monotonic())):
-            # no peer's state declaration reached us yet (8 nodes starting on 2 cores: "peer dict empty"), or a
-            # download came back incomplete: ask again until the join timeout
-            if time.monotonic() >= deadline or self.stop.event.is_set():
-                raise NodeError(f"no peer of run {config.run_name!r} sent the global model within "
-                                f"{o.join_timeout_s:.0f} s")
-            time.sleep(1.0)
+        # the global model: a peer's manifest within --join-timeout, then only the tensors this node does not hold,
+        # in chunks, within --join-deadline (default: the bytes at the run's state_min_rate_mb_s)
+        if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s, deadline_s=checked.join_deadline_s):
+            raise NodeError(f"no peer of run {config.run_name!r} sent the global model: "
+                            f"{self.peer.last_download_error}")
 
         # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
@@ -341,7 +343,8 @@ class Node:
 
         own_dir = Path(self.options.run_dir) / self.options.name
         folder = save_checkpoint(own_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
-                                 self.config.to_json(), codec_state=self.peer.codec_state())
+                                 self.config.to_json(), codec_state=self.peer.codec_state(),
+                                 model_sha256=self.peer.base_sha256 if self.config.lora is None else None)
         log.warning("no coordinator is alive at the end of the run: saved the final global model to %s "
                     "(`composer-coordinator start --resume --run-dir %s` continues from it)", folder, own_dir)
 
@@ -486,6 +489,14 @@ def _model_config(config: RunConfig):
         return AutoConfig.from_pretrained(config.model, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _full_model_sha256(model) -> str:
+    """`composer_diloco.policy.lora.base_sha256` of a plain model: every parameter's fp32 bytes, the hash a
+    full-fine-tuning run's coordinator publishes for the ``--model`` theta started from."""
+    from composer_diloco.policy.lora import base_sha256
+
+    return base_sha256(model)
 
 
 def _policy_skeleton(config: RunConfig):

@@ -65,14 +65,62 @@ def check_batch_options(batch_size: int | None, grad_accum: int) -> None:
         raise BatchError(f"--grad-accum {grad_accum}: expected a number of micro-batches >= 1")
 
 
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+STATE_CHUNK_RANGE = (64 * 2**10, 256 * 2**20)
+"""Bytes a ``--state-chunk-size`` may ask for: 64 KiB to 256 MiB (a serving peer clamps to the same range)."""
+
+
+def parse_join_deadline(text: str) -> float | None:
+    """``--join-deadline``: ``auto`` (None: derived from the state's size, `state_transfer.download_deadline_s`) or a
+    number of seconds > 0.
+
+    Raises:
+        OptionError: anything else (one line naming the value).
+    """
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise OptionError(f"--join-deadline {text!r}: expected seconds > 0 (e.g. 900), or auto (the state's size at "
+                          "the run's state_min_rate_mb_s)")
+    return seconds
+
+
+def parse_chunk_size(text: str) -> int:
+    """``--state-chunk-size``: bytes per chunk of a state download, a number with an optional unit (B, KB, MB, GB,
+    KiB, MiB, GiB; e.g. ``8MiB``), within `STATE_CHUNK_RANGE`.
+
+    Raises:
+        OptionError: another form, or a size out of range (one line naming the value).
+    """
+    t = text.strip().lower().replace(" ", "")
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(digits):] or "b"
+    try:
+        size = int(float(digits) * _BYTE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise OptionError(f"--state-chunk-size {text!r}: expected a size such as 8MiB, 4MB or 1048576 "
+                          "(units B, KB, MB, GB, KiB, MiB, GiB)") from None
+    low, high = STATE_CHUNK_RANGE
+    if not low <= size <= high:
+        raise OptionError(f"--state-chunk-size {text!r} is {size} bytes: expected 64KiB to 256MiB")
+    return size
+
+
 @dataclass(frozen=True)
 class CheckedOptions:
     """What `NodeOptions.check` parsed: the ``--task-shard`` (None: not given), the ``--config`` the node agreed to
-    (None: not given) and the run secret (None: an open run)."""
+    (None: not given), the run secret (None: an open run), the ``--join-deadline`` in seconds (None: derived from
+    the state's size) and the ``--state-chunk-size`` in bytes."""
 
     shard: TaskShard | None
     expected_config: RunConfig | None
     secret: bytes | None
+    join_deadline_s: float | None = None
+    state_chunk_bytes: int = 8 * 2**20
 
 
 @dataclass
@@ -101,6 +149,8 @@ class NodeOptions:
         announce: multiaddrs other machines dial to reach it (empty: what it listens on).
         gradient_checkpointing: recompute each decoder layer's activations in backward (TRL's
             ``gradient_checkpointing``; less activation memory, about a third more training compute; the same loss).
+        join_deadline: seconds the global model's download may take at join, or ``auto`` (`parse_join_deadline`).
+        state_chunk_size: bytes per chunk of a state download, e.g. ``8MiB`` (`parse_chunk_size`).
     """
 
     peer: str
@@ -120,6 +170,8 @@ class NodeOptions:
     listen: str | None = None
     announce: list[str] = field(default_factory=list)
     gradient_checkpointing: bool = False
+    join_deadline: str = "auto"
+    state_chunk_size: str = "8MiB"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -132,7 +184,7 @@ class NodeOptions:
 
         Raises:
             AddressError (the form of ``--peer`` / ``--listen`` / ``--announce``) / DeviceError / BatchError /
-            OptionError / ValueError (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming
+            OptionError (``--env-url``, ``--join-deadline``, ``--state-chunk-size`` ...) / ValueError (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming
             the option, its value and what was expected.
         """
         check_address_form("--peer", self.peer, peer_id=True)
@@ -146,6 +198,7 @@ class NodeOptions:
                 raise OptionError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
         if self.join_timeout_s <= 0:
             raise OptionError(f"--join-timeout {self.join_timeout_s}: expected seconds > 0")
+        deadline, chunk = parse_join_deadline(self.join_deadline), parse_chunk_size(self.state_chunk_size)
         return CheckedOptions(shard=TaskShard.parse(self.task_shard) if self.task_shard else None,
                               expected_config=load_config(self.expected_config) if self.expected_config else None,
-                              secret=load_secret(self.secret_file))
+                              secret=load_secret(self.secret_file), join_deadline_s=deadline, state_chunk_bytes=chunk)

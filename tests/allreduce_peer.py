@@ -29,7 +29,7 @@ def main() -> None:
     results = {}
     for compression in ("none", "fp16", "int8"):
         buffers = [torch.zeros(50_000), torch.zeros(7, 3)]
-        averager = ExactAverager(buffers, dht, state_provider=lambda: ({}, []), prefix=f"t{compression}",
+        averager = ExactAverager(buffers, dht, prefix=f"t{compression}",
                                  start=True, min_group_size=3, target_group_size=3, min_matchmaking_time=3.0,
                                  request_timeout=1.0, compression=make_compression(compression))
         with averager.get_tensors() as ts:

@@ -4,15 +4,15 @@
         Without the run secret (or with a wrong one in $COMPOSER_DILOCO_SECRET) try, against the peer at MADDR:
         joining the DHT and reading the run config; reading and writing the run's records with direct DHT RPCs
         (the run config, a heartbeat, an averager declaration that would make nodes download state from us);
-        averaging with the open-run prefix; and calling the averager's RPCs (join group, aggregate part, download
-        state) directly, under the open prefix and under ``--prefix`` (the closed run's prefix, which libp2p's
+        averaging with the open-run prefix; and calling the averager's RPCs (join group, aggregate part) and the
+        state transfer's (manifest, chunks: `composer_diloco.outer.state_transfer`) directly, under the open prefix and under ``--prefix`` (the closed run's prefix, which libp2p's
         identify protocol would tell any connected peer). Prints ``{"peer_id", "attempts": {name: {"ok", "detail"}}}``
         as JSON: ``ok`` is true when the attack succeeded.
     outsider_peer.py join-loop --peer MADDR --prefix P
         Without the secret, ask the peer at MADDR to take us into its group until stdin closes; prints the replies.
     outsider_peer.py host --run-name NAME
-        A stand-in for a coordinator (secret from $COMPOSER_DILOCO_SECRET, if set): a DHT with the run config and an
-        averager that serves a small state. Prints ``peer: MADDR`` and serves until stdin closes.
+        A stand-in for a coordinator (secret from $COMPOSER_DILOCO_SECRET, if set): a DHT with the run config, an
+        averager, and a `StateTransfer` that serves a small state. Prints ``peer: MADDR`` and serves until stdin closes.
     outsider_peer.py inspect --peer MADDR --run-name NAME
         An insider (it needs $COMPOSER_DILOCO_SECRET): prints the run config, heartbeats and averager declarations
         that the run's DHT holds, as JSON.
@@ -48,9 +48,11 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from composer_diloco.outer.auth import (
-    BoundRPCClient, ClosedDHT, HMACAuthorizer, MembersOnlyAverager, averaging_prefix, load_secret,
+    BoundRPCClient, ClosedDHT, HMACAuthorizer, MembersOnlyAverager, RunMembers, averaging_prefix, load_secret,
 )
 from composer_diloco.outer.averaging import ExactAverager
+from composer_diloco.outer.global_model import GlobalModel
+from composer_diloco.outer.state_transfer import CHUNKS_RPC, MANIFEST_RPC, Manifest, StateTransfer
 from composer_diloco.config import RunConfig
 from composer_diloco.outer.peer import round_group_bits
 from composer_diloco.outer.swarm import RUNS_KEY, publish_config, start_dht
@@ -130,21 +132,28 @@ class Attack:
         self.record(name, stored, f"store_ok: {None if response is None else list(response.store_ok)}")
 
     # -- (c) the averager's RPCs, called directly ----------------------------------------------------------
-    async def download_state(self, p2p, name: str, servicer, prefix: str) -> None:
-        async def first_message():
-            stream = await servicer.get_stub(p2p, self.target, namespace=prefix).rpc_download_state(
-                averaging_pb2.DownloadRequest())
-            async for message in stream:
-                return message
-            return None
+    async def download_state(self, p2p, name: str, prefix: str) -> None:
+        """Ask the target for the run's state as a joiner does (`composer_diloco.outer.state_transfer`): its manifest,
+        then the bytes of its first tensor (under the manifest's state id, or a made-up one)."""
+        async def messages(rpc: str, request):
+            stream = await p2p.iterate_protobuf_handler(self.target, f"{prefix}::{rpc}", request,
+                                                        averaging_pb2.DownloadData)
+            return [m async for m in stream]
 
         try:
-            message = await asyncio.wait_for(first_message(), RPC_TIMEOUT_S)
+            replies = await asyncio.wait_for(messages(MANIFEST_RPC, averaging_pb2.DownloadData()), RPC_TIMEOUT_S)
+            metas = [MSGPackSerializer.loads(m.metadata) for m in replies if m.metadata]
+            manifest = next((Manifest.from_wire(m["manifest"]) for m in metas if "manifest" in m), None)
+            ask = {"state_id": manifest.state_id if manifest else "0" * 64, "tensors": [0], "offset": 0,
+                   "chunk_bytes": 1 << 16}
+            chunks = await asyncio.wait_for(
+                messages(CHUNKS_RPC, averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(ask))), RPC_TIMEOUT_S)
         except Exception as e:
             self.record(name, False, _error(e))
             return
-        got = message is not None and bool(message.tensor_part.buffer or message.metadata)
-        self.record(name, got, "received model state" if got else "empty reply: no state sent")
+        got = any(m.tensor_part.buffer for m in chunks)
+        self.record(name, got, "received model state" if got else
+                    f"empty reply: no state sent{' (a manifest came)' if manifest else ''}")
 
     async def join_group(self, p2p, name: str, servicer, prefix: str, duration_s: float,
                          until: threading.Event | None = None) -> None:
@@ -194,7 +203,7 @@ class Attack:
 
     def averager_open_prefix(self, dht) -> None:
         """A real averager under the open run's prefix: look for the run's group, then download its state."""
-        averager = ExactAverager([t.clone() for t in HOST_TENSORS], dht, state_provider=lambda: ({}, []),
+        averager = ExactAverager([t.clone() for t in HOST_TENSORS], dht,
                                  prefix=averaging_prefix(self.run_name, None), start=True, min_group_size=2,
                                  min_matchmaking_time=2.0, request_timeout=1.0)
         try:
@@ -233,7 +242,7 @@ class Attack:
                     await self.store(p2p, f"declare_averager_rpc_{label}", f"{prefix}.all_averagers",
                                      dht_.peer_id.to_bytes(), 1e9)
                 for prefix, servicer, label in prefixes:
-                    await self.download_state(p2p, f"download_state_rpc_{label}", servicer, prefix)
+                    await self.download_state(p2p, f"download_state_rpc_{label}", prefix)
                     await self.aggregate_part(p2p, f"aggregate_part_rpc_{label}", servicer, prefix)
                     await self.join_group(p2p, f"join_group_rpc_{label}", servicer, prefix, join_for_s)
 
@@ -267,10 +276,14 @@ def host(run_name: str) -> None:
     dht = start_dht(initial_peers=[], secret=secret)
     publish_config(dht, RunConfig(run_name=run_name))
     averager_type = MembersOnlyAverager if secret else ExactAverager
-    state = torch.arange(8, dtype=torch.float32)
-    averager = averager_type([t.clone() for t in HOST_TENSORS], dht, state_provider=lambda: ({"round": 0}, [state]),
-                             prefix=averaging_prefix(run_name, secret), start=True, min_group_size=2,
+    prefix = averaging_prefix(run_name, secret)
+    averager = averager_type([t.clone() for t in HOST_TENSORS], dht, prefix=prefix, start=True, min_group_size=2,
                              min_matchmaking_time=2.0, request_timeout=1.0)
+    # a small state served as a peer serves its own (after the averager forked, as `DiLoCoPeer` does)
+    state = GlobalModel(torch.nn.Linear(2, 4), lr=1.0, momentum=0.0)
+    transfer = StateTransfer(dht, prefix, state, threading.Lock(),
+                             lambda: {"run": run_name, "round": 0, "serves": True, "base_sha256": None, "layout": []},
+                             members=RunMembers(dht, prefix) if secret else None, name="host")
     print(f"peer: {dht.get_visible_maddrs()[0]}", flush=True)
     try:
         averager.set_group_bits(round_group_bits(0))
@@ -278,6 +291,7 @@ def host(run_name: str) -> None:
         sys.stdin.read()  # until the test closes our stdin
         control.cancel()
     finally:
+        transfer.close()
         averager.shutdown()
         dht.shutdown()
 

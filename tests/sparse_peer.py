@@ -36,7 +36,7 @@ def main() -> None:
     args, dht = peer_script_args()
     c = codec()
     buffers = [torch.zeros(s) for s in SHAPES]
-    averager = ExactAverager(buffers, dht, state_provider=lambda: ({}, []), prefix="tsparse", start=True,
+    averager = ExactAverager(buffers, dht, prefix="tsparse", start=True,
                              min_group_size=3, target_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0,
                              sparse_codec=c)
     ef = ErrorFeedback(c)

@@ -215,15 +215,16 @@ def two_peers_scenario(tmp_path: Path) -> None:
         assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.global_model.params, reference.params))
         assert all(torch.equal(p.detach(), q) for p, q in zip(results["node-a"][-1][1].parameters(),
                                                               a.global_model.params))  # step 5: theta loaded
-        # a late joiner downloads theta and the optimizer state (hivemind's state sharing): the same bytes. Before
-        # that, its skeleton is not theta, and it refuses to serve it (a joiner once took a skeleton as round 0)
+        # a late joiner downloads theta and the optimizer state (`state_transfer`): the same bytes. Before that, its
+        # skeleton is not theta, and it refuses to serve it (a joiner once took a skeleton as round 0)
         c = peers["node-c"]
         c_id = c.swarm.dht.peer_id.to_base58()
-        assert a.averager.load_state_from_peers(timeout=10.0, peer=c_id) is None
+        assert not a.transfer._run(a.transfer.fetch_manifest(c_id, 10.0)).serves
         assert c.load_state_from_peers(30.0) and c.round == config.rounds
         assert state_bytes(c.global_model) == state_bytes(a.global_model)
-        served = a.averager.load_state_from_peers(timeout=30.0, peer=c_id)  # loaded, it serves theta
-        assert served is not None and served[0]["sha256"] == a.global_model.sha256()
+        assert c.last_download.bytes_moved == sum(len(b) for b in state_bytes(a.global_model))  # all of it differed
+        served = a.transfer._run(a.transfer.fetch_manifest(c_id, 30.0))  # loaded, it serves theta
+        assert served.serves and served.sha256 == a.global_model.sha256() and served.round == config.rounds
         # a checkpoint of that state resumes it exactly
         model = Tiny()
         save_checkpoint(tmp_path / "run", c.round, model, NoTokenizer(), c.global_model, config.to_json())

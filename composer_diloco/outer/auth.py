@@ -17,7 +17,8 @@ A run is closed when the coordinator and every node are given the same secret (`
   host serves. What actually gates the averager is `MembersOnlyAverager`: it serves ``rpc_join_group``,
   ``rpc_aggregate_part`` and ``rpc_download_state`` only to peers whose libp2p peer ID (authenticated by the
   libp2p handshake) is declared under the averager's ``.all_averagers`` DHT key, which only holders of the
-  secret can write. An outsider can therefore neither join a group (and change the model) nor download it.
+  secret can write (`RunMembers`). An outsider can therefore neither join a group (and change the model) nor
+  download it: the run's state is served by `composer_diloco.outer.state_transfer` to `RunMembers` only.
 
 Limits: libp2p connections themselves are not authenticated (hivemind's p2pd has no private-network key), so an
 outsider can still connect and learn the peer IDs and protocol names; the secret gates every RPC we serve, not the
@@ -350,42 +351,41 @@ class ClosedDHT(hivemind.DHT):
         super().run()
 
 
-class MembersOnlyAverager(ExactAverager):
-    """An `ExactAverager` that serves its RPCs only to members of a closed run.
+class RunMembers:
+    """Who is a member of a closed run, as its averagers declare themselves: a peer whose libp2p peer ID is declared
+    under ``{prefix}.all_averagers`` in the DHT (every averager declares itself there every ``declare_state_period``
+    seconds). With `HMACAuthorizer` on the DHT only holders of the run secret can write that key, and libp2p
+    authenticates a caller's peer ID, so a peer without the secret is never a member.
 
-    A member is a peer whose libp2p peer ID is declared under ``{prefix}.all_averagers`` in the DHT (every
-    averager declares itself there every ``declare_state_period`` seconds). With `HMACAuthorizer` on the DHT only
-    holders of the run secret can write that key, and libp2p authenticates the caller's peer ID, so a peer without
-    the secret is refused: ``rpc_join_group`` answers ``PROTOCOL_VIOLATION``, ``rpc_aggregate_part`` the same,
-    ``rpc_download_state`` an empty stream (hivemind's own "no state here" answer). Members found once are
-    remembered; an unknown caller is looked up again for up to ``member_lookup_s`` seconds, so a peer whose first
-    declaration is still on its way (or whose declaration is being renewed) is not refused. The lookups are shared:
-    at most one DHT read of the declarations is in flight, and none starts within ``_LOOKUP_PERIOD_S`` of the
-    last, however many unknown callers wait, so a flood of outsiders' requests costs the DHT a few reads a second,
-    not a few per request.
+    Members found once are remembered; an unknown caller is looked up again for up to ``lookup_s`` seconds, so a peer
+    whose first declaration is still on its way (or whose declaration is being renewed) is not refused. The lookups
+    are shared: at most one DHT read of the declarations is in flight, and none starts within ``LOOKUP_PERIOD_S`` of
+    the last, however many unknown callers wait, so a flood of outsiders' requests costs the DHT a few reads a second,
+    not a few per request. Usable from any process that holds the DHT object and runs an asyncio loop (the averager's
+    own process, or a peer's state server, `composer_diloco.outer.state_transfer`); its lock is made in the first loop
+    that asks.
 
-    Args: as `ExactAverager`, plus ``member_lookup_s`` (seconds, default 1.5).
+    Args:
+        dht: the peer's hivemind DHT.
+        prefix: the averager prefix (`averaging_prefix`).
+        lookup_s: seconds an unknown caller is looked up for before it is refused.
     """
 
-    _LOOKUP_PERIOD_S = 0.25
+    LOOKUP_PERIOD_S = 0.25
 
-    _rpc_handlers = None  # hivemind caches these per class: ours must not inherit ExactAverager's handler names
-    _stub_type = None
-
-    def __init__(self, *args: Any, member_lookup_s: float = 1.5, **kwargs: Any):
+    def __init__(self, dht: hivemind.DHT, prefix: str, *, lookup_s: float = 1.5):
+        self.dht, self.prefix, self.lookup_s = dht, prefix, lookup_s
         self._members: set[bytes] = set()
         self._warned: set[bytes] = set()
-        self.member_lookup_s = member_lookup_s
-        self._lookup_lock: asyncio.Lock | None = None  # made in the averager's own process and loop
+        self._lookup_lock: asyncio.Lock | None = None
         self._last_lookup = float("-inf")
-        super().__init__(*args, **kwargs)
 
-    async def _refresh_members(self) -> None:
-        """Read the declared members from the DHT, unless another caller did less than ``_LOOKUP_PERIOD_S`` ago."""
+    async def _refresh(self) -> None:
+        """Read the declared members from the DHT, unless another caller did less than ``LOOKUP_PERIOD_S`` ago."""
         if self._lookup_lock is None:
             self._lookup_lock = asyncio.Lock()
         async with self._lookup_lock:
-            if time.monotonic() - self._last_lookup < self._LOOKUP_PERIOD_S:
+            if time.monotonic() - self._last_lookup < self.LOOKUP_PERIOD_S:
                 return
             try:
                 found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
@@ -394,12 +394,12 @@ class MembersOnlyAverager(ExactAverager):
             if found is not None and isinstance(found.value, dict):
                 self._members.update(k for k in found.value if isinstance(k, bytes))
 
-    async def _is_member(self, peer_id: PeerID, rpc: str) -> bool:
-        """Whether ``peer_id`` is declared in this averager's DHT records (runs in the averager process)."""
+    async def allows(self, peer_id: PeerID, rpc: str) -> bool:
+        """Whether ``peer_id`` is a member (declared in the DHT); a refusal is logged once per caller, naming ``rpc``."""
         wanted = peer_id.to_bytes()
-        deadline = time.monotonic() + self.member_lookup_s
+        deadline = time.monotonic() + self.lookup_s
         while wanted not in self._members:
-            await self._refresh_members()
+            await self._refresh()
             if wanted in self._members:
                 break
             if time.monotonic() > deadline:
@@ -407,14 +407,30 @@ class MembersOnlyAverager(ExactAverager):
                     self._warned.add(wanted)
                     log.warning("refused %s from %s: not a member of this closed run (no run secret)", rpc, peer_id)
                 return False
-            await asyncio.sleep(self._LOOKUP_PERIOD_S)
+            await asyncio.sleep(self.LOOKUP_PERIOD_S)
         return True
+
+
+class MembersOnlyAverager(ExactAverager):
+    """An `ExactAverager` that serves its RPCs only to members of a closed run (`RunMembers`): a peer without the
+    secret is refused, ``rpc_join_group`` and ``rpc_aggregate_part`` answer ``PROTOCOL_VIOLATION``. (The run's state
+    is served by `composer_diloco.outer.state_transfer`, gated by the same `RunMembers`.)
+
+    Args: as `ExactAverager`, plus ``member_lookup_s`` (seconds, default 1.5; `RunMembers`'s ``lookup_s``).
+    """
+
+    _rpc_handlers = None  # hivemind caches these per class: ours must not inherit ExactAverager's handler names
+    _stub_type = None
+
+    def __init__(self, *args: Any, member_lookup_s: float = 1.5, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._run_members = RunMembers(self.dht, self.prefix, lookup_s=member_lookup_s)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's ``rpc_join_group`` for members; ``PROTOCOL_VIOLATION`` for anyone else."""
-        if not await self._is_member(context.remote_id, "rpc_join_group"):
+        if not await self._run_members.allows(context.remote_id, "rpc_join_group"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -424,21 +440,12 @@ class MembersOnlyAverager(ExactAverager):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's ``rpc_aggregate_part`` for members; ``PROTOCOL_VIOLATION`` for anyone else."""
-        if not await self._is_member(context.remote_id, "rpc_aggregate_part"):
+        if not await self._run_members.allows(context.remote_id, "rpc_aggregate_part"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's ``rpc_download_state`` for members; an empty stream for anyone else."""
-        if not await self._is_member(context.remote_id, "rpc_download_state"):
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
 
-
-__all__ = ["BoundDHTProtocol", "BoundRPCClient", "ClosedDHT", "HMACAuthorizer", "MembersOnlyAverager", "RunSecretRefused", "SECRET_ENV", "SecretError",
-           "averaging_prefix", "load_secret"]
+__all__ = ["BoundDHTProtocol", "BoundRPCClient", "ClosedDHT", "HMACAuthorizer", "MembersOnlyAverager", "RunMembers",
+           "RunSecretRefused", "SECRET_ENV", "SecretError", "averaging_prefix", "load_secret"]

@@ -53,7 +53,7 @@ import logging
 import multiprocessing as mp
 import threading
 import typing
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartContainer
-from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.p2p import P2PContext, PeerID
@@ -75,9 +75,6 @@ from composer_diloco.outer.screening import Rejection, screen
 from composer_diloco.outer.sparse import CodecError, SparseCodec, weighted_mean
 
 log = logging.getLogger(__name__)
-
-StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
-
 
 @dataclass(frozen=True)
 class Contribution:
@@ -438,10 +435,12 @@ class ExactAverager(DecentralizedAverager):
     Args:
         averaged_tensors: fp32 CPU tensors (the pseudo-gradient buffers), moved to shared memory by hivemind.
         dht: a running `hivemind.DHT`.
-        state_provider: called in this process when a peer downloads our state (``load_state_from_peers``);
-            returns ``(metadata, tensors)``: for DiLoCo, the round number and `GlobalModel.state` (theta and the
-            outer optimizer's state).
         kwargs: as `hivemind.averaging.DecentralizedAverager` (``prefix``, ``compression``, timeouts ...).
+
+    It serves no state: hivemind's ``rpc_download_state`` answers an empty stream ("no state here"). A peer's state
+    (theta and the outer optimizer's) travels through `composer_diloco.outer.state_transfer`, served from the peer's
+    own process in bounded chunks; the averager still declares itself under ``{prefix}.all_averagers`` with its
+    ``state_sharing_priority``, which is how a downloader finds and orders the peers to ask.
 
     ``step`` returns ``{peer_id: Contribution}`` in group order: each member's gathered metadata with the screening
     verdict applied to it (see `Contribution`), or raises / returns None as hivemind's (no group in time).
@@ -458,13 +457,8 @@ class ExactAverager(DecentralizedAverager):
             `set_message` before each ``step``. None: the butterfly with ``compression``.
     """
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, state_provider: StateProvider,
-                 max_norm_ratio: float | None = None, sparse_codec: SparseCodec | None = None,
-                 serves_state: bool = True, **kwargs: Any):
-        self._state_provider = state_provider
-        # False while this peer holds no theta yet: it still declares itself (a closed run's membership), but sends
-        # no state (`rpc_download_state`); shared with the averager process, so created before hivemind forks
-        self._serves_state = mp.Value(ctypes.c_bool, serves_state)
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, max_norm_ratio: float | None = None,
+                 sparse_codec: SparseCodec | None = None, **kwargs: Any):
         self.max_norm_ratio = max_norm_ratio
         self.sparse_codec = sparse_codec
         if sparse_codec is not None and sparse_codec.numel != sum(t.numel() for t in averaged_tensors):
@@ -490,15 +484,6 @@ class ExactAverager(DecentralizedAverager):
         fix_mmap_threshold()
         super().run()
 
-    @property
-    def serves_state(self) -> bool:
-        """Whether a peer downloading state from this one gets it (`rpc_download_state`)."""
-        return bool(self._serves_state.value)
-
-    @serves_state.setter
-    def serves_state(self, value: bool) -> None:
-        self._serves_state.value = bool(value)
-
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's ``rpc_join_group`` (this peer leads the group), which keeps its end of the stream open after
@@ -518,13 +503,12 @@ class ExactAverager(DecentralizedAverager):
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's ``rpc_download_state``; an empty stream while `serves_state` is False (hivemind's own "no state
-        here": the downloader goes on to the next peer). Annotated with typing's AsyncIterator, not collections.abc's:
-        hivemind recognizes a streaming RPC by it."""
-        if not self._serves_state.value:
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
+        """An empty stream, always (hivemind's own "no state here"): state moves through
+        `composer_diloco.outer.state_transfer`. hivemind's handler would copy the whole state to this process and
+        serialize it before the first byte leaves, which a 0.6B model's 7 GB never survived. Annotated with typing's
+        AsyncIterator, not collections.abc's: hivemind recognizes a streaming RPC by it."""
+        return
+        yield  # an async generator that yields nothing
 
     def set_target_group_size(self, size: int | None) -> None:
         """Close the next group as soon as it holds ``size`` peers (hivemind's ``target_group_size``, applied in the
@@ -660,58 +644,6 @@ class ExactAverager(DecentralizedAverager):
         for tensor, part in zip(tensors, self.sparse_codec.split(mean), strict=True):
             tensor.copy_(part.view_as(tensor))
         self.failed_size.value = self.sparse_codec.numel if missing else 0
-
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, *,
-                              peer: str | None = None) -> tuple[Any, list[torch.Tensor]] | None:
-        """Download ``(metadata, tensors)`` from the best peer (hivemind's order), or from ``peer`` only.
-
-        Args:
-            wait: block for the result (else return an ``MPFuture``).
-            timeout: seconds for the whole download.
-            peer: the base58 PeerID to download from (its DHT multiaddr's ``/p2p/`` part); None = hivemind's
-                choice: the highest ``state_sharing_priority``, ties broken at random.
-        Returns:
-            ``(metadata, tensors)``, or None when no peer (or not ``peer``) sent its state in time.
-        """
-        if peer is None:
-            try:
-                return super().load_state_from_peers(wait=wait, timeout=timeout)
-            except TimeoutError:  # hivemind's download outlived ``timeout``: nothing came in time
-                return None
-        future = MPFuture()
-        self._outer_pipe.send(("_load_state_from_peer", [], dict(peer=peer, timeout=timeout, future=future)))
-        if not wait:
-            return future
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            return None
-
-    async def _load_state_from_peer(self, future: MPFuture, peer: str, timeout: float | None) -> None:
-        # hivemind's download (rpc_download_state), from one named peer instead of the best of all_averagers
-        try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata = None
-
-            async def parts():
-                nonlocal metadata
-                async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or timeout):
-                    if message.metadata:
-                        metadata = self.serializer.loads(message.metadata)
-                    yield [message.tensor_part]
-
-            tensors = await asyncio.wait_for(deserialize_tensor_stream(parts()), timeout)
-            future.set_result((metadata, tensors) if metadata is not None else None)
-        except Exception as e:
-            log.warning("could not download the state of peer %s: %r", peer, e)
-            if not future.done():
-                future.set_result(None)
-
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
-        """The state a joining peer downloads: ``(metadata, tensors, None)`` from ``state_provider``."""
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
 
 
 __all__ = ["Contribution", "ExactAverager", "ExactAllReduceRunner"]

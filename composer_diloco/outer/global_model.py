@@ -174,6 +174,7 @@ class GlobalModel:
             self.optimizer.state[p] = _initial_state(outer_optimizer, p)
         self._keys = [sorted(self.optimizer.state[p]) for p in self.params]  # state keys per parameter, fixed
         self._state_dict_order = _state_dict_order(model, self.names)
+        self.version = 0  # +1 at every change of theta or the optimizer state (`composer_diloco.outer.state_transfer`)
 
     @property
     def optimizer_name(self) -> str:
@@ -210,6 +211,7 @@ class GlobalModel:
                 raise ValueError(f"pseudo-gradient of {name!r} holds NaN or Inf; outer step refused")
         for p, d in zip(self.params, delta, strict=True):
             p.grad = d.detach()
+        self.version += 1
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -263,8 +265,10 @@ class GlobalModel:
         state_tensors, scalars = iter(tensors[len(self.params):]), iter(meta.get("scalars", []))
         values = {(i, key): next(state_tensors) if is_tensor else next(scalars) for i, key, is_tensor in ours["keys"]}
         self._check_optimizer_state(values)
+        self.version += 1
         for dst, src in zip(self.params, tensors, strict=False):
-            dst.copy_(src.to(torch.float32))
+            if dst.data_ptr() != src.data_ptr():  # a download written into theta in place needs no copy
+                dst.copy_(src.to(torch.float32))
         self._load_optimizer_state(values)
 
     def check_state_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -336,10 +340,12 @@ class GlobalModel:
     def _load_optimizer_state(self, values: Mapping[tuple[int, str], Any]) -> None:
         """Copy ``{(param index, key): value}`` into the optimizer state (checked first: all or nothing)."""
         self._check_optimizer_state(values)
+        self.version += 1
         for (i, key), value in values.items():
             state = self.optimizer.state[self.params[i]]
             if isinstance(state[key], torch.Tensor):
-                state[key].copy_(value.reshape(state[key].shape).to(state[key].dtype))
+                if state[key].data_ptr() != value.data_ptr():  # written in place by a download: nothing to copy
+                    state[key].copy_(value.reshape(state[key].shape).to(state[key].dtype))
             else:
                 state[key] = copy.deepcopy(value)
 
@@ -348,8 +354,15 @@ class GlobalModel:
         (a tied tensor counts once, at its first key)."""
         h = hashlib.sha256()
         for i in self._state_dict_order:
-            h.update(self.params[i].detach().contiguous().numpy().tobytes())
+            h.update(_bytes_view(self.params[i]))
         return h.hexdigest()
+
+    def tensor_sha256(self) -> list[str]:
+        """SHA-256 (hex) of each tensor of `state` (theta, then the optimizer's state tensors), in that order: what
+        two peers compare to tell which tensors differ (`composer_diloco.outer.state_transfer`). Hashes every byte
+        of the state once (about 1.6 GB/s a core with SHA-NI: 4.5 s for Qwen3-0.6B's 7.2 GB of fp32 theta and
+        Delayed Nesterov buffers); the caller holds whatever lock keeps the state still."""
+        return [hashlib.sha256(_bytes_view(t)).hexdigest() for t in self.state()[1]]
 
 
 class _FirstValues(dict):
@@ -380,6 +393,14 @@ def _initial_state(factory: OptimizerFactory, param: torch.Tensor) -> dict[str, 
     with torch.no_grad():
         optimizer.step()
     return recorder.first
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor as a buffer hashlib reads without a copy (a non-contiguous tensor is copied)."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _copy(value: Any) -> Any:

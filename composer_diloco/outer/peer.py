@@ -14,13 +14,15 @@ rest, in a background thread, theta never loaded into the policy); `composer_dil
 Failure behaviour: a step that leaves this peer without an average it can apply raises `RoundFailed`, handled in
 one place, `composer_diloco.outer.recovery.recover` (take the state of a peer past the round, or step alone by a
 rule every peer applies alike); the module docstring of `composer_diloco.outer.recovery` lists each case. A peer
-stopped at the barrier (shutdown) returns None. State sharing (`DiLoCoPeer.load_state_from_peers`) raises
-`ArchitectureMismatch` when a peer's model differs; every other download failure returns False.
+stopped at the barrier (shutdown) returns None. State sharing (`DiLoCoPeer.load_state_from_peers`, through
+`composer_diloco.outer.state_transfer`) raises `ArchitectureMismatch` when a peer's model differs; every other download
+failure returns False, its reason in `DiLoCoPeer.last_download_error`, and leaves theta as it was.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +41,9 @@ from composer_diloco.outer.global_model import GlobalModel, optimizer_factory
 from composer_diloco.outer.recovery import RoundFailed
 from composer_diloco.outer.screening import pseudo_gradient_norm
 from composer_diloco.outer.sparse import ErrorFeedback
+from composer_diloco.outer.state_transfer import (
+    DEFAULT_CHUNK_BYTES, DownloadReport, Manifest, StateTransfer, StateTransferError,
+)
 from composer_diloco.outer.swarm import PeerRecord, Swarm
 
 log = logging.getLogger(__name__)
@@ -142,19 +147,34 @@ def _check_layout(theirs: list, ours: list) -> None:
                                    f"the run, {len(ours)} here")
 
 
-def _base_sha256(model: nn.Module) -> str | None:
+def _lora_base_sha256(model: nn.Module) -> str | None:
     """`composer_diloco.policy.lora.base_sha256` of a LoRA policy (a ``peft.PeftModel``); None for full fine-tuning."""
     from composer_diloco.policy.lora import base_sha256, is_lora
 
     return base_sha256(model) if is_lora(model) else None
 
 
-def _check_base(theirs: str | None, ours: str | None) -> None:
-    """Raise ArchitectureMismatch when a LoRA run's peer holds another base model than this peer (one line naming
-    both hashes)."""
-    if theirs != ours:
-        raise ArchitectureMismatch(f"base model differs from the run's: base_sha256 {theirs} in the run, {ours} here "
-                                   "(LoRA trains adapters over one shared base: load the run's --model / warm start)")
+def _check_base(theirs: str | None, ours: str | None, *, lora: bool) -> None:
+    """Raise ArchitectureMismatch when the run's base model (its ``base_sha256``) is not the one this peer holds (one
+    line naming both hashes). Nothing to check when either side does not know its base."""
+    if theirs is None or ours is None or theirs == ours:
+        return
+    why = ("LoRA trains adapters over one shared base: load the run's --model / warm start" if lora else
+           "every peer must load the run's --model, the same weights: theta started from them")
+    raise ArchitectureMismatch(f"base model differs from the run's: base_sha256 {theirs} in the run, {ours} here "
+                               f"({why})")
+
+
+def _shared_zeros(shape: torch.Size) -> torch.Tensor:
+    """An fp32 CPU tensor of zeros in shared memory (hivemind's averager shares its tensors with its process) whose
+    pages are not touched until written: a peer that only serves or downloads state (a joiner before its first round,
+    the coordinator while nodes load) does not hold theta's size in zeros (2.4 GB at 0.6B). ``share_memory_`` of
+    ``torch.zeros`` would write every page twice."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    storage = torch.UntypedStorage._new_shared(max(numel, 1) * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, tuple(shape))
 
 
 def round_group_bits(round_: int) -> str:
@@ -168,22 +188,35 @@ class DiLoCoPeer:
     Args:
         model: the policy (any device/dtype); defines the parameter layout.
         config: the run config (outer optimizer ``[outer]``, network timeouts, compression).
-        swarm: this peer's DHT records (its ``dht`` is used for the averager).
+        swarm: this peer's DHT records (its ``dht`` is used for the averager and the state transfer).
         start_round: the round this peer starts in (0, or the round of the state it loaded).
         holds_theta: False when ``model``'s weights are not the run's theta yet (a joining node's skeleton): the peer
-            then sends no state (`ExactAverager.serves_state`, lowest priority) until `load_state_from_peers` loaded
-            theta, so that another joiner can never download a skeleton as the run's round-0 theta.
+            then serves no state (its manifest says so, lowest priority) until `load_state_from_peers` loaded theta,
+            so that another joiner can never download a skeleton as the run's round-0 theta.
+        base_sha256: the run's base model hash with full fine-tuning (`composer_diloco.policy.lora.base_sha256` of
+            the ``--model`` weights theta started from), None when not known or not held (the embedded default's
+            nodes start from a random skeleton). A LoRA peer's is computed from ``model`` (its frozen base).
+
+    Attributes:
+        transfer: this peer's `StateTransfer` (serves its state, downloads others').
+        last_download: the `DownloadReport` of the last completed download (None before one).
+        last_download_error: why the last download failed ("" when it did not).
+        chunk_bytes: bytes per chunk this peer asks for in its downloads (a node's ``--state-chunk-size``).
     """
 
     def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0,
-                 holds_theta: bool = True):
+                 holds_theta: bool = True, base_sha256: str | None = None):
         self.config, self.swarm = config, swarm
         self.round = start_round
+        self.holds_theta = holds_theta
         self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`heal_split`)
         self._partnered_round = start_round - 1  # the last round whose barrier found partners (`_barrier`)
-        self._lock = threading.Lock()  # guards theta while a peer downloads our state
-        self._built = threading.Event()  # set once theta exists: a state request waits for it
-        self.delta = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters() if p.requires_grad]
+        self._lock = threading.Lock()  # guards theta and the outer state: writers, and every chunk a peer downloads
+        self.last_download: DownloadReport | None = None
+        self.last_download_error = ""
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self._peer_names: dict[str, str] = {}  # base58 peer ID -> peer name, as heartbeats told (`_download_candidates`)
+        self.delta = [_shared_zeros(p.shape) for p in model.parameters() if p.requires_grad]
         # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
         codec = make_sparse_codec(config, [d.shape for d in self.delta])
         self.error_feedback = None if codec is None else ErrorFeedback(
@@ -192,15 +225,16 @@ class DiLoCoPeer:
         # child does not keep copy-on-write pages of them (twice their memory, and a slow first outer step, on big
         # models)
         with keep_signal_handlers():
-            self.averager = self._make_averager(swarm, config, serve_state=holds_theta)
+            self.averager = self._make_averager(swarm, config)
+        self._lora_base = _lora_base_sha256(model)
+        self.base_sha256 = self._lora_base or base_sha256
         # the coordinator never trains its model: theta can be its weights (one copy of theta less)
         self.global_model = GlobalModel(model, outer_optimizer=optimizer_factory(config.outer),
                                         share_storage=swarm.role == "coordinator")
-        self.base_sha256 = _base_sha256(model)  # LoRA: theta is the adapters; every peer's base must be this one
-        self._built.set()
+        self.transfer = self._make_transfer(swarm)
         self._update_priority()
 
-    def _make_averager(self, swarm: Swarm, config: RunConfig, *, serve_state: bool) -> ExactAverager:
+    def _make_averager(self, swarm: Swarm, config: RunConfig) -> ExactAverager:
         from composer_diloco.outer.auth import MembersOnlyAverager, averaging_prefix
 
         net = config.network
@@ -209,7 +243,6 @@ class DiLoCoPeer:
         return averager_type(
             self.delta,
             swarm.dht,
-            state_provider=self._state,
             prefix=averaging_prefix(config.run_name, swarm.secret),
             start=True,
             min_group_size=2,
@@ -224,25 +257,28 @@ class DiLoCoPeer:
             max_norm_ratio=config.outer.max_norm_ratio,
             sparse_codec=None if self.error_feedback is None else self.error_feedback.codec,
             declare_state_period=5.0,
-            serves_state=serve_state,
             shutdown_timeout=5.0,
         )
 
+    def _make_transfer(self, swarm: Swarm) -> StateTransfer:
+        """This peer's state server and downloader, after hivemind forked the averager (its thread stays here)."""
+        from composer_diloco.outer.auth import RunMembers
+
+        prefix = self.averager.prefix
+        members = None if swarm.secret is None else RunMembers(swarm.dht, prefix)
+        return StateTransfer(swarm.dht, prefix, self.global_model, self._lock, self._describe, members=members,
+                             name=swarm.name)
+
     # -- state sharing (late joiners, resync) -------------------------------------------------------
-    def _state(self) -> tuple[dict, list[torch.Tensor]]:
-        self._built.wait()
-        with self._lock:
-            outer, tensors = self.global_model.state()
-            meta = {"round": self.round, "sha256": self.global_model.sha256(), "run": self.config.run_name,
-                    "layout": self.layout(), "outer": outer}
-            if self.base_sha256 is not None:
-                meta["base_sha256"] = self.base_sha256
-            return meta, [t.clone() for t in tensors]
+    def _describe(self) -> dict:
+        """What a manifest says of this peer besides its tensors (`StateTransfer`; called under ``_lock``)."""
+        return {"run": self.config.run_name, "round": self.round, "serves": self.holds_theta,
+                "base_sha256": self.base_sha256, "layout": self.layout()}
 
     def _update_priority(self) -> None:
-        # load_state_from_peers picks the highest priority: the newest round, the coordinator among equals; a peer
-        # without theta yet last (it would send nothing)
-        self.averager.state_sharing_priority = -1.0 if not self.averager.serves_state else \
+        # downloaders ask the highest priority first: the newest round, the coordinator among equals; a peer without
+        # theta yet last (it would send nothing)
+        self.averager.state_sharing_priority = -1.0 if not self.holds_theta else \
             self.round + (0.5 if self.swarm.role == "coordinator" else 0.0)
 
     def layout(self) -> list[list]:
@@ -250,65 +286,91 @@ class DiLoCoPeer:
         return [[n, list(p.shape)] for n, p in zip(self.global_model.names, self.global_model.params)]
 
     def load_state_from_peers(self, timeout_s: float, *, min_round: int | None = None,
-                              peer: PeerRecord | None = None) -> bool:
-        """Adopt theta, the outer optimizer state and round from the best live peer, or from ``peer``.
+                              peer: PeerRecord | None = None, deadline_s: float | None = None,
+                              chunk_bytes: int | None = None) -> bool:
+        """Adopt theta, the outer optimizer state and round from the best live peer, or from ``peer``
+        (`composer_diloco.outer.state_transfer`: only the tensors that differ from this peer's own travel, in chunks,
+        resumed from another peer holding the same state when one fails).
 
         Args:
-            timeout_s: seconds to wait for a peer's state.
+            timeout_s: seconds to find a peer that sends its manifest (its keepalives count while it hashes).
             min_round: ignore (do not load) a state older than this round.
-            peer: download from this peer only (None: hivemind's choice, the newest round and the coordinator
-                first among equals).
+            peer: download from this peer only (None: the newest round first, the coordinator first among equals).
+            deadline_s: seconds for the whole download (None: ``timeout_s`` plus the bytes to move at
+                ``network.state_min_rate_mb_s``).
+            chunk_bytes: bytes per chunk (None: ``self.chunk_bytes``).
         Returns:
-            False if no peer answered, its state was older than ``min_round``, or every download within
-            ``timeout_s`` came back incomplete (a stream cut early: hivemind returns what it got).
+            True once the state is loaded (theta's sha256 checked); False when no peer sent a state of ``min_round``
+            or later in time, or the download failed (``last_download_error`` says why). A failed download leaves
+            theta as it was: a peer that holds theta downloads into new buffers and loads them all at once.
         Raises:
             ArchitectureMismatch: the peer's parameters differ from this model's (names the first difference), its
-                outer optimizer state has another layout, or (LoRA) its base model has another ``base_sha256``.
+                outer optimizer state has another layout, or its base model has another ``base_sha256``.
         """
-        expected = self.global_model.num_state_tensors()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = max(1.0, deadline - time.monotonic())
-            loaded = self.averager.load_state_from_peers(timeout=remaining, peer=peer.peer_id if peer else None)
-            if loaded is None:
-                return False
-            if isinstance(loaded[0], dict) and "layout" in loaded[0]:
-                _check_layout(loaded[0]["layout"], self.layout())  # another model: no retry can help
-                _check_base(loaded[0].get("base_sha256"), self.base_sha256)  # LoRA: another base
-            if isinstance(loaded[0], dict) and isinstance(loaded[0].get("outer"), dict):
-                try:
-                    self.global_model.check_state_meta(loaded[0]["outer"])  # another optimizer: no retry can help
-                except ValueError as e:
-                    raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
-            # hivemind ends a download whose stream was cut early as if it were complete: count the tensors
-            if len(loaded[1]) == expected or time.monotonic() >= deadline:
-                break
-            log.warning("%s: incomplete state download (%d of %d tensors): retrying", self.swarm.name,
-                        len(loaded[1]), expected)
-            time.sleep(0.5)
-        meta, tensors = loaded
-        if len(tensors) != expected:
-            log.warning("%s: incomplete state download (%d of %d tensors): not loaded", self.swarm.name,
-                        len(tensors), expected)
-            return False
-        if not isinstance(meta, dict) or "round" not in meta or not isinstance(meta.get("outer"), dict):
-            log.warning("peer state without a round or an outer optimizer state: %r", meta)
-            return False
-        if min_round is not None and int(meta["round"]) < min_round:
-            log.info("%s: the peers' state is at round %s, older than round %d: not loaded", self.swarm.name,
-                     meta["round"], min_round)
+        net = self.config.network
+        with self._lock:
+            meta, local = self.global_model.state()
+            local_sha = self.global_model.tensor_sha256()
+        try:
+            manifest, tensors, report = self.transfer.download(
+                lambda: self._download_candidates(peer), local=local, local_sha256=local_sha, check=self._check_manifest,
+                min_round=min_round, start_timeout_s=timeout_s, chunk_timeout_s=net.state_chunk_timeout_s,
+                min_rate_bytes_s=net.state_min_rate_mb_s * 1e6, deadline_s=deadline_s,
+                chunk_bytes=chunk_bytes or self.chunk_bytes, in_place=not self.holds_theta)
+        except StateTransferError as e:
+            self.last_download_error = str(e)
+            log.warning("%s: %s", self.swarm.name, e)
             return False
         with self._lock:
             try:
-                self.global_model.load_state(meta["outer"], tensors)
+                self.global_model.load_state(manifest.outer, tensors)
             except ValueError as e:
                 raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
-            self.round = int(meta["round"])
-        self.averager.serves_state = True  # a joiner's skeleton is theta now: it may send it
+            sha = self.global_model.sha256()
+            if sha != manifest.sha256:  # every tensor's hash was checked: this would be a bug, not a bad link
+                raise RuntimeError(f"theta loaded from a peer hashes to {sha[:12]}, its manifest said "
+                                   f"{manifest.sha256[:12]}")
+            self.round = manifest.round
+            self.holds_theta = True  # a joiner's skeleton is theta now: it may send it
         self._update_priority()
-        log.info("%s loaded round %d state from a peer (sha256 %s)", self.swarm.name, self.round,
-                 self.global_model.sha256()[:12])
+        self.last_download, self.last_download_error = report, ""
+        log.info("%s loaded round %d state (sha256 %s): %s", self.swarm.name, self.round, sha[:12], report.describe())
         return True
+
+    def _check_manifest(self, manifest: Manifest) -> None:
+        """Refuse a peer's state that can never fit this peer: another layout, base model or outer optimizer.
+
+        Raises:
+            ArchitectureMismatch: one line naming the first difference.
+        """
+        _check_layout(manifest.layout, self.layout())
+        _check_base(manifest.base_sha256, self.base_sha256, lora=self._lora_base is not None)
+        try:
+            self.global_model.check_state_meta(manifest.outer)
+        except ValueError as e:
+            raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
+
+    def _download_candidates(self, peer: PeerRecord | None) -> list[tuple[str, str]]:
+        """``[(peer id, name), ...]`` to ask for the state, best first: ``peer`` alone, or the peers whose averagers
+        declared themselves serving under ``{prefix}.all_averagers`` by priority (newest round, the coordinator
+        first among equals; ties in random order), this peer left out."""
+        # names by peer ID, for the log: kept from earlier reads (a read right after a peer died can come back
+        # without some records)
+        self._peer_names.update({p.peer_id: p.name for p in self.swarm.live_peers() if p.peer_id})
+        names = self._peer_names
+        if peer is not None:
+            return [(peer.peer_id, peer.name)] if peer.peer_id else []
+        from hivemind.p2p import PeerID
+
+        found = self.swarm.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        mine = self.swarm.dht.peer_id.to_base58()
+        priority = {}
+        for key, item in (found.value.items() if found is not None and isinstance(found.value, dict) else []):
+            value = getattr(item, "value", None)
+            if isinstance(key, bytes) and isinstance(value, (int, float)) and value >= 0:
+                priority[PeerID(key).to_base58()] = float(value)
+        order = sorted((p for p in priority if p != mine), key=lambda p: (-priority[p], random.random()))
+        return [(p, names.get(p, p[:16])) for p in order]
 
     def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event) -> int:
         """Bring a joining peer to the round the swarm is in (`recovery.join_at_round_boundary`, which documents
@@ -557,7 +619,9 @@ class DiLoCoPeer:
         try:
             # Delta is the step's gradient where the all-reduce left it, in the averager's buffers: no copy of theta's
             # size (the next round's pseudo-gradient overwrites them). Lock order as in `handed_off_weights`
-            with self._lock, self.averager.get_tensors() as delta:
+            # downloads of our state in flight end first (at most network.state_hold_s): theta moves under them
+            with self.transfer.hold_writes(self.config.network.state_hold_s), self._lock, \
+                    self.averager.get_tensors() as delta:
                 self.global_model.outer_step(delta)
                 self.round = r + 1
         except ValueError as e:
@@ -581,7 +645,8 @@ class DiLoCoPeer:
         )
 
     def shutdown(self) -> None:
-        """Stop the averager process (idempotent)."""
+        """Stop serving state and the averager process (idempotent)."""
+        self.transfer.close()
         try:
             self.averager.shutdown()
         except Exception as e:  # already stopped
