@@ -184,8 +184,9 @@ class NodeOptions:
 
         Raises:
             AddressError (the form of ``--peer`` / ``--listen`` / ``--announce``) / DeviceError / BatchError /
-            OptionError (``--env-url``, ``--join-deadline``, ``--state-chunk-size`` ...) / ValueError (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming
-            the option, its value and what was expected.
+            OptionError (``--env-url``, ``--join-deadline``, ``--state-chunk-size`` ...) / ValueError
+            (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming the option, its value and
+            what was expected.
         """
         check_address_form("--peer", self.peer, peer_id=True)
         check_listen_and_announce(self.listen, self.announce)

@@ -5,8 +5,9 @@
         joining the DHT and reading the run config; reading and writing the run's records with direct DHT RPCs
         (the run config, a heartbeat, an averager declaration that would make nodes download state from us);
         averaging with the open-run prefix; and calling the averager's RPCs (join group, aggregate part) and the
-        state transfer's (manifest, chunks: `composer_diloco.outer.state_transfer`) directly, under the open prefix and under ``--prefix`` (the closed run's prefix, which libp2p's
-        identify protocol would tell any connected peer). Prints ``{"peer_id", "attempts": {name: {"ok", "detail"}}}``
+        state transfer's (manifest, chunks: `composer_diloco.outer.state_transfer`) directly, under the open prefix
+        and under ``--prefix`` (the closed run's prefix, which libp2p's identify protocol would tell any connected
+        peer). Prints ``{"peer_id", "attempts": {name: {"ok", "detail"}}}``
         as JSON: ``ok`` is true when the attack succeeded.
     outsider_peer.py join-loop --peer MADDR --prefix P
         Without the secret, ask the peer at MADDR to take us into its group until stdin closes; prints the replies.

@@ -64,6 +64,30 @@ def test_listen_or_announce_that_is_not_an_address(tmp_path, command, option, va
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option, value, expected", [
+    ("--join-deadline", "ten", "--join-deadline 'ten': expected seconds > 0 (e.g. 900), or auto"),
+    ("--join-deadline", "-5", "--join-deadline '-5': expected seconds > 0"),
+    ("--state-chunk-size", "8 MB/s", "--state-chunk-size '8 MB/s': expected a size such as 8MiB"),
+    ("--state-chunk-size", "1KiB", "--state-chunk-size '1KiB' is 1024 bytes: expected 64KiB to 256MiB"),
+])
+def test_join_deadline_or_chunk_size_of_the_wrong_form(tmp_path, option, value, expected):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    r = run("nodes", "join", "--peer", dead, option, value, "--run-dir", str(tmp_path / "run"),
+            python=("-X", "importtime"))
+    assert r.returncode == 1 and expected in error_line(r), r.stderr[-2000:]
+    assert not {"torch", "hivemind"} & imported_modules(r)  # refused before the heavy imports (and any network)
+    assert not (tmp_path / "run").exists()
+
+
+def test_join_deadline_and_chunk_size_forms_that_parse():
+    from nodes.options import parse_chunk_size, parse_join_deadline
+
+    assert parse_join_deadline("auto") is None and parse_join_deadline("900") == 900.0
+    assert parse_chunk_size("8MiB") == 8 * 2**20 and parse_chunk_size("4 MB") == 4_000_000
+    assert parse_chunk_size("65536") == 65536 and parse_chunk_size("256MiB") == 256 * 2**20
+
+
 def test_swarm_parses_what_the_form_check_lets_through():
     """The form check (no hivemind) and hivemind's parser together: a well-formed --peer parses; one that passes
     the form check but is not a multiaddr is still refused, by the parser, in one line."""

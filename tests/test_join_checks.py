@@ -1,5 +1,6 @@
 """A node whose config, model architecture, batch or env server does not fit the run is refused at join, naming it."""
 
+import re
 import subprocess
 import sys
 
@@ -8,13 +9,16 @@ import pytest
 from local_run import ROOT, LocalRun, write_config
 
 
-def build_model(path, hidden_size: int) -> None:
+def build_model(path, hidden_size: int, seed: int = 0) -> str:
+    """Save a 1-layer tiny Qwen3 to ``path``; returns its `base_sha256` (what a full-fine-tuning run publishes)."""
     from composer_diloco.policy import build_tiny_model, load_default_tokenizer
+    from composer_diloco.policy.lora import base_sha256
 
     tokenizer = load_default_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0, hidden_size=hidden_size, num_hidden_layers=1, intermediate_size=64)
+    model = build_tiny_model(tokenizer, seed=seed, hidden_size=hidden_size, num_hidden_layers=1, intermediate_size=64)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return base_sha256(model)
 
 
 def join(run: LocalRun, *extra: str) -> subprocess.Popen:
@@ -33,9 +37,12 @@ def refusal(proc: subprocess.Popen) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
+def test_a_node_with_another_config_architecture_or_base_is_refused_and_a_round_0_join_moves_nothing(tmp_path):
+    """A full-fine-tuning ``--model`` run: nodes whose config, env, batch, architecture or weights (same architecture,
+    other bytes) do not fit are refused, each in one line; a node that loaded the run's own ``--model`` holds round
+    0's theta already, and its join moves no byte of state."""
     model_dir = tmp_path / "model"
-    build_model(model_dir, hidden_size=32)
+    run_base = build_model(model_dir, hidden_size=32)
     env = "[env]\nconnect_timeout_s = 10.0\n"  # a node gives up on its own env server's start after 10 s
     config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n{env}')
     run = LocalRun(tmp_path / "run", config)
@@ -59,5 +66,18 @@ def test_a_node_with_another_config_or_architecture_is_refused(tmp_path):
         error = refusal(join(run, "--config", str(config)))
         assert "model architecture differs from the run's" in error, error
         assert "32]" in error and "48]" in error, error
+
+        other_base = build_model(model_dir, hidden_size=32, seed=1)  # the run's architecture, other weights
+        error = refusal(join(run, "--config", str(config)))
+        assert error == (f"composer-node: error: base model differs from the run's: base_sha256 {run_base} in the run, "
+                         f"{other_base} here (every peer must load the run's --model, the same weights: theta started "
+                         "from them)"), error
+
+        build_model(model_dir, hidden_size=32)  # the run's own --model again: round 0's theta is all there
+        node = join(run, "--config", str(config))
+        _, log = node.communicate(timeout=300)
+        moved = re.search(r"loaded round 0 state from a peer \(sha256 \w+\): state of round 0 \((.+?)\) "
+                          r"from coordinator: 0 B moved .*?, (.+?) kept", log)
+        assert moved and moved[1] == moved[2], log[-3000:]  # the whole state kept, nothing downloaded
     finally:
         run.stop()

@@ -97,7 +97,8 @@ def test_joins_survive_a_slow_and_a_dying_server_move_only_what_differs_and_refu
     assert same["moved"] == 0 and same["kept"] == state_bytes, same  # a round-0 join of the base moves nothing
 
     skeleton = first["skeleton"]
-    assert skeleton["ok"] and skeleton["sha"] == run_theta.sha256(), (skeleton, (logs / "join-1.log").read_text()[-3000:])
+    assert skeleton["ok"] and skeleton["sha"] == run_theta.sha256(), \
+        (skeleton, (logs / "join-1.log").read_text()[-3000:])
     assert skeleton["sources"] == ["server-a", "server-b"] and skeleton["retries"] >= 1, skeleton
     assert skeleton["kept"] == state_bytes - theta_bytes, skeleton  # the initial optimizer state was held already
     assert theta_bytes <= skeleton["moved"] < theta_bytes + 4 * 64 * 1024, skeleton  # resumed, not started over

@@ -395,7 +395,8 @@ class RunMembers:
                 self._members.update(k for k in found.value if isinstance(k, bytes))
 
     async def allows(self, peer_id: PeerID, rpc: str) -> bool:
-        """Whether ``peer_id`` is a member (declared in the DHT); a refusal is logged once per caller, naming ``rpc``."""
+        """Whether ``peer_id`` is a member (declared in the DHT); a refusal is logged once per caller, naming
+        ``rpc``."""
         wanted = peer_id.to_bytes()
         deadline = time.monotonic() + self.lookup_s
         while wanted not in self._members:
@@ -422,9 +423,11 @@ class MembersOnlyAverager(ExactAverager):
     _rpc_handlers = None  # hivemind caches these per class: ours must not inherit ExactAverager's handler names
     _stub_type = None
 
-    def __init__(self, *args: Any, member_lookup_s: float = 1.5, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._run_members = RunMembers(self.dht, self.prefix, lookup_s=member_lookup_s)
+    def __init__(self, averaged_tensors: Any, dht: hivemind.DHT, *, prefix: str, member_lookup_s: float = 1.5,
+                 **kwargs: Any):
+        # before hivemind forks the averager process (in the constructor): the child serves the RPCs
+        self._run_members = RunMembers(dht, prefix, lookup_s=member_lookup_s)
+        super().__init__(averaged_tensors, dht, prefix=prefix, **kwargs)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

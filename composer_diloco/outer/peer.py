@@ -215,7 +215,7 @@ class DiLoCoPeer:
         self.last_download: DownloadReport | None = None
         self.last_download_error = ""
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
-        self._peer_names: dict[str, str] = {}  # base58 peer ID -> peer name, as heartbeats told (`_download_candidates`)
+        self._peer_names: dict[str, str] = {}  # base58 peer ID -> name, from heartbeats (`_download_candidates`)
         self.delta = [_shared_zeros(p.shape) for p in model.parameters() if p.requires_grad]
         # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
         codec = make_sparse_codec(config, [d.shape for d in self.delta])
@@ -309,11 +309,16 @@ class DiLoCoPeer:
         """
         net = self.config.network
         with self._lock:
-            meta, local = self.global_model.state()
-            local_sha = self.global_model.tensor_sha256()
+            _, local = self.global_model.state()
+
+        def local_sha256() -> list[str]:
+            with self._lock:
+                return self.global_model.tensor_sha256()
+
         try:
             manifest, tensors, report = self.transfer.download(
-                lambda: self._download_candidates(peer), local=local, local_sha256=local_sha, check=self._check_manifest,
+                lambda: self._download_candidates(peer), local=local, local_sha256=local_sha256,
+                check=self._check_manifest,
                 min_round=min_round, start_timeout_s=timeout_s, chunk_timeout_s=net.state_chunk_timeout_s,
                 min_rate_bytes_s=net.state_min_rate_mb_s * 1e6, deadline_s=deadline_s,
                 chunk_bytes=chunk_bytes or self.chunk_bytes, in_place=not self.holds_theta)
@@ -334,7 +339,8 @@ class DiLoCoPeer:
             self.holds_theta = True  # a joiner's skeleton is theta now: it may send it
         self._update_priority()
         self.last_download, self.last_download_error = report, ""
-        log.info("%s loaded round %d state (sha256 %s): %s", self.swarm.name, self.round, sha[:12], report.describe())
+        log.info("%s loaded round %d state from a peer (sha256 %s): %s", self.swarm.name, self.round, sha[:12],
+                 report.describe())
         return True
 
     def _check_manifest(self, manifest: Manifest) -> None:

@@ -1,7 +1,7 @@
 """The global model's state between peers: theta and the outer optimizer state, streamed in bounded chunks.
 
-Who downloads: a node joining a run, a peer that failed a round or parted from the run (`composer_diloco.outer.recovery`:
-resync, split heal, settle), a coordinator restarted behind the swarm. All of them go through
+Who downloads: a node joining a run, a peer that failed a round or parted from the run
+(`composer_diloco.outer.recovery`: resync, split heal, settle), a coordinator restarted behind the swarm. All of them go through
 `DiLoCoPeer.load_state_from_peers`, which calls `StateTransfer.download`.
 
 Why not hivemind's ``load_state_from_peers``: its server asks the peer's process for the whole state, ships it to
@@ -356,7 +356,7 @@ class StateTransfer:
         yield averaging_pb2.DownloadData(metadata=_SERIALIZER.dumps({"manifest": manifest.to_wire()}))
 
     def _read(self, key: tuple[int, int], state_id: str, index: int, offset: int, n: int) -> bytes | None:
-        """Bytes ``[offset, offset + n)`` of state tensor ``index``, or None when the state is no longer ``state_id``."""
+        """Bytes ``[offset, offset + n)`` of state tensor ``index``; None when the state is no longer ``state_id``."""
         with self._lock:
             cached = self._cached
             if cached is None or cached[0] != key or self._gm.version != key[0] or not cached[1].serves or \
@@ -432,7 +432,7 @@ class StateTransfer:
 
     # -- downloading ----------------------------------------------------------------------------------------------
     def download(self, candidates: Callable[[], list[tuple[str, str]]], *, local: Sequence[torch.Tensor],
-                 local_sha256: Sequence[str], check: Callable[[Manifest], None], min_round: int | None,
+                 local_sha256: Callable[[], list[str]], check: Callable[[Manifest], None], min_round: int | None,
                  start_timeout_s: float, chunk_timeout_s: float, min_rate_bytes_s: float,
                  deadline_s: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  in_place: bool = False) -> tuple[Manifest, list[torch.Tensor], DownloadReport]:
@@ -440,7 +440,9 @@ class StateTransfer:
 
         Args:
             candidates: returns ``[(peer id base58, name), ...]``, best first (read again when a peer fails).
-            local: this peer's own state tensors (`GlobalModel.state` order); ``local_sha256`` their hashes.
+            local: this peer's own state tensors (`GlobalModel.state` order).
+            local_sha256: returns their hashes (`GlobalModel.tensor_sha256` under the peer's lock); run in a worker
+                thread while the first manifest is fetched (seconds each at 0.6B: they overlap).
             check: raises (`ArchitectureMismatch`) when a manifest does not fit this peer: called before any byte.
             min_round: a state older than this round is not taken (None: any).
             start_timeout_s: seconds to get a first manifest (keepalives of a hashing server keep it waiting).
@@ -458,7 +460,7 @@ class StateTransfer:
             Whatever ``check`` raises.
         """
         return self._run(self._download(
-            candidates, local=list(local), local_sha256=list(local_sha256), check=check, min_round=min_round,
+            candidates, local=list(local), local_sha256=local_sha256, check=check, min_round=min_round,
             start_timeout_s=start_timeout_s, chunk_timeout_s=chunk_timeout_s, min_rate_bytes_s=min_rate_bytes_s,
             deadline_s=deadline_s, chunk_bytes=chunk_bytes, in_place=in_place))
 
@@ -481,12 +483,16 @@ class StateTransfer:
                         min_rate_bytes_s, deadline_s, chunk_bytes, in_place):
         started = time.monotonic()
         report = DownloadReport()
-        source, manifest = await self._find_source(candidates, check, min_round, start_timeout_s, started,
-                                                   same_state=None)
+        hashing = asyncio.get_running_loop().run_in_executor(None, local_sha256)  # beside the manifest's fetch
+        try:
+            source, manifest = await self._find_source(candidates, check, min_round, start_timeout_s, started,
+                                                       same_state=None)
+        finally:
+            local_digests = await hashing
         if manifest is None:
             raise StateTransferError(f"no peer sent a state manifest{_min_round_text(min_round)} within "
                                      f"{start_timeout_s:.0f} s")
-        job = _Job(manifest, local, local_sha256, in_place)
+        job = _Job(manifest, local, list(local_digests), in_place)
         if deadline_s is None:
             deadline_s = download_deadline_s(job.bytes_needed(), start_timeout_s=start_timeout_s,
                                              min_rate_bytes_s=min_rate_bytes_s)
