@@ -493,6 +493,7 @@ class StateTransfer:
             raise StateTransferError(f"no peer sent a state manifest{_min_round_text(min_round)} within "
                                      f"{start_timeout_s:.0f} s")
         job = _Job(manifest, local, list(local_digests), in_place)
+        report.sources.append(source[1])  # whose state it is, even when none of its bytes need to move
         if deadline_s is None:
             deadline_s = download_deadline_s(job.bytes_needed(), start_timeout_s=start_timeout_s,
                                              min_rate_bytes_s=min_rate_bytes_s)
