@@ -17,13 +17,20 @@ count, the FLOPs and the memory are those of the real model; no call answers the
 
 ``plan`` prints the memory plan (`composer_diloco.policy.memory_plan`) of each architecture, full fine-tuning and
 LoRA r = 16, and which of 24 / 48 / 80 GB it fits at which micro-batch. ``measure`` measures one inner step of a
-folder on this CPU (`measure_training_bytes`, in a fresh process) next to its plan.
+folder on this CPU (`measure_training_bytes`, in a fresh process: GRPO through TRL's fused LM head, SDPO and DPO rows,
+the DPO reference pass) next to its plan. ``config`` writes a run config with changed settings (e.g. longer
+episodes); ``simulate`` prints, per node and round, the measured memory peak next to the planned one
+(``memory_peak_bytes`` / ``memory_planned_bytes`` of the metrics lines).
 
 Run:
     python bench/real_arch.py build --arch 0.6b --out runs/qwen3-0.6b-random
     python bench/real_arch.py plan [--seq-len 1024] [--json out.json]
-    python bench/real_arch.py measure --model runs/qwen3-0.6b-random --rows 2 --seq-len 256 [--lora]
-    python bench/real_arch.py steps --model runs/qwen3-0.6b-random [--steps 4] [--full]   (rollout / prep / train s)
+    python bench/real_arch.py measure --model runs/qwen3-0.6b-random --rows 2 --seq-len 256 [--lora] \
+        [--sdpo-rows 2 --dpo-pairs 1 --response-tokens 16]
+    python bench/real_arch.py config --base configs/qwen3_0.6b_lora.toml --out runs/long.toml \
+        --set max_seq_len=512 --set env.max_tool_calls=4      (a config with other settings)
+    python bench/real_arch.py steps --model runs/qwen3-0.6b-random [--steps 4] [--full]   (rollout / prep / train:
+        seconds and peak resident set)
     python bench/real_arch.py simulate --run-dir runs/real-0.6b -- --model runs/qwen3-0.6b-random --nodes 2 \\
         --config configs/qwen3_0.6b_lora.toml       (simulate, with each process's peak RSS)
 """
@@ -94,10 +101,12 @@ def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:
 
 def plan_table(seq_len: int = 1024, episodes: int = 8) -> list[dict]:
     """One row per architecture and mode (full fine-tuning, LoRA r = 16 on q/k/v/o) of the memory plan on a CUDA GPU
-    with bf16 autocast, the default run config with SDPO and DPO on (0.2 each: up to one SDPO row per episode and 2 * ceil(8 / K)
-    DPO rows per micro-batch) at ``seq_len`` tokens per row and ``episodes`` per inner step: the device bytes at
-    micro-batch 1 (K = ``episodes``), the host bytes, and per GPU size (24 / 48 / 80 GB, 95 % usable) the largest
-    micro-batch b of 8, 4, 2, 1 (K = episodes / b) that fits, first without then with gradient checkpointing."""
+    with bf16 autocast, the default run config with SDPO and DPO on (0.2 each: one SDPO row per episode and 2 * ceil(8
+    / K) DPO rows per micro-batch) with rows of ``seq_len`` tokens (``max_seq_len``: the plan's rows when tool replies
+    are not capped) and ``episodes`` per inner step: the device bytes at micro-batch 1 (K = ``episodes``), the host
+    bytes, and per GPU size (24 / 48 / 80 GB, 95 % usable) the largest micro-batch b of 8, 4, 2, 1 (K = episodes / b)
+    that fits, first without then with gradient checkpointing (`composer_diloco.policy.memory_plan.choose_batch`'s
+    order)."""
     from composer_diloco.config import LoraSection, LossConfig, load_config
     from composer_diloco.policy.memory_plan import plan_for_run
 
@@ -131,30 +140,70 @@ def plan_table(seq_len: int = 1024, episodes: int = 8) -> list[dict]:
     return rows
 
 
-def measure(model_dir: Path, rows: int, seq_len: int, lora: bool, reference: bool = True) -> dict:
+def measure(model_dir: Path, rows: int, seq_len: int, lora: bool, reference: bool = True, sdpo_rows: int = 0,
+            dpo_pairs: int = 0, response_tokens: int = 16) -> dict:
     """Measure one inner step of the folder's model on CPU in a fresh process (`measure_training_bytes` with
-    ``MALLOC_MMAP_THRESHOLD_=65536``), next to the plan's state and activation bytes."""
+    ``MALLOC_MMAP_THRESHOLD_=65536``): ``rows`` GRPO rows, ``sdpo_rows`` SDPO sites and ``dpo_pairs`` DPO pairs of
+    ``seq_len`` tokens (``response_tokens`` of each SDPO/DPO row scored), next to the plan's state, activation and
+    reference-pass bytes (`activation_bytes`, `reference_pass_bytes`)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     code = f"""
 import json, torch
 from transformers import AutoModelForCausalLM, AutoConfig
 from composer_diloco.config import LoraSection
-from composer_diloco.policy.memory_plan import measure_training_bytes, model_shape, plan_memory
+from composer_diloco.policy.memory_plan import (activation_bytes, measure_training_bytes, model_shape, plan_memory,
+                                                reference_pass_bytes)
 lora = LoraSection(**{LORA!r}) if {lora} else None
 cfg = AutoConfig.from_pretrained({str(model_dir)!r})
 m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, dtype=torch.float32)
 if lora is not None:
     from composer_diloco.policy.lora import apply_lora
     m = apply_lora(m, lora)
-meas = measure_training_bytes(m, rows={rows}, seq_len={seq_len}, reference={reference}, lora=lora is not None)
-plan = plan_memory(model_shape(cfg, lora), micro_batch={rows}, seq_len={seq_len}, sdpo=False,
-                   dpo_reference={reference})
+meas = measure_training_bytes(m, rows={rows}, seq_len={seq_len}, reference={reference}, lora=lora is not None,
+                              sdpo_rows={sdpo_rows}, dpo_pairs={dpo_pairs}, response_tokens={response_tokens})
+shape = model_shape(cfg, lora)
+plan = plan_memory(shape, micro_batch={rows}, seq_len={seq_len}, sdpo=False, dpo_reference={reference})
+act = activation_bytes(shape, {rows}, {seq_len}, sdpo_rows={sdpo_rows}, dpo_rows=2 * {dpo_pairs},
+                       response_tokens={response_tokens})
 print(json.dumps(dict(measured=meas, plan_state=plan.optimizer + plan.reference, plan_gradients=plan.gradients,
-                      plan_activations=plan.activations, plan_peak=plan.optimizer + plan.reference + plan.training_peak,
+                      plan_activations=act, plan_peak=plan.optimizer + plan.reference
+                      + max(act + plan.gradients // 4, plan.gradients + plan.step_transient),
+                      plan_reference_pass=reference_pass_bytes(shape, max({dpo_pairs}, 1), {seq_len},
+                                                               response_tokens={response_tokens}),
                       weights=plan.weights)))
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def write_config(base: Path, out: Path, settings: list[str]) -> Path:
+    """Write ``base`` (a TOML run config) with each ``KEY=VALUE`` of ``settings`` set to ``out``: ``KEY`` a dotted
+    name (``max_seq_len``, ``env.max_tool_calls``), ``VALUE`` a TOML value (``512``, ``"text"``). The result is read
+    back with `composer_diloco.config.load_config`, so a bad setting fails here with the config's own message.
+
+    Raises:
+        ValueError: a setting without ``=``; ConfigError: the written config is not valid.
+    """
+    import tomllib
+
+    import tomli_w
+
+    from composer_diloco.config import load_config
+
+    data = tomllib.loads(base.read_text())
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise ValueError(f"--set {setting!r}: expected KEY=VALUE, e.g. env.max_tool_calls=4")
+        *sections, name = key.strip().split(".")
+        table = data
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[name] = tomllib.loads(f"v = {value.strip()}")["v"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# {base} with {', '.join(settings)} (bench/real_arch.py config)\n" + tomli_w.dumps(data))
+    load_config(out)
+    return out
 
 
 def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
@@ -220,7 +269,9 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
 
     Returns:
         one dict per step: ``step_s``, ``rollout_s``, ``prep_s``, ``train_s``, ``sdpo_sites``, ``dpo_pairs``,
-        ``tokens`` (prompt + completion tokens of the step's episodes).
+        ``tokens`` (prompt + completion tokens of the step's episodes), ``longest`` (the longest episode, tokens), and
+        ``rollout_gb`` / ``prep_gb`` / ``train_gb``: the process's peak resident set in each part (``VmHWM``, reset
+        through ``/proc/self/clear_refs`` at each part's start) over its resident set before the model was loaded.
     """
     import tempfile
     import time
@@ -234,6 +285,9 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
     from composer_diloco.rollout.env_process import start_env_server
     from composer_diloco.rollout.sessions import open_env_sessions
 
+    from composer_diloco.policy.memory_plan import PeakMemory
+
+    peak = PeakMemory("cpu")  # its baseline: this process before the model is loaded
     config = load_config(config_path, model=str(model_dir))
     if not lora:
         config = config.model_copy(update={"lora": None})
@@ -243,6 +297,7 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
     server = start_env_server(config.env.server_module, startup_timeout_s=60, args=config.env.server_args)
     rows: list[dict] = []
     clock = {"rollout": 0.0, "gen": 0.0, "t0": 0.0}
+    gb = {}
     try:
         sessions = open_env_sessions([server.url], config.batch_size, max_tool_calls=config.env.max_tool_calls,
                                      reset_kwargs=config.env.reset_kwargs)
@@ -254,13 +309,16 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
         class Clock(TrainerCallback):
             def on_step_begin(self, *a, **k):
                 clock.update(rollout=0.0, gen=0.0, t0=time.perf_counter())
+                peak.reset()
 
             def on_step_end(self, *a, **k):
                 step_s = time.perf_counter() - clock["t0"]
                 last = trainer.round_stats.steps[-1]
+                gb["train_gb"] = (peak.take() or 0) / 1e9
                 rows.append({"step_s": step_s, "rollout_s": clock["rollout"], "prep_s": clock["gen"] - clock["rollout"],
                              "train_s": step_s - clock["gen"], "sdpo_sites": last.sdpo_sites,
-                             "dpo_pairs": last.dpo_pairs, "tokens": clock.get("tokens", 0)})
+                             "dpo_pairs": last.dpo_pairs, "tokens": clock.get("tokens", 0),
+                             "longest": clock.get("longest", 0), **gb})
 
         trainer = ComposerGRPOTrainer(model=model, tokenizer=tokenizer, config=config, sessions=sessions,
                                       peer_name="bench", args=args, callbacks=[Clock()])
@@ -271,12 +329,15 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
             out = rollout(prompts, trainer_)
             clock["rollout"] += time.perf_counter() - t0
             clock["tokens"] = sum(len(p) + len(c) for p, c in zip(out["prompt_ids"], out["completion_ids"]))
+            clock["longest"] = max(len(p) + len(c) for p, c in zip(out["prompt_ids"], out["completion_ids"]))
+            gb["rollout_gb"] = (peak.take() or 0) / 1e9
             return out
 
         def timed_gen(inputs):
             t0 = time.perf_counter()
             out = gen(inputs)
             clock["gen"] += time.perf_counter() - t0
+            gb["prep_gb"] = (peak.take() or 0) / 1e9
             return out
 
         trainer.rollout_func, trainer._generate_and_score_completions = timed_rollout, timed_gen
@@ -284,6 +345,17 @@ def time_steps(model_dir: Path, config_path: Path, steps: int, *, lora: bool = T
     finally:
         server.stop()
     return rows
+
+
+def _memory_words(record: dict) -> list[str]:
+    """A node's metrics line's memory figures for the printout: measured and planned peak (GB), the longest episode
+    (tokens), SDPO sites and DPO pairs; nothing for the coordinator's lines."""
+    if record.get("role") != "node":
+        return []
+    peak, plan = record.get("memory_peak_bytes"), record.get("memory_planned_bytes")
+    gb = "peak_gb {} plan_gb {}".format(*("-" if v is None else f"{v / 1e9:.2f}" for v in (peak, plan)))
+    return [gb, "episode_tokens_max", str(record.get("episode_tokens_max")), "sdpo_sites",
+            str(record.get("sdpo_sites")), "dpo_pairs", str(record.get("dpo_pairs"))]
 
 
 def main() -> None:
@@ -309,6 +381,14 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=4)
     t.add_argument("--full", action="store_true", help="full fine-tuning (drop the config's [lora])")
     t.add_argument("--gradient-checkpointing", action="store_true")
+    c = sub.add_parser("config", help="write a run config with other settings")
+    c.add_argument("--base", type=Path, default=ROOT / "configs" / "qwen3_0.6b_lora.toml")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted setting and its TOML value, e.g. env.max_tool_calls=4 (repeat)")
+    m.add_argument("--sdpo-rows", type=int, default=0)
+    m.add_argument("--dpo-pairs", type=int, default=0)
+    m.add_argument("--response-tokens", type=int, default=16)
     w = sub.add_parser("simulate", help="coordinator simulate ARGS..., with each process's peak RSS")
     w.add_argument("--run-dir", type=Path, required=True)
     w.add_argument("--out", type=Path, help="write the result as JSON here")
@@ -321,12 +401,14 @@ def main() -> None:
         for name, recs in result["rounds"].items():
             for r in recs:
                 print(name, r.get("round"), r.get("global_sha256", "")[:12], "inner_s", r.get("inner_seconds"),
-                      "sync_s", r.get("sync_seconds"), "bytes_sent", r.get("bytes_sent"))
+                      "sync_s", r.get("sync_seconds"), "bytes_sent", r.get("bytes_sent"), *_memory_words(r))
         if a.out:
             a.out.write_text(json.dumps(result, indent=1))
         sys.exit(result["exit"])
     if a.cmd == "build":
         build(a.arch, a.out, a.seed, plant=not a.no_plant)
+    elif a.cmd == "config":
+        print(f"wrote {write_config(a.base, a.out, a.set)}")
     elif a.cmd == "steps":
         rows = time_steps(a.model, a.config, a.steps, lora=not a.full, gradient_checkpointing=a.gradient_checkpointing)
         for i, r in enumerate(rows):
@@ -345,7 +427,8 @@ def main() -> None:
         if a.json:
             a.json.write_text(json.dumps(rows, indent=1))
     else:
-        print(json.dumps(measure(a.model, a.rows, a.seq_len, a.lora), indent=1))
+        print(json.dumps(measure(a.model, a.rows, a.seq_len, a.lora, sdpo_rows=a.sdpo_rows, dpo_pairs=a.dpo_pairs,
+                                 response_tokens=a.response_tokens), indent=1))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ class EnvConfig(_Section):
     )
     max_tool_calls: int = Field(6, ge=1, le=64, description="Assistant turns per episode before it is cut off.")
     max_turn_tokens: int = Field(40, ge=4, le=4096, description="Tokens the policy may generate per assistant turn.")
+    max_tool_reply_tokens: int | None = Field(
+        None, ge=1, le=65536,
+        description="Tokens of a tool reply the policy sees: a longer reply is cut to its first this many tokens and "
+                    "' ...' (composer_diloco.rollout.episodes.play_episodes). None: not cut; an episode ends where a "
+                    "reply and the next turn would pass max_seq_len. Set, it also bounds the rows the memory plan "
+                    "plans (composer_diloco.policy.memory_plan.row_bound).",
+    )
     connect_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait for an env server to answer.")
     reset_kwargs: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
@@ -454,14 +461,17 @@ class RunConfig(_Section):
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
-        ``[sparse_codec]``), with ``outer.overlap`` off, or with the ``network.state_*`` settings at their defaults,
-        has no such key, so its JSON and `digest` are those of a config written before it existed."""
+        ``[sparse_codec]``), with ``outer.overlap`` off, without ``env.max_tool_reply_tokens``, or with the
+        ``network.state_*`` settings at their defaults, has no such key, so its JSON and `digest` are those of a config
+        written before it existed."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
             if data.get(optional) is None:
                 data.pop(optional, None)
         if not data["outer"].get("overlap"):  # overlap off: the JSON (and digest) of configs written before it
             data["outer"].pop("overlap", None)
+        if data["env"].get("max_tool_reply_tokens") is None:  # replies not cut: likewise
+            data["env"].pop("max_tool_reply_tokens", None)
         for key in _STATE_TRANSFER_KEYS:  # the state transfer's settings at their defaults: likewise
             if data["network"].get(key) == NetworkConfig.model_fields[key].default:
                 data["network"].pop(key, None)

@@ -2,7 +2,8 @@
 
 Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
 ``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``episodes_without_tool_call``,
-``episodes_env_error``, ``loss_grpo``, ``inner_seconds`` and each loss channel's keys
+``episodes_env_error``, ``loss_grpo``, ``inner_seconds``, ``memory_peak_bytes`` / ``memory_planned_bytes`` /
+``episode_tokens_max`` (`composer_diloco.policy.memory_plan.round_memory`) and each loss channel's keys
 (`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
 and DPO channels).
 
@@ -25,7 +26,8 @@ Column = tuple[str, str, str]
 
 def table_columns() -> tuple[Column, ...]:
     """The round table's columns: round, peers, reward, success, the GRPO loss, every registered channel's loss,
-    every channel's count, then inner/sync seconds and bytes (``(key, title, format)`` each)."""
+    every channel's count, then inner/sync seconds, bytes, and the memory peak against the plan (``(key, title,
+    format)`` each)."""
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
@@ -40,6 +42,7 @@ def table_columns() -> tuple[Column, ...]:
         ("inner_seconds", "inner s", "{:.1f}"),
         ("sync_seconds", "sync s", "{:.1f}"),
         ("bytes_sent", "bytes sent", "{:,}"),
+        ("memory", "peak/plan GB", "{}"),
     )
 
 
@@ -116,6 +119,7 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "samples": sum(int(r.get("samples", 0)) for r in nodes),
             "episodes_without_tool_call": sum(int(r.get("episodes_without_tool_call", 0)) for r in nodes),
             "episodes_env_error": sum(int(r.get("episodes_env_error", 0)) for r in nodes),
+            "memory": _memory_cell(nodes),
         }
         for m in channels:
             row[m.loss_key] = _mean(r.get(m.loss_key, 0.0) for r in nodes)
@@ -129,6 +133,17 @@ def no_tool_call_rounds(rows: list[dict[str, Any]]) -> list[int]:
     directory written before ``episodes_without_tool_call`` existed has none)."""
     return [row["round"] for row in rows
             if row.get("samples", 0) > 0 and row.get("episodes_without_tool_call", 0) == row["samples"]]
+
+
+def _memory_cell(nodes: list[dict[str, Any]]) -> str:
+    """``peak/plan`` in GB of the node whose measured peak came closest to (or passed) its memory plan, e.g.
+    ``0.41/0.52``; ``-`` when no node recorded both (a run directory written before the fields existed)."""
+    pairs = [(r["memory_peak_bytes"], r["memory_planned_bytes"]) for r in nodes
+             if r.get("memory_peak_bytes") is not None and r.get("memory_planned_bytes")]
+    if not pairs:
+        return "-"
+    peak, plan = max(pairs, key=lambda p: p[0] / p[1])
+    return f"{peak / 1e9:.2f}/{plan / 1e9:.2f}"
 
 
 def _mean(values: Iterable[float]) -> float:

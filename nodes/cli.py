@@ -27,7 +27,9 @@ def join(
                                             "linear weights stored in bf16; on a CPU it rehearses a GPU run).")
                  ] = "auto",
     batch_size: Annotated[int | None, typer.Option(help="Episodes per micro-batch (one forward/backward); "
-                                                        "default: the run's tasks_per_step * num_generations.")] = None,
+                                                        "default: the largest micro-batch that fits this node's "
+                                                        "memory plan (gradient accumulation makes up the step).")
+                          ] = None,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per inner step; batch-size * grad-accum episodes "
                                                  "per step must be a multiple of num_generations.")] = 1,
     env_url: Annotated[list[str], typer.Option(help="Env server URL (repeat for several, used round-robin): one of "

@@ -104,15 +104,22 @@ class NodeBatch:
     episodes each and one AdamW step. Peak training memory follows ``micro_batch``; the round's samples (the
     node's all-reduce weight) follow ``episodes_per_step``.
 
+    Without ``--batch-size`` (and ``--grad-accum``) the node picks the micro-batch itself from its memory plan
+    (`composer_diloco.policy.memory_plan.choose_batch`, `nodes.node.Node.plan_memory`): the largest that divides the
+    run's episodes per step and fits, turning gradient checkpointing on when no micro-batch fits without it.
+
     Attributes:
         micro_batch: episodes per forward/backward pass (``--batch-size``), >= 1.
         grad_accum: micro-batches per optimizer step (``--grad-accum``), >= 1.
         num_generations: the run's GRPO group size G; ``episodes_per_step`` is a multiple of it.
+        gradient_checkpointing: train with gradient checkpointing (``--gradient-checkpointing``, or turned on by the
+            memory plan's choice); `nodes.node.Node.train` reads it.
     """
 
     micro_batch: int
     grad_accum: int
     num_generations: int
+    gradient_checkpointing: bool = False
 
     @property
     def episodes_per_step(self) -> int:
@@ -124,8 +131,16 @@ class NodeBatch:
         """Distinct tasks (GRPO groups) per inner step: ``episodes_per_step / num_generations``."""
         return self.episodes_per_step // self.num_generations
 
+    @staticmethod
+    def picks_itself(batch_size: int | None, grad_accum: int) -> bool:
+        """True when the user gave neither ``--batch-size`` nor a ``--grad-accum`` other than 1: the node picks its
+        micro-batch from its memory plan. A ``--grad-accum`` alone keeps its meaning (that many micro-batches of the
+        run's batch per step)."""
+        return batch_size is None and grad_accum == 1
+
     @classmethod
-    def resolve(cls, config: RunConfig, batch_size: int | None = None, grad_accum: int = 1) -> NodeBatch:
+    def resolve(cls, config: RunConfig, batch_size: int | None = None, grad_accum: int = 1,
+                gradient_checkpointing: bool = False) -> NodeBatch:
         """The node's batch for ``config``.
 
         Args:
@@ -133,6 +148,7 @@ class NodeBatch:
                 micro-batch).
             batch_size: episodes per micro-batch; None = ``config.batch_size``.
             grad_accum: micro-batches per optimizer step.
+            gradient_checkpointing: train with gradient checkpointing.
         Raises:
             BatchError: a value below 1, or ``batch_size * grad_accum`` not a multiple of G (a GRPO group would be
                 split across optimizer steps); the message names the three values.
@@ -145,12 +161,13 @@ class NodeBatch:
                 f"--batch-size {micro} x --grad-accum {grad_accum} = {micro * grad_accum} episodes per step is not a "
                 f"multiple of the run's num_generations {g} (GRPO groups must be whole)"
             )
-        return cls(micro, grad_accum, g)
+        return cls(micro, grad_accum, g, gradient_checkpointing)
 
     def describe(self) -> str:
         """One phrase for the log, e.g. ``8 episodes per step (2 tasks x G=4) = 2 micro-batches of 4``."""
         return (f"{self.episodes_per_step} episodes per step ({self.tasks_per_step} tasks x G={self.num_generations})"
-                f" = {self.grad_accum} micro-batch(es) of {self.micro_batch}")
+                f" = {self.grad_accum} micro-batch(es) of {self.micro_batch}"
+                f"{', gradient checkpointing' if self.gradient_checkpointing else ''}")
 
 
 def cpu_oversubscription(cores: int, threads: int, other_nodes: int, omp_env: str | None) -> str | None:

@@ -162,7 +162,7 @@ class Node:
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=[o.peer])
 
-        self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)  # whole GRPO groups of the run's G
+        self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
         if self.memory_plan is None:  # before the averager, the env sessions, the model and the download
             self.plan_memory(config)
@@ -252,37 +252,63 @@ class Node:
             log.warning("round %d: could not save the error feedback: %s", round_, e)
 
     def plan_memory(self, config: RunConfig):
-        """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), log it, and refuse
-        one that does not fit the device's free memory, or episodes longer than the model's context.
+        """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), pick the micro-batch
+        (``self.batch``), log both, and refuse a plan that does not fit the device's free memory, or episodes longer
+        than the model's context. Runs once per config (a second call with the same config returns the first plan).
 
         The model's sizes come from its config alone (the embedded default's, or ``config.json`` of ``--model``
         read from local files or the Hub cache): nothing is built or downloaded. A model whose config is not in
-        local files is not planned (a WARNING); loading it later fails or succeeds on its own.
+        local files is not planned (a WARNING) and trains with the run's micro-batch; loading it later fails or
+        succeeds on its own.
+
+        Without ``--batch-size`` (and ``--grad-accum``) the node picks the largest micro-batch that divides the run's
+        episodes per step and fits, first without gradient checkpointing, then with it (turned on:
+        ``self.batch.gradient_checkpointing``), and logs the choice and why (`choose_batch`); the episodes per step
+        stay the run's. A user's ``--batch-size`` / ``--grad-accum`` is planned as given and refused when it does
+        not fit.
+
+        Also starts `PeakMemory` (its CPU baseline: the process before the policy is built), which each round's
+        metrics line reads (`_write_round`).
 
         Returns:
             the `MemoryPlan`, or None when the model config could not be read.
         Raises:
-            DeviceMemoryError: one line naming the need, the free memory and the options that would fit.
+            DeviceMemoryError: one line naming the need, the free memory and the options that would fit (a user's
+                batch), or that micro-batch 1 with gradient checkpointing does not fit (a batch the node picks).
             ConfigError: the run's ``max_seq_len`` is longer than the model's positions (`check_context_length`).
             ValueError: ``$COMPOSER_DILOCO_DEVICE_MEMORY_BYTES`` is not a positive number.
             BatchError: ``--batch-size`` x ``--grad-accum`` is not a multiple of the run's G.
         """
         from composer_diloco.policy.context_length import check_context_length
-        from composer_diloco.policy.memory_plan import check_plan, device_free_bytes
+        from composer_diloco.policy.memory_plan import (
+            PeakMemory, check_plan, choose_batch, device_free_bytes, plan_inputs,
+        )
 
         o = self.options
-        batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum)
+        if getattr(self, "_planned_digest", None) == config.digest():
+            return self.memory_plan
+        self._planned_digest = config.digest()
+        self.batch = NodeBatch.resolve(config, o.batch_size, o.grad_accum, o.gradient_checkpointing)
         model_config = _model_config(config)
         if model_config is None:
             log.warning("memory plan skipped: the config of model %r is not in local files", config.model)
             return None
         check_context_length(config.max_seq_len, model_config, config.model)
+        self.memory_peak = PeakMemory(self.placement.device)  # before the policy is built: the CPU baseline
         free, source = device_free_bytes(self.placement.device)
         host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
-        self.memory_plan = check_plan(
-            config, model_config, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-            device=self.placement.name, bf16=self.placement.bf16,
-            gradient_checkpointing=o.gradient_checkpointing, free=free, free_source=source, host_free=host_free)
+        kw = dict(device=self.placement.name, bf16=self.placement.bf16, free=free, free_source=source,
+                  host_free=host_free, inputs=plan_inputs(config))
+        if NodeBatch.picks_itself(o.batch_size, o.grad_accum):
+            choice = choose_batch(config, model_config, gradient_checkpointing=o.gradient_checkpointing, **kw)
+            self.batch = NodeBatch(choice.micro_batch, choice.grad_accum, config.grpo.num_generations,
+                                   choice.gradient_checkpointing)
+            self.memory_plan = choice.plan
+            log.info("%s: %s", o.name, choice.reason)
+        else:
+            self.memory_plan = check_plan(config, model_config, micro_batch=self.batch.micro_batch,
+                                          grad_accum=self.batch.grad_accum,
+                                          gradient_checkpointing=o.gradient_checkpointing, **kw)
         log.info("%s", self.memory_plan.describe())
         return self.memory_plan
 
@@ -307,7 +333,9 @@ class Node:
         args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
                          use_cpu=self.placement.use_cpu, bf16=self.placement.bf16,
                          micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum)
-        if self.options.gradient_checkpointing:  # TRL enables it on the model (and input grads for a peft model)
+        # --gradient-checkpointing, or turned on by the memory plan's choice (`plan_memory`); TRL enables it on the
+        # model (and input grads for a peft model)
+        if self.batch.gradient_checkpointing:
             args.gradient_checkpointing = True
             args.gradient_checkpointing_kwargs = {"use_reentrant": False}
         self.trainer = ComposerGRPOTrainer(
@@ -317,6 +345,8 @@ class Node:
         )
         first = peer.round
         self._round_started = time.monotonic()
+        if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
+            self.memory_peak.reset()
         self.trainer.train()
         while peer.round < config.rounds and not self.stop.event.is_set():
             # a heal took this node back to an earlier round (`recovery.heal_split`): its inner steps ran out before
@@ -404,8 +434,14 @@ class Node:
 
     def _write_round(self, result, phase: dict, fold: str | None = None) -> None:
         """One round's metrics line (`SyncResult` ``result`` of the inner phase ``phase``) and its log line."""
+        from composer_diloco.policy.memory_plan import round_memory
+
         self._save_codec_state(result.round)
         stats, inner_seconds = phase["stats"], phase["inner_seconds"]
+        peak = getattr(self, "memory_peak", None)  # the peak since the previous line (a round's inner phase + sync)
+        memory, warnings = round_memory(self.memory_plan, peak.take() if peak is not None else None, stats)
+        for line in warnings:
+            log.warning("%s round %d: %s", self.options.name, result.round, line)
         record = {
             "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
             **stats.record(), "inner_steps": phase["inner_steps"],
@@ -413,7 +449,7 @@ class Node:
             "blocked_seconds": round(phase["blocked_seconds"], 3),
             "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
             "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
-            "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(),
+            "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(), **memory,
         }
         if fold is not None:
             record["fold"] = fold

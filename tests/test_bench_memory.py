@@ -44,3 +44,23 @@ def test_the_slope_is_the_peak_difference_over_theta_s_bytes():
         slope(_summary(2_000_000, 1), _summary(1_000_000, 1))
     with pytest.raises(ValueError, match="--memory"):
         slope([{"mode": "blocking", "parameters": 1}], _summary(2, 1))
+
+
+def test_real_arch_writes_a_config_with_other_settings(tmp_path):
+    """``bench/real_arch.py config``: dotted settings replace the base's, and a setting the config refuses fails there."""
+    import tomllib
+
+    from real_arch import ROOT, write_config
+
+    from composer_diloco.config import ConfigError
+
+    out = write_config(ROOT / "configs" / "qwen3_0.6b_lora.toml", tmp_path / "long.toml",
+                       ["max_seq_len=1024", "env.max_tool_calls=6", "env.max_tool_reply_tokens=32"])
+    data = tomllib.loads(out.read_text())
+    assert data["max_seq_len"] == 1024 and data["env"] == {"max_tool_calls": 6, "max_turn_tokens": 16,
+                                                            "max_tool_reply_tokens": 32}
+    assert data["lora"]["r"] == 16  # the rest is the base's
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        write_config(ROOT / "configs" / "qwen3_0.6b_lora.toml", tmp_path / "bad.toml", ["max_seq_len"])
+    with pytest.raises(ConfigError):
+        write_config(ROOT / "configs" / "qwen3_0.6b_lora.toml", tmp_path / "bad.toml", ["env.max_tool_reply_tokens=0"])

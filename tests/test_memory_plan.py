@@ -1,5 +1,7 @@
 """The memory plan (`composer_diloco.policy.memory_plan`): its figures against what one inner step allocates on CPU, the
-one-line refusal of a plan that does not fit, and a ``--model`` folder without a chat template."""
+one-line refusal of a plan that does not fit, the rows it plans, the micro-batch a node picks from it (and a real run
+with it), the measured peak next to the plan in every round's line, and a ``--model`` folder without a chat
+template."""
 
 import json
 import os
@@ -13,11 +15,20 @@ from tests_support import error_line
 from composer_diloco.config import LoraSection, LossConfig, load_config
 from composer_diloco.policy.memory_plan import (
     DEVICE_MEMORY_ENV,
+    REPLY_SLACK,
+    RUNTIME_HOST_BYTES,
     DeviceMemoryError,
+    PeakMemory,
+    PlanInputs,
     check_plan,
+    choose_batch,
     device_free_bytes,
     model_shape,
+    plan_for_run,
+    plan_inputs,
     plan_memory,
+    round_memory,
+    row_bound,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +117,8 @@ def test_bytes_per_parameter_follow_the_code():
     assert 0 < lin < p and full.shape.frozen_linear == 0  # full fine-tuning: every weight trains, kept fp32
     # bf16: the DPO reference copy keeps its linear weights in bf16 (2 bytes), its embedding and norms in fp32
     assert (full.weights, full.gradients, full.optimizer, full.reference) == (4 * p, 4 * p, 8 * p, 4 * p - 2 * lin)
-    assert full.host == 4 * p * 6 and full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
+    assert full.host == 4 * p * 6 + RUNTIME_HOST_BYTES  # + the process's own allocations
+    assert full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
     lora_config = load_config(None, model="some/model", lora=LoraSection(r=16, lora_alpha=32))
     lora = check_plan(lora_config, cfg, micro_batch=8, grad_accum=1, device="cuda:0", bf16=True,
                       gradient_checkpointing=False, free=None)
@@ -168,7 +180,7 @@ def test_host_plan_counts_the_outer_optimizers_own_state(tmp_path, outer, tensor
     cfg = tiny_model_config(load_default_tokenizer(), 0)
     plan = check_plan(load_config(path, model="some/model"), cfg, micro_batch=1, grad_accum=8, device="cpu",
                       bf16=False, gradient_checkpointing=False, free=10**12)
-    assert plan.host == 4 * model_shape(cfg).params_trainable * (2 + tensors + 2)
+    assert plan.host == 4 * model_shape(cfg).params_trainable * (2 + tensors + 2) + RUNTIME_HOST_BYTES
 
 
 def test_device_memory_env_caps_and_rejects(monkeypatch):
@@ -192,19 +204,98 @@ def test_model_shape_counts_real_qwen3_sizes():
     assert lora.params_trainable == 28 * 16 * ((1024 + 2048) + 2 * (1024 + 1024) + (2048 + 1024))
 
 
-@pytest.mark.timeout(90)
+def _smoke_plans(**kw) -> dict[tuple[int, bool], int]:
+    """smoke.toml's plan need on this CPU by (micro-batch, gradient checkpointing), as a node without --config
+    plans it."""
+    from nodes.node import _model_config
+
+    config = load_config(ROOT / "configs" / "smoke.toml", **kw)
+    cfg, inputs = _model_config(config), plan_inputs(config)
+    return {(b, gc): plan_for_run(config, cfg, micro_batch=b, grad_accum=8 // b, device="cpu", bf16=False,
+                                  gradient_checkpointing=gc, free=None, inputs=inputs).need
+            for b in (8, 4, 2, 1) for gc in (False, True)}
+
+
+@pytest.mark.timeout(120)
 def test_node_refuses_before_joining_when_the_device_is_too_small(tmp_path):
-    """A node with ``--config`` plans before it starts the DHT: with the device capped at 1 GB it exits 1 with the
-    one-line refusal (the default micro-batch of 8 at 1024 tokens needs about 2.2 GB), without dialling the (dead)
-    peer."""
-    env = {**os.environ, DEVICE_MEMORY_ENV: "1000000000"}
-    r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--config", "configs/smoke.toml",
-                        "--run-dir", str(tmp_path), "--device", "cpu", "--join-timeout", "5"],
-                       capture_output=True, text=True, timeout=80, cwd=ROOT, env=env)
-    assert r.returncode == 1, r.stderr[-2000:]
-    line = error_line(r)
-    assert "not enough host RAM on cpu: the memory plan needs" in line and "1.00 GB free" in line, line
-    assert "would fit: --batch-size 2 --grad-accum 4" in line and "no peer answered" not in r.stderr
+    """A node with ``--config`` plans before it starts the DHT, without dialling the (dead) peer. Its own
+    ``--batch-size 8`` at a budget only micro-batch 2 fits: exit 1 with the one-line refusal naming what would fit.
+    Without ``--batch-size`` at a budget below micro-batch 1 with gradient checkpointing: the one line naming that
+    plan."""
+    plans = _smoke_plans()
+    assert plans[(2, False)] < plans[(4, False)]
+    between, tiny = (plans[(2, False)] + plans[(4, False)]) // 2, plans[(1, True)] // 2
+    join = [sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--config", "configs/smoke.toml", "--device",
+            "cpu", "--join-timeout", "5"]
+    runs = [subprocess.Popen(join + ["--run-dir", str(tmp_path / name), *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, DEVICE_MEMORY_ENV: str(cap)})
+            for name, cap, args in (("own", between, ["--batch-size", "8"]), ("auto", tiny, []))]
+    results = []
+    for p in runs:
+        err = p.communicate(timeout=110)[1]
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, "", err))
+    for r in results:
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "not enough host RAM on cpu: the memory plan needs" in error_line(r)
+        assert "no peer answered" not in r.stderr
+    own, auto = (error_line(r) for r in results)
+    assert f"{between / 1e9:.2f} GB free" in own or f"{between / 1e6:.1f} MB free" in own, own
+    assert "at --batch-size 8 x 1024 tokens" in own and "would fit: --batch-size 2 --grad-accum 4" in own, own
+    assert "at --batch-size 1 x 1024 tokens with gradient checkpointing" in auto, auto
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(run_dir, tmp_path):
+    """Two nodes without ``--batch-size`` in one run of smoke.toml (one round of H = 2 steps, 8 episodes a step): one
+    with ``$COMPOSER_DILOCO_DEVICE_MEMORY_BYTES`` between the plans of micro-batch 4 and 8 (the run's micro-batch of 8,
+    which a node refused before it chose its own), one with the machine's memory. The capped node logs its choice,
+    micro-batch 4 x 2, and trains the same samples each round as the other at 8 x 1; each round's line holds the
+    measured peak next to the planned figure, the capped node's plan under its budget."""
+    from composer_diloco.metrics import read_metrics
+    from tests_support import stop_processes
+
+    config = tmp_path / "one_round.toml"
+    config.write_text((ROOT / "configs" / "smoke.toml").read_text().replace("rounds = 2", "rounds = 1"))
+    plans = _smoke_plans()
+    cap = (plans[(4, False)] + plans[(8, False)]) // 2
+    env = {**os.environ, "COLUMNS": "400"}  # rich would wrap the log lines at 80 columns
+    procs = []
+    try:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "start", "--config", str(config), "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+        procs.append(coordinator)
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        node = [sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir", str(run_dir),
+                "--device", "cpu"]
+        logs = {name: tmp_path / f"{name}.log" for name in ("capped", "roomy")}
+        for name, extra in (("capped", {DEVICE_MEMORY_ENV: str(cap)}), ("roomy", {})):
+            with open(logs[name], "w") as err:  # a file, not a pipe: neither node can block on a full pipe
+                procs.append(subprocess.Popen(node + ["--name", name], stdout=subprocess.DEVNULL, stderr=err,
+                                              text=True, cwd=ROOT, start_new_session=True, env={**env, **extra}))
+        for p, path in zip(procs[1:], logs.values()):
+            assert p.wait(timeout=380) == 0, path.read_text()[-3000:]
+        assert coordinator.wait(timeout=60) == 0
+    finally:
+        stop_processes(procs)
+    capped_log, roomy_log = (path.read_text() for path in logs.values())
+    assert "micro-batch 4 x --grad-accum 2 = 8 episodes per step, chosen: --batch-size 8 needs" in capped_log, \
+        capped_log[-3000:]
+    assert "micro-batch 8 x --grad-accum 1 = 8 episodes per step: the run's micro-batch fits" in roomy_log
+    metrics = read_metrics(run_dir)
+    capped, roomy = ({r["round"]: r for r in metrics[name]} for name in ("capped", "roomy"))
+    assert sorted(capped) == sorted(roomy) == [0]
+    for r in capped:
+        assert capped[r]["samples"] == roomy[r]["samples"] == 2 * 8  # H = 2 steps of the run's 8 episodes
+        assert capped[r]["global_sha256"] == roomy[r]["global_sha256"]
+        for line in (capped[r], roomy[r]):
+            assert line["memory_peak_bytes"] > 0 and line["memory_planned_bytes"] > 0
+        assert capped[r]["memory_planned_bytes"] <= cap < roomy[r]["memory_planned_bytes"]
 
 
 @pytest.mark.timeout(120)
@@ -238,3 +329,131 @@ def test_real_arch_plan_table(tmp_path):
         assert rows[(arch, "lora")]["device_gb_b1"] < rows[(arch, "full")]["device_gb_b1"]
     assert rows[("8b", "full")]["fits_80"] == "no" and rows[("0.6b", "lora")]["fits_24"] != "no"
     assert "| Qwen3-0.6B | full |" in r.stdout
+
+
+# ------------------------------------------------------------------------------ rows, the micro-batch choice, the peak
+
+
+def _config(text: str = ""):
+    """A run config from TOML text (defaults elsewhere)."""
+    import tomllib
+
+    from composer_diloco.config import RunConfig
+
+    return RunConfig.model_validate(tomllib.loads(text))
+
+
+def test_rows_are_the_longest_episode_the_config_allows():
+    """prompt + T turns + (T - 1) capped tool replies with their template tokens, under max_seq_len; max_seq_len when
+    a reply is not capped (a reply is bounded by max_seq_len alone) or the prompt is unknown; a prompt whose first
+    turn passes max_seq_len is its own bound."""
+    capped = _config("max_seq_len = 1024\n[env]\nmax_tool_calls = 6\nmax_turn_tokens = 40\n"
+                     "max_tool_reply_tokens = 32\n")
+    row = row_bound(capped, prompt_tokens=56, reply_scaffold_tokens=10)
+    assert row.tokens == 56 + 6 * 40 + 5 * (32 + 10 + REPLY_SLACK) and row.completion == row.tokens - 56
+    assert "prompt 56 + 6 x 40 turn + 5 x (32 + 18) reply" in row.source
+    assert row_bound(capped, prompt_tokens=None, reply_scaffold_tokens=10).tokens == 1024
+    assert row_bound(capped, prompt_tokens=800, reply_scaffold_tokens=10).tokens == 1024  # capped by max_seq_len
+    assert row_bound(capped, prompt_tokens=1000, reply_scaffold_tokens=10).tokens == 1040  # prompt + its first turn
+    uncapped = _config("max_seq_len = 1024\n")
+    assert row_bound(uncapped, prompt_tokens=56, reply_scaffold_tokens=10).tokens == 1024
+    one_turn = _config("max_seq_len = 1024\n[env]\nmax_tool_calls = 1\n")
+    assert row_bound(one_turn, prompt_tokens=56, reply_scaffold_tokens=None).tokens == 56 + 40
+
+
+def test_plan_inputs_bound_the_embedded_default_s_prompts_and_replies():
+    """The prompt bound covers every rendered demonstration prompt of the run's env; a cut reply renders within the
+    scaffold plus the cap plus `REPLY_SLACK` tokens."""
+    from composer_diloco.policy import load_embedded_tokenizer
+    from composer_diloco.rollout.env_package import load_env_package
+    from composer_diloco.rollout.episode_tokens import tool_suffix_ids
+    from composer_diloco.rollout.episodes import CUT_MARK, cut_reply
+
+    config = _config("[env]\nmax_tool_reply_tokens = 8\n")
+    tok = load_embedded_tokenizer(config.env.server_module)
+    inputs = plan_inputs(config, tok)
+    package = load_env_package(config.env.server_module)
+    for i in range(200):
+        demo = package.demonstration(1, i, 0.3)
+        prompt = tok.apply_chat_template([{"role": "user", "content": demo.question}], tools=demo.tools,
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert len(prompt) <= inputs.prompt_tokens, (i, len(prompt), inputs)
+    assert inputs.reply_scaffold_tokens == len(tool_suffix_ids(tok, [{"role": "tool", "name": "x", "content": ""}]))
+    long = "error: unknown tool 'frobnicate'; available tools: lookup, add, subtract, multiply, submit " * 3
+    cut = cut_reply(tok, long, 8)
+    assert cut.endswith(CUT_MARK) and cut_reply(tok, "7", 8) == "7"
+    rendered = tool_suffix_ids(tok, [{"role": "tool", "name": "add", "content": cut}])
+    assert len(rendered) <= inputs.reply_scaffold_tokens + 8 + REPLY_SLACK
+    # unknown where the plan cannot render prompts before the first reset: rows of max_seq_len
+    assert plan_inputs(_config('[tasks]\npath = "configs/mcp_prices_tasks.jsonl"\n'), tok).prompt_tokens is None
+
+
+def test_the_node_picks_the_largest_micro_batch_that_fits():
+    """The run's episodes per step stay 8; the micro-batch is the largest divisor of 8 whose plan fits, without
+    gradient checkpointing first, then with it (turned on); below micro-batch 1 with gradient checkpointing the one
+    line refusal names that plan; with --gradient-checkpointing only checkpointed plans are tried; free unknown: 8."""
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+
+    config = load_config(ROOT / "configs" / "smoke.toml")
+    cfg = tiny_model_config(load_default_tokenizer(), 0)
+    inputs = PlanInputs(prompt_tokens=56, reply_scaffold_tokens=10)
+    need = {(b, gc): plan_for_run(config, cfg, micro_batch=b, grad_accum=8 // b, device="cpu", bf16=False,
+                                  gradient_checkpointing=gc, free=None, inputs=inputs).need
+            for b in (8, 4, 2, 1) for gc in (False, True)}
+
+    def choose(free, gc=False):
+        choice = choose_batch(config, cfg, device="cpu", bf16=False, gradient_checkpointing=gc, free=free,
+                              free_source="test", inputs=inputs)
+        assert choice.micro_batch * choice.grad_accum == 8 and choice.plan.need <= (free or choice.plan.need)
+        return choice.micro_batch, choice.gradient_checkpointing, choice.reason
+
+    assert choose(None)[:2] == choose(need[(8, False)])[:2] == (8, False)
+    b, gc, reason = choose(need[(4, False)] + 1)
+    assert (b, gc) == (4, False) and "--batch-size 8 needs" in reason and "short" in reason, reason
+    assert choose(need[(1, False)] - 1)[:2] == (max(b for b in (8, 4, 2, 1) if need[(b, True)] < need[(1, False)]),
+                                                 True)
+    assert "gradient checkpointing turned on" in choose(need[(1, False)] - 1)[2]
+    assert choose(need[(8, True)], gc=True)[:2] == (8, True)
+    with pytest.raises(DeviceMemoryError, match=r"at --batch-size 1 x 1024 tokens with gradient checkpointing.*free "
+                                                r"\(test\)") as e:
+        choose(need[(1, True)] - 1)
+    assert "\n" not in str(e.value)
+
+
+def test_a_round_line_holds_the_peak_next_to_the_plan_and_warns_past_it():
+    from types import SimpleNamespace
+
+    from composer_diloco.metrics import format_table, round_table
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+
+    cfg = tiny_model_config(load_default_tokenizer(), 0)
+    plan = plan_for_run(load_config(None), cfg, micro_batch=8, grad_accum=1, device="cpu", bf16=False,
+                        gradient_checkpointing=False, free=None)
+    stats = SimpleNamespace(longest_episode_tokens=140, samples=16, channel_stats={})
+    fields, warnings = round_memory(plan, plan.planned_peak // 2, stats)
+    assert fields == {"memory_peak_bytes": plan.planned_peak // 2, "memory_planned_bytes": plan.need,
+                      "episode_tokens_max": 140} and warnings == []
+    long = SimpleNamespace(longest_episode_tokens=plan.seq_len + 1, samples=16, channel_stats={})
+    _, warnings = round_memory(plan, plan.planned_peak + 1, long)
+    assert len(warnings) == 2 and "passed the memory plan" in warnings[0] and "longer than" in warnings[1]
+    assert round_memory(None, None, stats)[0]["memory_planned_bytes"] is None
+    line = {"round": 0, "role": "node", "peers": 2, "samples": 16, "global_sha256": "a", **fields}
+    table = format_table(round_table({"node-0": [line]}))
+    assert "peak/plan GB" in table.splitlines()[0]
+    assert f"{plan.planned_peak / 2e9:.2f}/{plan.planned_peak / 1e9:.2f}" in table.splitlines()[1]
+    assert "-" in format_table(round_table({"node-0": [{"round": 0, "role": "node"}]})).splitlines()[1]
+
+
+def test_the_cpu_peak_is_the_resident_set_growth_since_the_last_take():
+    """`PeakMemory` on CPU: the resident set's peak over its baseline since the last take (which starts at the resident
+    set of that moment). 200 MB touched after a take count in the next one; freed before a take, not in the one
+    after it."""
+    peak = PeakMemory("cpu")
+    peak.take()
+    block = bytearray(200 * 10**6)  # zero-filled: every page touched (its own mapping: freed back at del)
+    first = peak.take()
+    del block
+    peak.take()
+    second = peak.take()
+    assert first is not None and second is not None
+    assert first >= 200 * 10**6 and second <= first - 150 * 10**6, (first, second)

@@ -123,6 +123,12 @@ class RoundStats:
         return len(self.episodes)
 
     @property
+    def longest_episode_tokens(self) -> int:
+        """Tokens of the round's longest episode, prompt and completion (0 without episodes): what the memory plan's
+        row bound (`composer_diloco.policy.memory_plan.row_bound`) must cover."""
+        return max((len(e.prompt_ids) + len(e.completion_ids) for e in self.episodes), default=0)
+
+    @property
     def episodes_without_tool_call(self) -> int:
         """Episodes of the round in which the policy never produced a parsed tool call (`Episode.tool_calls` 0):
         they end at the first turn with reward 0 and teach nothing about the env."""

@@ -267,6 +267,7 @@ def play_rollout(trainer, sessions: list, config: RunConfig, keys: list[tuple[in
         trainer.model, trainer.processing_class, sessions, keys, tool_suffix_ids=trainer._get_tool_suffix_ids,
         max_tool_calls=config.env.max_tool_calls, max_turn_tokens=config.env.max_turn_tokens,
         max_seq_len=config.max_seq_len, temperature=config.grpo.temperature,
+        max_tool_reply_tokens=config.env.max_tool_reply_tokens,
     )
     return episodes, {
         "prompt_ids": [e.prompt_ids for e in episodes],

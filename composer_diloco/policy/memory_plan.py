@@ -1,26 +1,33 @@
-"""A node's memory plan: the bytes it will hold on its device and in host RAM, computed before it joins a run.
+"""A node's memory plan: the bytes it will hold on its device and in host RAM, computed before it joins a run, and the
+micro-batch it trains with.
 
-The figures follow what this code allocates (read from it, then checked against measurements,
+The figures follow what this code and TRL allocate (read from them, then checked against measurements,
 `measure_training_bytes` and ``tests/test_memory_plan.py``). With P the policy's parameters and T those that train
 (T = P with full fine-tuning, the adapter tensors with ``[lora]``):
 
 Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
     weights      4 P   fp32 master weights; ``--dtype bf16`` (autocast) stores the frozen linear weights in bf16
                        (`composer_diloco.policy.precision`): with ``[lora]`` the base's, 4 P - 2 L_frozen
-    gradients    4 T   fp32 ``.grad`` of every trainable tensor
     optimizer    8 T   torch AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32, like the parameters)
     reference    4 P   full fine-tuning with ``[loss] beta_dpo > 0``: the DPO reference is a frozen deep copy of the
                        policy (`composer_diloco.channels.dpo`), 4 P - 2 L under bf16 (L: the linear-only weights,
                        stored in bf16); ``[grpo] beta > 0`` adds TRL's own reference, another 4 P. With ``[lora]``
                        both are the base with adapters disabled: 0 bytes.
                        The SDPO teacher is the policy itself (no copy) in either mode.
-    activations  the tensors autograd keeps for backward during one micro-batch (see `activation_bytes`).
+    + the largest of the three phases of an inner step (`MemoryPlan.phase_peak`), each over the state above:
+    rollout      the step's ``episodes_per_step`` episodes are generated as one batch (`play_episodes`): their KV
+                 cache, ``2 * layers * kv_dim`` values per token of a row (bf16 under autocast, else fp32), and each
+                 turn's sampling scores, ``K_SCORES`` fp32 ``(episodes, max_turn_tokens, vocab)`` tensors (the
+                 scores ``generate`` returns, their stack, their log-softmax: `generate_turns`)
+    reference    DPO's reference log-probs of the step's pairs, all at once (`ComposerCollator.dpo_tensors`): the
+    pass         chosen rows' fp32 logits stay alive while the rejected rows' are computed, ``K_REFERENCE_LOGITS *
+                 pairs * row * vocab * 4`` bytes (a quarter more under bf16: the bf16 logits before their fp32 copy)
+    training     one micro-batch's forward/backward and the AdamW step (`MemoryPlan.training_peak`): gradients
+                 4 T, activations (below), AdamW's temporaries.
 
 Gradients and activations do not add up in full: backward frees a layer's activations as it creates its gradients,
 and AdamW's step (``foreach=False``) runs after backward with every gradient plus two temporaries of one tensor. The
-plan takes the step's peak as ``max(activations + gradients / 4, gradients + 8 * largest trainable tensor)``
-(`MemoryPlan.training_peak`; measured on CPU within 5 % where the gradients dominate, e.g. Qwen3-0.6B's architecture
-with full fine-tuning, and within 10 % where the activations do).
+training phase's peak is ``max(activations + gradients / 4, gradients + 8 * largest trainable tensor)``.
 
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
@@ -28,18 +35,49 @@ Host RAM (`composer_diloco.outer`: always CPU, fp32)
     `composer_diloco.outer.sparse.ErrorFeedback`) + 8 T transient (a state download at join or resync: theta and the outer
     state pass through hivemind's averager process; the outer step itself copies nothing, `GlobalModel.outer_step`),
     plus the policy as loaded: ``from_pretrained`` builds it in fp32 on the CPU (4 P) before
-    it moves to a GPU; on a CPU node that copy *is* the device's weights.
+    it moves to a GPU; on a CPU node that copy *is* the device's weights; plus `RUNTIME_HOST_BYTES` of the process's
+    own beyond these tensors.
 
-Activations (an approximation, calibrated on CPU by `measure_training_bytes`): per token of a micro-batch row,
-``layers * (K_HIDDEN * hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * intermediate) * 4`` for the decoder layers
-(``BF16_DECODER_SHARE`` of it under bf16 autocast) plus ``K_LOGITS * vocab * 4`` for the fp32 logits (the logits, their
-temperature-scaled copy and their gradient). Gradient checkpointing keeps only each layer's input (``hidden * 4`` per
-layer and token) plus one layer's full activations while it is recomputed. With ``[lora]`` the decoder's share is
-``LORA_DECODER_SHARE`` of that. A micro-batch's rows are its ``--batch-size`` episodes, as many SDPO student rows
-(``alpha_sdpo > 0``: at most one site row per episode is the bound used) and ``2 * ceil(max_sites * max_pairs_per_turn
-/ grad_accum)`` DPO rows (``beta_dpo > 0``), each ``max_seq_len`` tokens long: an upper bound, since real episodes are
-shorter. The rollout's KV cache (``2 * layers * kv_heads * head_dim * 4`` bytes per token) is freed before the
-training pass and is far smaller, so it is not added.
+**Rows.** A micro-batch holds ``--batch-size`` GRPO rows (its episodes), as many SDPO student rows (``alpha_sdpo > 0``:
+one site per episode on average, the planning assumption: an episode has at most ``max_tool_calls - 1`` sites, and a
+policy that fails and recovers on most turns can need more, which `nodes.node.Node` warns about when a round has more
+sites than episodes) and ``2 * ceil(max_sites * max_pairs_per_turn / grad_accum)`` DPO rows (``beta_dpo > 0``: a bound,
+`collect_pairs` keeps no more). Every row is planned at the longest row the run can produce (`row_bound`): the prompt,
+then ``max_tool_calls`` turns of ``max_turn_tokens`` and ``max_tool_calls - 1`` tool replies, each at most ``[env]
+max_tool_reply_tokens`` tokens (the rollout cuts longer replies) plus the chat template's tokens around a reply; capped
+by ``max_seq_len``, since an episode ends before a reply and the next turn would pass it. Without a reply cap, or with
+a prompt the plan cannot bound before the first reset, rows are planned at ``max_seq_len``.
+
+**Activations** of one micro-batch (`activation_bytes`):
+    decoder     per token of every row that trains (GRPO, SDPO student, DPO chosen and rejected), ``layers *
+                (K_HIDDEN * hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * intermediate) * 4`` (``BF16_DECODER_SHARE``
+                of it under bf16 autocast, ``LORA_DECODER_SHARE`` with ``[lora]``); gradient checkpointing keeps only
+                each layer's input (``hidden * 4`` per layer and token) plus one layer's full activations;
+    vocabulary  GRPO's log-probs come from TRL's fused LM head (``add_fused_lm_head``): the ``(tokens, vocab)`` logits
+                never exist, only a ``min(tokens, FUSED_TOKEN_TILE) x min(vocab, FUSED_VOCAB_CHUNK)`` tile and its
+                temporaries (``K_TILE`` fp32 copies on CPU, where TRL folds the tile in torch ops). SDPO and DPO call
+                the model's own forward: their full logits (``rows x row x vocab``, bf16 under autocast, else fp32) live
+                while the channel's loss is computed (SDPO: the student's and the teacher's; DPO: the chosen rows'
+                while the rejected rows' are computed), SDPO's divergence holds ``K_SDPO_PEAK`` fp32 vocab-sized
+                tensors per response token (at most ``max_turn_tokens`` a row) and keeps ``K_SDPO_SAVED`` of them for
+                backward, DPO keeps ``K_DPO_VOCAB``.
+    The loss's forward runs GRPO, then SDPO, then DPO, and backward the other way round, so the plan takes the largest
+    of three moments: GRPO's rows with the fused head's tile; every row up to SDPO's with SDPO's logits and divergence;
+    every row with what SDPO keeps and DPO's logits; plus backward's temporaries for one forward's rows
+    (``(3 * hidden + 2 * intermediate) * 4`` bytes a token).
+The training rows' padded width is the longest row of the step (TRL pads the prompt and completion parts to the step's
+longest); with prompts of different lengths it can pass the planned row by their difference.
+
+**The micro-batch.** A node without ``--batch-size`` takes the largest micro-batch that divides the run's episodes per
+step and whose plan fits its free memory, first without gradient checkpointing, then with it (`choose_batch`); the
+episodes per step stay the run's (gradient accumulation makes up the step). A user's ``--batch-size`` is planned as
+given and refused with one line naming what would fit (`check_plan`).
+
+**Plan against measurement.** Every round's metrics line holds the measured peak (`PeakMemory`) next to the plan's
+figure (`MemoryPlan.planned_peak`) and the round's longest episode (`round_memory`); a node warns when a round passes
+its plan or breaks one of its assumptions. On a CPU the resident set also holds freed memory glibc keeps and heap
+fragments: at Qwen3-0.6B's size the plan at a round's real sizes came out 4-11 % under the node's peak (BENCHMARKS.md,
+section 7), so the plan's slack (rows at the run's bound) is what covers them there.
 """
 
 from __future__ import annotations
@@ -53,8 +91,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from composer_diloco.config import LoraSection, RunConfig
 
-__all__ = ["DEVICE_MEMORY_ENV", "DeviceMemoryError", "MemoryPlan", "ModelShape", "activation_bytes", "check_plan",
-           "device_free_bytes", "measure_training_bytes", "model_shape", "plan_for_run", "plan_memory", "refusal"]
+__all__ = ["DEVICE_MEMORY_ENV", "BatchChoice", "DeviceMemoryError", "MemoryPlan", "ModelShape", "PeakMemory",
+           "RowBound", "activation_bytes", "check_plan", "choose_batch", "device_free_bytes",
+           "measure_training_bytes", "model_shape", "plan_for_run", "plan_inputs", "plan_memory", "refusal",
+           "row_bound"]
 
 GB = 1e9
 DEVICE_MEMORY_ENV = "COMPOSER_DILOCO_DEVICE_MEMORY_BYTES"
@@ -70,8 +110,6 @@ K_KV = 6
 """Key/value-sized (kv_heads x head_dim) tensors per token: k with its norm and rotation, v."""
 K_FFN = 4
 """Intermediate-sized tensors a SwiGLU MLP keeps per token: gate, up, SiLU(gate), their product."""
-K_LOGITS = 3
-"""Vocab-sized fp32 tensors alive per token at the logits: the logits, the temperature-scaled copy, their gradient."""
 BF16_DECODER_SHARE = 0.8
 """Under bf16 autocast the decoder keeps about 80 % of fp32's activation bytes, not half: the residual stream and the
 norms stay fp32 and autocast saves a bf16 copy of each linear layer's fp32 input for backward (measured on CPU
@@ -80,6 +118,46 @@ same ops)."""
 LORA_DECODER_SHARE = 0.65
 """With frozen base weights autograd keeps no input of a frozen linear layer for its weight gradient: the decoder's
 activations shrink to about 65 % (measured 0.60 at 28 layers to 0.71 at 4 on CPU)."""
+FUSED_TOKEN_TILE = 4096
+"""Tokens per tile of TRL's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``, TRL 1.16)."""
+FUSED_VOCAB_CHUNK = 32768
+"""Vocabulary columns per tile of TRL's fused LM head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``, TRL 1.16)."""
+K_TILE = {"cpu": 8.5, "cuda": 2.0}
+"""fp32 tile-sized tensors alive at once in the fused LM head: on CPU TRL folds a tile in torch ops (the tile, its
+scaled copies, exp, their products; backward: the probabilities, the gradient and their temporaries; measured on CPU),
+on CUDA a Triton kernel folds it in place (the bf16 tile and the weight chunk's cast: 2 is an upper bound, not
+measured here)."""
+K_SDPO_PEAK = 9.0
+"""fp32 vocab-sized tensors per SDPO response token while the divergence is computed (`sdpo_loss`: the student's and
+the teacher's selected logits and their copies, both log-softmaxes, the KL terms; `generalized_jsd` with beta 0 or 1;
+measured on CPU)."""
+K_SDPO_SAVED = 3.0
+"""Of those, what SDPO keeps for backward (both log-softmaxes, the KL's input)."""
+K_SDPO_MIXTURE = (13.0, 6.0)
+"""`K_SDPO_PEAK` and `K_SDPO_SAVED` for 0 < ``sdpo_jsd_beta`` < 1: the mixture's log-probabilities and both KL terms
+(measured on CPU)."""
+K_DPO_VOCAB = 2.0
+"""fp32 vocab-sized tensors DPO keeps per response token for backward (the selected rows and their logsumexp's
+input: `sequence_logprobs`; measured on CPU)."""
+K_REFERENCE_LOGITS = 2.5
+"""fp32 ``(pairs, row, vocab)`` logits alive at DPO's reference pass's peak: the chosen rows' kept while the rejected
+rows' are computed, and half a copy more (measured on CPU at Qwen3-0.6B's size: 2.47); under bf16 a quarter more for
+the bf16 logits before their fp32 copy."""
+K_SCORES = 3
+"""fp32 ``(episodes, max_turn_tokens, vocab)`` tensors of a turn's sampling (`generate_turns`: ``generate``'s scores,
+their stack, their log-softmax)."""
+RUNTIME_HOST_BYTES = 128_000_000
+"""Host bytes a node process allocates beyond the tensors planned here, after the policy is built: hivemind's peer and
+its averager's buffers, env sessions, the episodes' Python objects, glibc's retained heap (measured 70 MB on the
+embedded default: a round's peak resident set against the plan at the episodes' real length, `PeakMemory`)."""
+PROMPT_SAMPLES = 64
+"""Demonstrations of the env package rendered to bound a prompt (`prompt_tokens`)."""
+PROMPT_MARGIN = 1.25
+"""The prompt bound is the longest rendered demonstration's prompt times this, plus `PROMPT_SLACK` tokens: tasks the
+sample did not draw may be a little longer."""
+PROMPT_SLACK = 16
+REPLY_SLACK = 8
+"""Tokens a cut tool reply's rendering may add over its cap: the cut marker and token merges at its two edges."""
 
 
 def _size(n: int | float) -> str:
@@ -176,17 +254,161 @@ def _count_shape(model_config: Any, lora: LoraSection | None) -> ModelShape:
                       lora=lora is not None, linear=linear, frozen_linear=frozen_linear)
 
 
-def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool = False,
-                     gradient_checkpointing: bool = False) -> int:
-    """Estimated bytes autograd keeps for one forward/backward over ``rows`` x ``seq_len`` tokens (module docstring).
+# -- rows ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowBound:
+    """The longest row (prompt + episode, in tokens) a run can produce, as planned (`row_bound`).
+
+    Attributes:
+        tokens: the planned row length, tokens.
+        prompt: the prompt bound used (tokens), or None when the plan could not bound the prompt.
+        completion: the completion bound (turns, tool replies and their template tokens), or None when a tool reply is
+            not capped (``[env] max_tool_reply_tokens`` unset) and ``max_tool_calls`` > 1.
+        source: how ``tokens`` was reached, for the log.
+    """
+
+    tokens: int
+    prompt: int | None
+    completion: int | None
+    source: str
+
+
+def row_bound(config: RunConfig, *, prompt_tokens: int | None = None,
+              reply_scaffold_tokens: int | None = None) -> RowBound:
+    """The longest row of ``config``'s episodes: ``min(max_seq_len, prompt + max_tool_calls * max_turn_tokens +
+    (max_tool_calls - 1) * (max_tool_reply_tokens + scaffold + REPLY_SLACK))``.
+
+    A tool reply is appended only when it and the next turn fit ``max_seq_len`` (the episode ends otherwise:
+    `play_episodes`), so a row passes ``max_seq_len`` only when the prompt and the first turn already do; the rollout
+    cuts a reply to ``[env] max_tool_reply_tokens`` tokens when it is set. Without that cap (and more than one turn),
+    or without a prompt bound, the row is ``max_seq_len``.
 
     Args:
-        shape: the model's sizes.
-        rows, seq_len: the micro-batch's rows and their padded length in tokens.
-        bf16: bf16 autocast (the decoder's share is ``BF16_DECODER_SHARE`` of fp32's; the logits stay fp32).
-        gradient_checkpointing: keep only each layer's input, recompute the rest in backward.
+        config: the run config (``max_seq_len``, ``[env] max_tool_calls``, ``max_turn_tokens``,
+            ``max_tool_reply_tokens``).
+        prompt_tokens: a bound of the episodes' prompts (chat template, tools, task text), or None (unknown).
+        reply_scaffold_tokens: the chat template's tokens around one tool reply and the next assistant header
+            (`reply_scaffold`), or None (unknown).
+    Returns:
+        The `RowBound`.
     """
-    tokens = rows * seq_len
+    env, cap = config.env, config.max_seq_len
+    turns, turn = env.max_tool_calls, env.max_turn_tokens
+    reply = env.max_tool_reply_tokens
+    if turns == 1:
+        completion = turn
+    elif reply is None or reply_scaffold_tokens is None:
+        completion = None
+    else:
+        completion = turns * turn + (turns - 1) * (reply + reply_scaffold_tokens + REPLY_SLACK)
+    if prompt_tokens is None:
+        return RowBound(cap, None, completion, f"max_seq_len {cap} (the prompt is not bounded before the first reset)")
+    if completion is None:
+        return RowBound(cap, prompt_tokens, None, f"max_seq_len {cap} (tool replies not capped: [env] "
+                                                  "max_tool_reply_tokens unset)")
+    longest = prompt_tokens + completion
+    if prompt_tokens + turn > cap:  # the first turn is generated whatever max_seq_len says
+        return RowBound(prompt_tokens + turn, prompt_tokens, completion,
+                        f"prompt {prompt_tokens} + one turn {turn}, over max_seq_len {cap}")
+    parts = f"prompt {prompt_tokens} + {turns} x {turn} turn" + (
+        f" + {turns - 1} x ({reply} + {reply_scaffold_tokens + REPLY_SLACK}) reply" if turns > 1 else "")
+    if longest >= cap:
+        return RowBound(cap, prompt_tokens, completion, f"max_seq_len {cap} (under {parts} = {longest})")
+    return RowBound(longest, prompt_tokens, completion, parts)
+
+
+def reply_scaffold(tokenizer: Any) -> int:
+    """Tokens the chat template renders around one empty tool reply, the next assistant header included
+    (`composer_diloco.rollout.episode_tokens.tool_suffix_ids`).
+
+    Raises:
+        ValueError: the template's rendering is not prefix-stable.
+    """
+    from composer_diloco.rollout.episode_tokens import tool_suffix_ids
+
+    return len(tool_suffix_ids(tokenizer, [{"role": "tool", "name": "tool", "content": ""}]))
+
+
+def prompt_tokens(config: RunConfig, tokenizer: Any) -> tuple[int | None, str]:
+    """A bound of the run's prompts before any env is reset: the longest of `PROMPT_SAMPLES` demonstrations of the
+    env package (``demos.demonstration``: question and tools, rendered with ``tokenizer``'s chat template as an
+    episode's prompt is), times `PROMPT_MARGIN`, plus `PROMPT_SLACK` tokens.
+
+    Args:
+        config: the run config (``[env] server_module``, ``seed``; ``[tasks]``).
+        tokenizer: the policy's tokenizer.
+    Returns:
+        ``(tokens, how)``; tokens None (unknown) with a ``[tasks]`` dataset (its prompts are the rows'), an env
+        package that is not importable here or has no demonstrations, or a template that fails to render them.
+    """
+    if config.tasks.path is not None:
+        return None, "a [tasks] dataset's prompts"
+    from composer_diloco.rollout.env_package import EnvPackageError, load_env_package
+
+    try:
+        package = load_env_package(config.env.server_module)
+    except (EnvPackageError, ImportError) as e:
+        return None, f"env package not importable here ({e})"
+    if package.demonstration is None:
+        return None, f"{package.package} has no demonstrations"
+    longest = 0
+    try:
+        for index in range(PROMPT_SAMPLES):
+            demo = package.demonstration(config.seed, index, 0.0)
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": demo.question}], tools=demo.tools,
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+            longest = max(longest, len(ids))
+    except Exception as e:  # a template or a demonstration that fails is the env's or the model's own later error
+        return None, f"demonstrations did not render ({type(e).__name__}: {e})"
+    return math.ceil(longest * PROMPT_MARGIN) + PROMPT_SLACK, f"{PROMPT_SAMPLES} demonstrations: longest {longest}"
+
+
+def plan_tokenizer(config: RunConfig) -> Any | None:
+    """The policy's tokenizer from local files, for the row bound: the embedded default's for the run's env, or
+    ``config.model``'s (a folder, or the Hub cache); None when it is not there."""
+    try:
+        if config.model is None:
+            from composer_diloco.policy.load import load_embedded_tokenizer
+
+            return load_embedded_tokenizer(config.env.server_module)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    except Exception:  # no tokenizer files here: the plan falls back to max_seq_len rows
+        return None
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan needs from the tokenizer and the env before any model or env session exists (`plan_inputs`).
+
+    Attributes:
+        prompt_tokens: the prompt bound, or None (unknown); prompt_source: how it was found.
+        reply_scaffold_tokens: the template's tokens around a tool reply, or None (unknown).
+    """
+
+    prompt_tokens: int | None = None
+    prompt_source: str = ""
+    reply_scaffold_tokens: int | None = None
+
+
+def plan_inputs(config: RunConfig, tokenizer: Any | None = None) -> PlanInputs:
+    """The prompt bound and the tool reply's template tokens of ``config`` (`prompt_tokens`, `reply_scaffold`),
+    from ``tokenizer`` or, when None, the one `plan_tokenizer` finds; empty when no tokenizer is there."""
+    tokenizer = tokenizer if tokenizer is not None else plan_tokenizer(config)
+    if tokenizer is None:
+        return PlanInputs(prompt_source="no local tokenizer")
+    prompt, how = prompt_tokens(config, tokenizer)
+    try:
+        scaffold = reply_scaffold(tokenizer)
+    except Exception:  # a template without tool messages: replies are not bounded, rows at max_seq_len
+        scaffold = None
+    return PlanInputs(prompt, how, scaffold)
+
+
+# -- activations --------------------------------------------------------------------------------------------------
+def decoder_bytes_per_token(shape: ModelShape, *, bf16: bool = False, gradient_checkpointing: bool = False) -> float:
+    """Bytes the decoder keeps for backward per token of a row that trains (module docstring)."""
     q_dim, kv_dim = shape.q_dim or shape.hidden, shape.kv_dim or shape.hidden
     layer = (K_HIDDEN * shape.hidden + K_Q * q_dim + K_KV * kv_dim + K_FFN * shape.intermediate) * 4
     decoder = (shape.layers * shape.hidden * 4 + layer) if gradient_checkpointing else shape.layers * layer
@@ -194,9 +416,76 @@ def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool =
         decoder *= LORA_DECODER_SHARE
     if bf16:
         decoder *= BF16_DECODER_SHARE
-    return int(tokens * (decoder + K_LOGITS * shape.vocab * 4))
+    return decoder
 
 
+def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool = False,
+                     gradient_checkpointing: bool = False, sdpo_rows: int = 0, dpo_rows: int = 0,
+                     response_tokens: int | None = None, sdpo_mixture: bool = False, device: str = "cpu") -> int:
+    """Estimated peak bytes of one micro-batch's forward/backward above the state (module docstring, "Activations").
+
+    The loss's forward runs GRPO, then SDPO, then DPO; backward runs them in the opposite order (autograd runs the
+    later graph first). So the peak is the largest of: GRPO's rows with its fused LM head's tile (GRPO's head runs
+    first in forward and last in backward); every row up to SDPO with SDPO's two logits; every row with DPO's two
+    logits; each plus backward's temporaries for one forward's rows.
+
+    Args:
+        shape: the model's sizes.
+        rows: GRPO rows (the micro-batch's episodes); seq_len: every row's padded length in tokens.
+        bf16: bf16 autocast (the decoder's share is ``BF16_DECODER_SHARE`` of fp32's; SDPO/DPO logits in bf16).
+        gradient_checkpointing: keep only each layer's input, recompute the rest in backward.
+        sdpo_rows: SDPO student rows; dpo_rows: DPO rows (chosen and rejected: twice the pairs).
+        response_tokens: tokens per SDPO/DPO row whose vocab-sized tensors are kept (a turn: ``max_turn_tokens``);
+            None: ``seq_len``.
+        sdpo_mixture: SDPO's generalized JSD has 0 < beta < 1 (the mixture: `K_SDPO_MIXTURE`).
+        device: ``cpu...`` or ``cuda...`` (how the fused LM head folds its tile: `K_TILE`).
+    Raises:
+        ValueError: a negative row count or a ``seq_len`` below 1.
+    """
+    if min(rows, sdpo_rows, dpo_rows) < 0 or seq_len < 1:
+        raise ValueError(f"rows {rows}, sdpo_rows {sdpo_rows}, dpo_rows {dpo_rows}, seq_len {seq_len}: expected "
+                         "rows >= 0 and seq_len >= 1")
+    response = seq_len if response_tokens is None else min(response_tokens, seq_len)
+    per_token = decoder_bytes_per_token(shape, bf16=bf16, gradient_checkpointing=gradient_checkpointing)
+    logit_bytes, vocab_row = (2 if bf16 else 4), 4 * shape.vocab * response  # one row's fp32 response logits
+    backward = max(rows, sdpo_rows, dpo_rows // 2) * seq_len * (3 * shape.hidden + 2 * shape.intermediate) * 4
+    grpo, sdpo, dpo = (n * seq_len * per_token for n in (rows, sdpo_rows, dpo_rows))
+    sdpo_peak, sdpo_kept = K_SDPO_MIXTURE if sdpo_mixture else (K_SDPO_PEAK, K_SDPO_SAVED)
+    # GRPO's fused head: its tile temporaries, and with full fine-tuning after another channel's backward the fresh
+    # fp32 gradient of the (trainable) head it accumulates into the existing one
+    tile = K_TILE["cuda" if device.startswith("cuda") else "cpu"] * 4 * min(rows * seq_len, FUSED_TOKEN_TILE) * \
+        min(shape.vocab, FUSED_VOCAB_CHUNK) if rows else 0
+    head = 4 * shape.vocab * shape.hidden if not shape.lora and (sdpo_rows or dpo_rows) else 0
+    peaks = [grpo + tile + head,
+             # SDPO: the student's and the teacher's logits, and the divergence's tensors per response token
+             grpo + sdpo + sdpo_rows * (2 * seq_len * shape.vocab * logit_bytes + sdpo_peak * vocab_row),
+             # DPO: what SDPO keeps, and the chosen rows' logits while the rejected rows' are computed
+             grpo + sdpo + sdpo_kept * vocab_row * sdpo_rows + dpo + vocab_row * dpo_rows * K_DPO_VOCAB
+             + dpo_rows * seq_len * shape.vocab * logit_bytes]
+    return int(max(peaks) + backward)
+
+
+def rollout_bytes(shape: ModelShape, episodes: int, seq_len: int, turn_tokens: int, *, bf16: bool = False) -> int:
+    """Bytes of one inner step's rollout above the state: the KV cache of ``episodes`` rows of ``seq_len`` tokens and
+    a turn's ``K_SCORES`` sampling-score tensors (module docstring, "rollout")."""
+    kv = 2 * shape.layers * (shape.kv_dim or shape.hidden) * (2 if bf16 else 4)
+    return int(episodes * seq_len * kv + K_SCORES * episodes * turn_tokens * shape.vocab * 4)
+
+
+def reference_pass_bytes(shape: ModelShape, pairs: int, seq_len: int, *, bf16: bool = False,
+                         response_tokens: int | None = None) -> int:
+    """Bytes of DPO's reference log-probs over ``pairs`` pairs of ``seq_len``-token rows, all at once
+    (`ComposerCollator.dpo_tensors`): the chosen rows' fp32 logits, the rejected rows' fp32 logits and, under bf16,
+    their bf16 logits before the copy, plus half a row of logits of the forward's own (`K_REFERENCE_LOGITS`); the
+    no-grad forward's per-layer temporaries (``(4 * hidden + 3 * intermediate) * 4`` bytes a token) and
+    `sequence_logprobs`' two fp32 copies of the response rows."""
+    response = seq_len if response_tokens is None else min(response_tokens, seq_len)
+    logits = pairs * seq_len * shape.vocab * 4 * K_REFERENCE_LOGITS * (1.25 if bf16 else 1.0)
+    forward = pairs * seq_len * (4 * shape.hidden + 3 * shape.intermediate) * 4
+    return int(logits + forward + 2 * pairs * response * shape.vocab * 4)
+
+
+# -- the plan -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryPlan:
     """One node's memory plan, all figures in bytes (module docstring for the formulas).
@@ -204,11 +493,17 @@ class MemoryPlan:
     Attributes:
         shape: the model's sizes.
         device: where the policy trains (``cpu`` or ``cuda:N (name)``).
-        micro_batch, grad_accum, seq_len: ``--batch-size``, ``--grad-accum``, the run's ``max_seq_len`` (tokens).
-        bf16, gradient_checkpointing: the node's ``--dtype bf16`` and ``--gradient-checkpointing``.
+        micro_batch, grad_accum: ``--batch-size``, ``--grad-accum``.
+        seq_len: tokens of every planned row (`row_bound`); row_source: how that length was reached.
+        rows_grpo, rows_sdpo, rows_dpo: a micro-batch's rows by channel.
+        episodes_per_step, turn_tokens: the rollout's batch and ``max_turn_tokens``.
+        bf16, gradient_checkpointing: the node's ``--dtype bf16`` and gradient checkpointing.
         weights, gradients, optimizer, reference, activations: device bytes by item.
         step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor.
-        host: host bytes of the outer loop (theta, pseudo-gradient, outer state, a state download's transients).
+        rollout: the rollout phase's bytes over the state (KV cache and sampling scores).
+        reference_pass: DPO's reference log-probs pass's bytes over the state (0 without DPO).
+        host: host bytes of the outer loop (theta, pseudo-gradient, outer state, a state download's transients) and
+            the process's own (`RUNTIME_HOST_BYTES`).
         host_model: host bytes of the policy as loaded (fp32, before it moves to a GPU; the device's own weights on
             a CPU node, already counted there).
         free: device bytes free when planned (None: unknown); for ``--device cpu`` the host's available RAM.
@@ -220,7 +515,9 @@ class MemoryPlan:
     micro_batch: int
     grad_accum: int
     seq_len: int
-    rows: int
+    rows_grpo: int
+    rows_sdpo: int
+    rows_dpo: int
     bf16: bool
     gradient_checkpointing: bool
     weights: int
@@ -231,8 +528,18 @@ class MemoryPlan:
     step_transient: int
     host: int
     host_model: int
+    rollout: int = 0
+    reference_pass: int = 0
+    episodes_per_step: int = 0
+    turn_tokens: int = 0
+    row_source: str = ""
     free: int | None = None
     free_source: str = ""
+
+    @property
+    def rows(self) -> int:
+        """A micro-batch's rows that train: GRPO, SDPO student, DPO chosen and rejected."""
+        return self.rows_grpo + self.rows_sdpo + self.rows_dpo
 
     @property
     def on_cpu(self) -> bool:
@@ -240,17 +547,22 @@ class MemoryPlan:
         return self.device.startswith("cpu")
 
     @property
-    def device_bytes(self) -> int:
-        """Bytes the training state and one micro-batch's activations need on the device."""
-        return self.weights + self.optimizer + self.reference + self.training_peak
-
-    @property
     def training_peak(self) -> int:
-        """Bytes of one step's peak over the persistent state: ``max(activations + gradients / 4, gradients +
-        step_transient)``. Backward frees a layer's activations as it creates its gradients, so the two never
+        """Bytes of one training step's peak over the persistent state: ``max(activations + gradients / 4, gradients
+        + step_transient)``. Backward frees a layer's activations as it creates its gradients, so the two never
         add up in full (measured: a quarter of the gradients or less on top of the activations); AdamW's step
         (``foreach=False``) holds every gradient plus two temporaries of one tensor."""
         return max(self.activations + self.gradients // 4, self.gradients + self.step_transient)
+
+    @property
+    def phase_peak(self) -> int:
+        """The largest of an inner step's three phases over the state: rollout, DPO reference pass, training."""
+        return max(self.training_peak, self.rollout, self.reference_pass)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the training state and an inner step's largest phase need on the device."""
+        return self.weights + self.optimizer + self.reference + self.phase_peak
 
     @property
     def need(self) -> int:
@@ -263,9 +575,22 @@ class MemoryPlan:
         (CPU node)."""
         return self.host + (self.device_bytes if self.on_cpu else self.host_model)
 
+    @property
+    def planned_peak(self) -> int:
+        """What a round's measured peak (`PeakMemory`) compares with: the device bytes on a GPU (what
+        ``torch.cuda.max_memory_allocated`` counts), the whole need on a CPU node (the process's resident set holds
+        the outer loop too)."""
+        return self.need if self.on_cpu else self.device_bytes
+
     def fits(self) -> bool:
         """True when ``free`` is unknown or at least `need`."""
         return self.free is None or self.need <= self.free
+
+    def rows_text(self) -> str:
+        """``4 GRPO + 4 SDPO + 4 DPO rows x 530 tokens`` (channels that are off left out)."""
+        parts = [f"{n} {name}" for n, name in ((self.rows_grpo, "GRPO"), (self.rows_sdpo, "SDPO"),
+                                              (self.rows_dpo, "DPO")) if n or name == "GRPO"]
+        return f"{' + '.join(parts)} rows x {self.seq_len} tokens"
 
     def describe(self) -> str:
         """One log line with every figure, e.g. ``memory plan on cuda:0: 12.3 GB device = weights 2.4 + ...``."""
@@ -273,54 +598,72 @@ class MemoryPlan:
             if self.shape.lora else f"full fine-tuning ({self.shape.params_total:,} parameters)"
         free = "free unknown" if self.free is None else f"{_size(self.free)} free ({self.free_source})"
         return (f"memory plan on {self.device}, {mode}: device {_size(self.device_bytes)} = weights "
-                f"{_size(self.weights)} + AdamW {_size(self.optimizer)} + reference {_size(self.reference)} + step "
-                f"peak {_size(self.training_peak)} (gradients {_size(self.gradients)}, activations "
-                f"{_size(self.activations)} for {self.rows} rows x "
-                f"{self.seq_len} tokens, micro-batch {self.micro_batch}, "
-                f"{'bf16' if self.bf16 else 'fp32'}{', gradient checkpointing' if self.gradient_checkpointing else ''})"
-                f"; host {_size(self.host_bytes)} (outer loop {_size(self.host)}); {free}")
+                f"{_size(self.weights)} + AdamW {_size(self.optimizer)} + reference {_size(self.reference)} + the "
+                f"largest phase {_size(self.phase_peak)} (training {_size(self.training_peak)}: gradients "
+                f"{_size(self.gradients)}, activations {_size(self.activations)} for {self.rows_text()}, "
+                f"micro-batch {self.micro_batch} x {self.grad_accum}, "
+                f"{'bf16' if self.bf16 else 'fp32'}{', gradient checkpointing' if self.gradient_checkpointing else ''}"
+                f"; rollout {_size(self.rollout)}: {self.episodes_per_step} episodes; DPO reference pass "
+                f"{_size(self.reference_pass)}); rows: {self.row_source or f'{self.seq_len} tokens'}; host "
+                f"{_size(self.host_bytes)} (outer loop and process {_size(self.host)}); {free}")
 
 
-def _rows(micro_batch: int, grad_accum: int, *, sdpo: bool, dpo_pairs: int) -> int:
-    return micro_batch * (2 if sdpo else 1) + (2 * math.ceil(dpo_pairs / grad_accum) if dpo_pairs else 0)
+def _dpo_rows(dpo_pairs: int, grad_accum: int) -> int:
+    return 2 * math.ceil(dpo_pairs / grad_accum) if dpo_pairs else 0
 
 
 def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq_len: int, device: str = "cpu",
                 bf16: bool = False, gradient_checkpointing: bool = False, sdpo: bool = True, dpo_pairs: int = 0,
                 dpo_reference: bool = True, grpo_reference: bool = False, outer_state_tensors: int = 1,
+                turn_tokens: int | None = None, sdpo_mixture: bool = False, row_source: str = "",
                 free: int | None = None, free_source: str = "") -> MemoryPlan:
     """The plan for one node (module docstring for each formula).
 
     Args:
         shape: the model's sizes (`model_shape`).
         micro_batch: episodes per forward/backward (``--batch-size``); grad_accum: micro-batches per step.
-        seq_len: tokens per row (the run's ``max_seq_len``).
+        seq_len: tokens per row (`row_bound`).
         device: the device's name, for the log; ``cpu...`` makes host and device one pool.
         bf16, gradient_checkpointing: the node's precision and checkpointing.
-        sdpo: SDPO is on (adds up to one student row per episode); dpo_pairs: DPO pairs per step at most (0: off).
+        sdpo: SDPO is on (one student row per episode); dpo_pairs: DPO pairs per step at most (0: off).
         dpo_reference: DPO keeps a reference policy (full fine-tuning: a copy; LoRA: none).
         grpo_reference: TRL keeps a GRPO KL reference (``[grpo] beta > 0``; full fine-tuning: another copy).
         outer_state_tensors: tensors of theta's size the outer optimizer keeps (SGD momentum 1, Adam 2, averaging 0).
+        turn_tokens: tokens per assistant turn (``max_turn_tokens``: the SDPO/DPO response rows and each sampling
+            turn); None: ``seq_len``.
+        sdpo_mixture: SDPO's ``sdpo_jsd_beta`` is strictly between 0 and 1 (`activation_bytes`).
+        row_source: how ``seq_len`` was reached, for the log.
         free, free_source: the device's free bytes and where they came from (`device_free_bytes`).
     Raises:
         ValueError: a non-positive micro_batch, grad_accum or seq_len.
     """
     if micro_batch < 1 or grad_accum < 1 or seq_len < 1:
         raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum}, seq_len {seq_len}: expected >= 1")
+    turn = seq_len if turn_tokens is None else turn_tokens
     p, t = shape.params_total, shape.params_trainable
     # bf16 (`composer_diloco.policy.precision`): frozen linear weights take 2 bytes, the LoRA base's and the DPO
     # reference copy's; TRL's own GRPO reference is loaded by TRL (4 P)
     weights = 4 * p - (2 * shape.frozen_linear if bf16 else 0)
     dpo_copy = 0 if shape.lora or not dpo_reference else 4 * p - (2 * shape.linear if bf16 else 0)
     grpo_copy = 0 if shape.lora or not grpo_reference else 4 * p
-    rows = _rows(micro_batch, grad_accum, sdpo=sdpo, dpo_pairs=dpo_pairs)
+    sdpo_rows, dpo_rows = (micro_batch if sdpo else 0), _dpo_rows(dpo_pairs, grad_accum)
+    episodes = micro_batch * grad_accum
     return MemoryPlan(
-        shape=shape, device=device, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, rows=rows,
-        bf16=bf16, gradient_checkpointing=gradient_checkpointing,
+        shape=shape, device=device, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len,
+        rows_grpo=micro_batch, rows_sdpo=sdpo_rows, rows_dpo=dpo_rows, bf16=bf16,
+        gradient_checkpointing=gradient_checkpointing,
         weights=weights, gradients=4 * t, optimizer=8 * t, reference=dpo_copy + grpo_copy,
-        activations=activation_bytes(shape, rows, seq_len, bf16=bf16, gradient_checkpointing=gradient_checkpointing),
+        activations=activation_bytes(shape, micro_batch, seq_len, bf16=bf16,
+                                     gradient_checkpointing=gradient_checkpointing, sdpo_rows=sdpo_rows,
+                                     dpo_rows=dpo_rows, response_tokens=turn, sdpo_mixture=sdpo_mixture,
+                                     device=device),
         step_transient=2 * 4 * shape.largest_trainable,
-        host=4 * t * (2 + outer_state_tensors + 2), host_model=4 * p, free=free, free_source=free_source)
+        rollout=rollout_bytes(shape, episodes, seq_len, turn, bf16=bf16),
+        reference_pass=reference_pass_bytes(shape, dpo_pairs, seq_len, bf16=bf16, response_tokens=turn)
+        if dpo_pairs else 0,
+        episodes_per_step=episodes, turn_tokens=turn, row_source=row_source,
+        host=4 * t * (2 + outer_state_tensors + 2) + RUNTIME_HOST_BYTES, host_model=4 * p, free=free,
+        free_source=free_source)
 
 
 def _outer_state_tensors(config: RunConfig) -> int:
@@ -333,22 +676,27 @@ def _outer_state_tensors(config: RunConfig) -> int:
 
 def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad_accum: int, device: str,
                  bf16: bool, gradient_checkpointing: bool, free: int | None, free_source: str = "",
-                 lora: LoraSection | None | bool = True) -> MemoryPlan:
+                 lora: LoraSection | None | bool = True, inputs: PlanInputs | None = None) -> MemoryPlan:
     """`plan_memory` for a run config and a model config (what a node knows before it builds the model).
 
     Args:
         lora: True = the run's own ``[lora]``; a `LoraSection` or None to plan another choice (the refusal's hints).
+        inputs: the prompt bound and the reply's template tokens (`plan_inputs`); None: unknown, rows of
+            ``max_seq_len``.
     """
     section = config.lora if lora is True else (lora or None)
     shape = model_shape(model_config, section)
     pref = config.preference
+    inputs = inputs or PlanInputs()
+    row = row_bound(config, prompt_tokens=inputs.prompt_tokens, reply_scaffold_tokens=inputs.reply_scaffold_tokens)
     return plan_memory(
-        shape, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=config.max_seq_len, device=device, bf16=bf16,
+        shape, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=row.tokens, device=device, bf16=bf16,
         gradient_checkpointing=gradient_checkpointing, sdpo=config.loss.alpha_sdpo > 0,
         dpo_pairs=pref.max_sites * pref.max_pairs_per_turn if config.loss.beta_dpo > 0 else 0,
         dpo_reference=config.loss.beta_dpo > 0, grpo_reference=config.grpo.beta > 0,
         outer_state_tensors=_outer_state_tensors(config) + (2 if config.compression == "sparse-2bit" else 0),
-        free=free, free_source=free_source)
+        turn_tokens=config.env.max_turn_tokens, sdpo_mixture=0 < config.loss.sdpo_jsd_beta < 1,
+        row_source=row.source, free=free, free_source=free_source)
 
 
 def refusal(plan: MemoryPlan, alternatives: list[tuple[str, MemoryPlan]]) -> str:
@@ -365,21 +713,38 @@ def refusal(plan: MemoryPlan, alternatives: list[tuple[str, MemoryPlan]]) -> str
     where = "host RAM" if plan.on_cpu else "device memory"
     return (f"not enough {where} on {plan.device}: the memory plan needs {_size(plan.need)} (weights "
             f"{_size(plan.weights)} + AdamW {_size(plan.optimizer)} + reference {_size(plan.reference)} + step peak "
-            f"{_size(plan.training_peak)} (gradients {_size(plan.gradients)}, activations {_size(plan.activations)} at "
-            f"--batch-size {plan.micro_batch} x {plan.seq_len} tokens)"
-            f"{' + outer loop ' + _size(plan.host) if plan.on_cpu else ''}), "
+            f"{_size(plan.phase_peak)} (gradients {_size(plan.gradients)}, activations {_size(plan.activations)} at "
+            f"--batch-size {plan.micro_batch} x {plan.seq_len} tokens"
+            f"{' with gradient checkpointing' if plan.gradient_checkpointing else ''}"
+            f"{'' if plan.phase_peak == plan.training_peak else '; the rollout or the DPO reference pass is larger'})"
+            f"{' + outer loop and process ' + _size(plan.host) if plan.on_cpu else ''}), "
             f"{_size(plan.free)} free ({plan.free_source}); {hint}")
+
+
+def _check_host(plan: MemoryPlan, host_free: int | None) -> None:
+    """Raise the one-line host refusal of a GPU node whose host RAM cannot hold the outer loop and the model as
+    loaded."""
+    if not plan.on_cpu and host_free is not None and plan.host_bytes > host_free:
+        raise DeviceMemoryError(
+            f"not enough host RAM beside {plan.device}: the memory plan needs {_size(plan.host_bytes)} on the host "
+            f"(the model as loaded {_size(plan.host_model)} + the outer loop's fp32 theta, pseudo-gradient and "
+            f"optimizer state and the process {_size(plan.host)}), {_size(host_free)} available; [lora] shrinks the "
+            "outer loop to the adapters' size")
+
+
+_LORA_16 = dict(r=16, lora_alpha=32, target_modules="all-linear")
 
 
 def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_accum: int, device: str, bf16: bool,
                gradient_checkpointing: bool, free: int | None, free_source: str = "",
-               host_free: int | None = None) -> MemoryPlan:
-    """Plan the node's memory and refuse, before it joins, a plan that does not fit ``free``.
+               host_free: int | None = None, inputs: PlanInputs | None = None) -> MemoryPlan:
+    """Plan the node's memory for a batch the user chose and refuse, before it joins, a plan that does not fit
+    ``free``.
 
     Args:
         config: the run config; model_config: its policy's ``transformers`` config.
         micro_batch, grad_accum: the node's batch (`nodes.device.NodeBatch`).
-        device, bf16, gradient_checkpointing, free, free_source: as `plan_for_run`.
+        device, bf16, gradient_checkpointing, free, free_source, inputs: as `plan_for_run`.
         host_free: available host RAM of a GPU node (None: not checked); a CPU node's ``free`` is its host RAM.
     Returns:
         the plan (it fits, or ``free`` is unknown).
@@ -389,15 +754,10 @@ def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_a
             ``[lora] r = 16`` would fit; or, on a GPU node, one line naming the host bytes (the outer loop's fp32
             buffers and the model as loaded) and the available host RAM.
     """
-    kw = dict(device=device, bf16=bf16, free=free, free_source=free_source)
+    kw = dict(device=device, bf16=bf16, free=free, free_source=free_source, inputs=inputs)
     plan = plan_for_run(config, model_config, micro_batch=micro_batch, grad_accum=grad_accum,
                         gradient_checkpointing=gradient_checkpointing, **kw)
-    if not plan.on_cpu and host_free is not None and plan.host_bytes > host_free:
-        raise DeviceMemoryError(
-            f"not enough host RAM beside {plan.device}: the memory plan needs {_size(plan.host_bytes)} on the host "
-            f"(the model as loaded {_size(plan.host_model)} + the outer loop's fp32 theta, pseudo-gradient and "
-            f"optimizer state {_size(plan.host)}), {_size(host_free)} available; [lora] shrinks the outer loop to the "
-            "adapters' size")
+    _check_host(plan, host_free)
     if plan.fits():
         return plan
     episodes = micro_batch * grad_accum
@@ -414,7 +774,7 @@ def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_a
             config, model_config, micro_batch=micro_batch, grad_accum=grad_accum, gradient_checkpointing=True, **kw)))
     from composer_diloco.config import LoraSection
 
-    lora_16 = LoraSection(r=16, lora_alpha=32, target_modules="all-linear")
+    lora_16 = LoraSection(**_LORA_16)
     if config.lora is None:
         alternatives.append(("[lora] r = 16 (all-linear)", plan_for_run(
             config, model_config, micro_batch=micro_batch, grad_accum=grad_accum,
@@ -427,6 +787,86 @@ def check_plan(config: RunConfig, model_config: Any, *, micro_batch: int, grad_a
     raise DeviceMemoryError(refusal(plan, alternatives))
 
 
+@dataclass(frozen=True)
+class BatchChoice:
+    """The micro-batch a node picked itself (`choose_batch`).
+
+    Attributes:
+        micro_batch, grad_accum: the choice; their product is the run's episodes per step.
+        gradient_checkpointing: whether the choice needs it (or the user asked for it).
+        plan: the chosen batch's plan.
+        reason: one line for the log: the choice and why (which larger batch did not fit, by how much).
+    """
+
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    plan: MemoryPlan
+    reason: str
+
+
+def choose_batch(config: RunConfig, model_config: Any, *, device: str, bf16: bool, gradient_checkpointing: bool,
+                 free: int | None, free_source: str = "", host_free: int | None = None,
+                 inputs: PlanInputs | None = None) -> BatchChoice:
+    """The largest micro-batch b that divides the run's episodes per step E (``tasks_per_step * num_generations``,
+    unchanged: gradient accumulation K = E / b makes up the step) and whose plan fits ``free``: first without gradient
+    checkpointing, then, if none fits, with it (turned on). With ``gradient_checkpointing`` (the user's
+    ``--gradient-checkpointing``) only with it. With ``free`` unknown: b = E.
+
+    Args:
+        config, model_config, device, bf16, free, free_source, host_free, inputs: as `check_plan`.
+        gradient_checkpointing: the user asked for it.
+    Returns:
+        The `BatchChoice`.
+    Raises:
+        DeviceMemoryError: micro-batch 1 with gradient checkpointing does not fit (one line, `refusal`, naming ``[lora]
+            r = 16`` when it would fit); or the host refusal of a GPU node (`check_plan`).
+    """
+    episodes = config.batch_size
+    kw = dict(device=device, bf16=bf16, free=free, free_source=free_source, inputs=inputs)
+    sizes = [b for b in range(episodes, 0, -1) if episodes % b == 0]
+    tried: list[MemoryPlan] = []
+    for checkpointing in ((True,) if gradient_checkpointing else (False, True)):
+        for b in sizes:
+            plan = plan_for_run(config, model_config, micro_batch=b, grad_accum=episodes // b,
+                                gradient_checkpointing=checkpointing, **kw)
+            if not tried:
+                _check_host(plan, host_free)
+            tried.append(plan)
+            if plan.fits():
+                return BatchChoice(b, episodes // b, checkpointing, plan, _why(plan, tried, gradient_checkpointing))
+    last = tried[-1]  # micro-batch 1 with gradient checkpointing
+    alternatives = []
+    if config.lora is None:
+        from composer_diloco.config import LoraSection
+
+        alternatives.append((f"--batch-size 1 --grad-accum {episodes} --gradient-checkpointing with [lora] r = 16",
+                             plan_for_run(config, model_config, micro_batch=1, grad_accum=episodes,
+                                          gradient_checkpointing=True, lora=LoraSection(**_LORA_16), **kw)))
+    raise DeviceMemoryError(refusal(last, alternatives))
+
+
+def _why(chosen: MemoryPlan, tried: list[MemoryPlan], asked_checkpointing: bool) -> str:
+    """The choice's log line: the batch, then the run's micro-batch's need and shortfall when it did not fit."""
+    head = (f"micro-batch {chosen.micro_batch} x --grad-accum {chosen.grad_accum} = {chosen.episodes_per_step} "
+            f"episodes per step{' with gradient checkpointing' if chosen.gradient_checkpointing else ''}")
+    if chosen.free is None:
+        return f"{head}: free memory unknown, the run's micro-batch"
+    if len(tried) == 1:
+        return f"{head}: the run's micro-batch fits ({_size(chosen.need)} of {_size(chosen.free)} free)"
+    first = tried[0]
+    parts = [f"--batch-size {first.micro_batch}{' with gradient checkpointing' if asked_checkpointing else ''} "
+             f"needs {_size(first.need)}, {_size(first.free)} free ({first.free_source}): "
+             f"{_size(first.need - first.free)} short"]
+    if chosen.gradient_checkpointing and not asked_checkpointing:
+        smallest = [p for p in tried if not p.gradient_checkpointing][-1]
+        parts.append(f"without gradient checkpointing even --batch-size {smallest.micro_batch} needs "
+                     f"{_size(smallest.need)}: gradient checkpointing turned on")
+    parts.append(f"this one needs {_size(chosen.need)}")
+    return f"{head}, chosen: {'; '.join(parts)}"
+
+
+# -- free memory and the measured peak ----------------------------------------------------------------------------
 def _meminfo_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -473,46 +913,120 @@ def device_free_bytes(device: str) -> tuple[int | None, str]:
     return free, source
 
 
+def _status_bytes(field: str) -> int | None:
+    """``VmRSS:`` / ``VmHWM:`` of ``/proc/self/status`` in bytes, or None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """The process's peak memory on the policy's device between two `take` calls: what a round's metrics line holds
+    as ``memory_peak_bytes``, next to the plan's `MemoryPlan.planned_peak`.
+
+    CUDA: ``torch.cuda.max_memory_allocated()`` of the current device, reset by ``torch.cuda.reset_peak_memory_stats()``
+    (tensors only: the CUDA context and the caching allocator's unused reserve, which ``nvidia-smi`` shows, are not in
+    it, nor in the plan). CPU: the growth of the process's peak resident set (``VmHWM``, reset by writing ``5`` to
+    ``/proc/self/clear_refs``) over its resident set when this object was made: made before the policy is built
+    (`nodes.node.Node.plan_memory`), so the interpreter and the libraries (torch, transformers, hivemind: ~0.5-1 GB)
+    are left out and the weights, the training state, the outer loop's buffers and an inner step's activations are
+    in, as in the plan's need. Freed memory that glibc keeps for reuse stays in the resident set, so a CPU figure
+    can exceed what the tensors alone held.
+
+    Args:
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.baseline = 0 if self.cuda else (_status_bytes("VmRSS:") or 0)
+        self.available = True
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new interval (`take` resets too); on a CPU where ``/proc/self/clear_refs`` cannot be written, the
+        peak is not available (`take` returns None)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.available = False
+
+    def take(self) -> int | None:
+        """The peak bytes since the last `reset` or `take` (None where it cannot be measured), then reset."""
+        if self.cuda:
+            import torch
+
+            peak: int | None = int(torch.cuda.max_memory_allocated())
+        else:
+            hwm = _status_bytes("VmHWM:")
+            peak = None if hwm is None or not self.available else max(0, hwm - self.baseline)
+        self.reset()
+        return peak
+
+
+# -- calibration --------------------------------------------------------------------------------------------------
 def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bool, lora: bool = False,
                            gradient_checkpointing: bool = False, temperature: float = 1.0,
-                           bf16: bool = False) -> dict[str, int]:
+                           bf16: bool = False, sdpo_rows: int = 0, dpo_pairs: int = 0,
+                           response_tokens: int = 16, sdpo_beta: float = 1.0) -> dict[str, int]:
     """Measure on CPU what one inner step of ``model`` allocates: the peak resident-set growth (``VmHWM`` after
-    resetting it through ``/proc/self/clear_refs``) over the state built here and one forward/backward + AdamW step.
+    resetting it through ``/proc/self/clear_refs``) over the state built here, one DPO reference pass, and one
+    forward/backward + AdamW step.
 
     Run it in a fresh process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every tensor of 64 KiB or
     more on its own and returns it at free, so the resident set follows the allocations). A forward/backward over 16
     tokens runs before the baseline, so what a process allocates once, on its first forward/backward (~9 MB on a Xeon;
-    ~14 MB more on one CI machine's CPU), is not counted as the step's. The pass is a proxy of the
-    GRPO loss (logits of ``rows`` x ``seq_len`` random tokens divided by the temperature, TRL's
-    ``selective_log_softmax``, a masked mean), with the DPO reference's no-grad forward first.
+    ~14 MB more on one CI machine's CPU), is not counted as the step's. The step is the trainer's composite loss on
+    random tokens: GRPO's log-probs through TRL's fused LM head (``add_fused_lm_head``, as ``GRPOTrainer`` computes
+    them: temperature-scaled, with the entropy), SDPO's `sdpo_loss` over ``sdpo_rows`` student/teacher rows, DPO's
+    `dpo_loss` over ``dpo_pairs`` pairs, summed, then one backward.
 
     Args:
         model: the policy (fp32, CPU), with adapters already applied when ``lora``.
-        rows, seq_len: the micro-batch (token ids ``(rows, seq_len)`` long).
-        reference: build the DPO reference (a frozen deep copy; with ``lora`` the policy with adapters disabled).
+        rows, seq_len: the GRPO micro-batch (token ids ``(rows, seq_len)`` long); every SDPO/DPO row has ``seq_len``
+            tokens too.
+        reference: build the DPO reference (a frozen deep copy; with ``lora`` the policy with adapters disabled) and
+            run its pass over the ``dpo_pairs`` pairs (or one row) before the step.
         lora: the model is a ``peft.PeftModel``.
         gradient_checkpointing: ``model.gradient_checkpointing_enable()`` first.
         temperature: the sampling temperature the logits are divided by.
         bf16: as a ``--dtype bf16`` node: frozen linear weights (a LoRA base, the reference copy) stored in bf16 and
             every forward under CPU bf16 autocast (`composer_diloco.policy.precision`).
+        sdpo_rows, dpo_pairs: SDPO sites and DPO pairs in the micro-batch (0: the channel is off).
+        response_tokens: the response tokens of each SDPO/DPO row (its last ones).
+        sdpo_beta: the generalized JSD's beta (1: SDPO's reverse KL; between 0 and 1: the mixture).
     Returns:
-        ``{"state": measured bytes of the AdamW moments and the reference copy; "peak": measured peak bytes over the
-        whole step (state, the gradients backward creates, activations, transients); "gradients": the trainable
-        parameters' bytes (computed, as ``zero_grad(set_to_none=True)`` leaves them to backward); "activations":
-        peak - state - gradients}``, each relative to the resident set when the call starts (the weights, faulted in
-        first, are not counted).
+        ``{"state": measured bytes of the AdamW moments and the reference copy; "reference_pass": measured peak bytes
+        of the DPO reference pass over the state; "peak": measured peak bytes over the training step (state, the
+        gradients backward creates, activations, transients); "gradients": the trainable parameters' bytes (computed,
+        as ``zero_grad(set_to_none=True)`` leaves them to backward); "activations": peak - state - gradients}``, each
+        relative to the resident set when the call starts (the weights, faulted in first, are not counted).
     """
     import copy
     import ctypes
 
     import torch
-    from trl.trainer.utils import selective_log_softmax
+    from trl.trainer.utils import add_fused_lm_head
+
+    from composer_diloco.channels.dpo import dpo_loss
+    from composer_diloco.channels.sdpo import sdpo_loss
+    from composer_diloco.channels.losses import sequence_logprobs
+    from composer_diloco.config import LossConfig
 
     def rss(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"/proc/self/status has no {field}")
+        value = _status_bytes(field)
+        if value is None:
+            raise RuntimeError(f"/proc/self/status has no {field}")
+        return value
 
     def reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
@@ -531,6 +1045,9 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
 
         frozen_linears_to_bf16(model)
         autocast_forward(model, "cpu")
+    # TRL's GRPOTrainer patches the (base) model so that its GRPO forward returns log-probs, not logits
+    add_fused_lm_head(model.get_base_model() if lora else model, temperature=temperature,
+                      outputs=("log_probs", "entropy"))
     with torch.no_grad():  # from_pretrained may map the safetensors file: fault the weights in before the baseline
         for p in model.parameters():
             p.sum()
@@ -553,19 +1070,87 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         if bf16:
             frozen_linears_to_bf16(ref)
     state = rss("VmRSS:") - base
+
+    def rows_of(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        row_ids = torch.randint(0, vocab, (n, width), generator=gen)
+        response = torch.zeros(n, width, dtype=torch.long)
+        response[:, width - response_tokens:] = 1
+        return row_ids, torch.ones(n, width, dtype=torch.long), response
+
     gradients = sum(p.numel() * p.element_size() for p in params)
-    with torch.no_grad():  # the reference's log-probs (the DPO collator computes them before the loss)
-        if lora and reference:
-            with model.disable_adapter():
-                model(input_ids=ids[:1], attention_mask=mask[:1])
-        elif ref is not None:
-            ref(input_ids=ids[:1], attention_mask=mask[:1])
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature  # fp32 as accelerate returns it
-    logps = selective_log_softmax(logits[:, :-1], ids[:, 1:])
-    loss = -logps.mean()
-    del logits, logps
+    reset_peak()
+    with torch.no_grad():  # the DPO reference log-probs, all pairs at once as `ComposerCollator.dpo_tensors` does
+        pair_ids, pair_mask, pair_response = rows_of(max(dpo_pairs, 1), seq_len)
+        for _ in ("chosen", "rejected"):
+            if lora and reference:
+                with model.disable_adapter():
+                    logits = model(input_ids=pair_ids, attention_mask=pair_mask).logits.float()
+            elif ref is not None:
+                logits = ref(input_ids=pair_ids, attention_mask=pair_mask).logits.float()
+            else:
+                break
+            sequence_logprobs(logits, pair_ids, pair_response)
+        logits = None
+    reference_pass = rss("VmHWM:") - base - state
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    reset_peak()
+    labels = ids.clone()
+    labels[:, : max(1, seq_len // 8)] = -100  # the prompt: no log-probs
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # TRL's `accelerator.autocast()` around it
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    loss = -out.log_probs.sum() / labels.ne(-100).sum()
+    del out
+    cfg = LossConfig(sdpo_jsd_beta=sdpo_beta)
+    if sdpo_rows:
+        s_ids, s_mask, _ = rows_of(sdpo_rows, seq_len)
+        t_ids, t_mask, _ = rows_of(sdpo_rows, seq_len)
+        idx = torch.arange(seq_len - response_tokens, seq_len).repeat(sdpo_rows, 1)
+        loss = loss + sdpo_loss(model, {"sdpo_student_ids": s_ids, "sdpo_student_attention_mask": s_mask,
+                                        "sdpo_teacher_ids": t_ids, "sdpo_teacher_attention_mask": t_mask,
+                                        "student_response_idx": idx, "teacher_response_idx": idx,
+                                        "student_response_valid": torch.ones_like(idx, dtype=torch.bool)}, cfg)
+    if dpo_pairs:
+        c_ids, c_mask, c_resp = rows_of(dpo_pairs, seq_len)
+        r_ids, r_mask, r_resp = rows_of(dpo_pairs, seq_len)
+        loss = loss + dpo_loss(model, {"dpo_chosen_ids": c_ids, "dpo_chosen_attention_mask": c_mask,
+                                       "dpo_chosen_response_mask": c_resp, "dpo_rejected_ids": r_ids,
+                                       "dpo_rejected_attention_mask": r_mask, "dpo_rejected_response_mask": r_resp,
+                                       "dpo_ref_chosen_logps": torch.zeros(dpo_pairs),
+                                       "dpo_ref_rejected_logps": torch.zeros(dpo_pairs)}, cfg)
     loss.backward()
     opt.step()
     peak = rss("VmHWM:") - base
-    return {"state": state, "gradients": gradients, "peak": peak, "activations": peak - state - gradients}
+    return {"state": state, "gradients": gradients, "peak": peak, "activations": peak - state - gradients,
+            "reference_pass": reference_pass}
 
+
+def round_memory(plan: MemoryPlan | None, peak_bytes: int | None, stats: Any) -> tuple[dict[str, Any], list[str]]:
+    """A round's memory fields of a node's metrics line, and the warnings the round gives about its plan.
+
+    Args:
+        plan: the node's plan (None: not planned).
+        peak_bytes: the measured peak since the previous line (`PeakMemory.take`; None: not measured).
+        stats: the round's `composer_diloco.inner.step.RoundStats` (``longest_episode_tokens``, ``samples``,
+            ``channel_stats``).
+    Returns:
+        ``({"memory_peak_bytes", "memory_planned_bytes", "episode_tokens_max"}, warnings)``: the planned figure is
+        `MemoryPlan.planned_peak` (None without a plan); a warning (one line each) when the peak passed the plan,
+        an episode was longer than the planned rows, or SDPO found more sites than episodes (the plan assumes one
+        site per episode).
+    """
+    longest = int(stats.longest_episode_tokens)
+    fields = {"memory_peak_bytes": peak_bytes, "memory_planned_bytes": None if plan is None else plan.planned_peak,
+              "episode_tokens_max": longest}
+    if plan is None:
+        return fields, []
+    warnings = []
+    if peak_bytes is not None and peak_bytes > plan.planned_peak:
+        warnings.append(f"measured memory peak {_size(peak_bytes)} passed the memory plan's {_size(plan.planned_peak)}")
+    if longest > plan.seq_len:
+        warnings.append(f"an episode of {longest} tokens is longer than the memory plan's rows of {plan.seq_len} "
+                        f"({plan.row_source}): the plan may be short")
+    sites = getattr(stats.channel_stats.get("sdpo"), "sdpo_sites", 0)
+    if plan.rows_sdpo and sites > stats.samples:
+        warnings.append(f"SDPO found {sites} sites in {stats.samples} episodes: the memory plan assumes one per "
+                        "episode and may be short")
+    return fields, warnings

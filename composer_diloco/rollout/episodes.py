@@ -342,6 +342,7 @@ def play_episodes(
     max_turn_tokens: int,
     max_seq_len: int,
     temperature: float,
+    max_tool_reply_tokens: int | None = None,
 ) -> list[Episode]:
     """Play ``len(keys)`` episodes, ``len(sessions)`` at a time in lock-step, one batched ``generate`` per assistant
     turn of each wave.
@@ -365,6 +366,8 @@ def play_episodes(
         max_turn_tokens: new tokens per assistant turn.
         max_seq_len: prompt + completion tokens; an episode reaching it ends ("max_seq_len").
         temperature: sampling temperature (1.0 = the policy's distribution).
+        max_tool_reply_tokens: a tool reply longer than this many tokens is cut (`cut_reply`) before the policy sees
+            it (``[env] max_tool_reply_tokens``); None: not cut.
     Returns:
         The episodes, in the order of ``keys``.
     Raises:
@@ -378,13 +381,14 @@ def play_episodes(
     for first in range(0, len(keys), wave):
         episodes += _play_wave(model, tokenizer, sessions, keys[first:first + wave], tool_suffix_ids=tool_suffix_ids,
                                max_tool_calls=max_tool_calls, max_turn_tokens=max_turn_tokens,
-                               max_seq_len=max_seq_len, temperature=temperature)
+                               max_seq_len=max_seq_len, temperature=temperature,
+                               max_tool_reply_tokens=max_tool_reply_tokens)
     return episodes
 
 
 def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession], keys: Sequence[tuple[int, str]], *,
                tool_suffix_ids: ToolSuffix, max_tool_calls: int, max_turn_tokens: int, max_seq_len: int,
-               temperature: float) -> list[Episode]:
+               temperature: float, max_tool_reply_tokens: int | None = None) -> list[Episode]:
     """`play_episodes` of at most ``len(sessions)`` keys, all at once."""
     episodes: list[Episode] = []
     for session, (seed, episode_id) in zip(sessions, keys):
@@ -427,6 +431,8 @@ def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession],
                             reason)
                 ep.reward, ep.end_reason = 0.0, "env_error"  # no tool turn: the policy made no mistake here
                 continue
+            if max_tool_reply_tokens is not None:
+                content = cut_reply(tokenizer, content, max_tool_reply_tokens)
             ep.turns.append(Turn("tool", content, None, kind, meta))
             if done:
                 ep.reward, ep.end_reason = reward, "done"
@@ -447,6 +453,26 @@ def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession],
         ep.prompt_text = tokenizer.decode(ep.prompt_ids, skip_special_tokens=False)
         ep.completion_text = tokenizer.decode(ep.completion_ids, skip_special_tokens=False)
     return episodes
+
+
+CUT_MARK = " ..."
+"""What `cut_reply` appends to a reply it cut."""
+
+
+def cut_reply(tokenizer: Any, content: str, max_tokens: int) -> str:
+    """A tool reply of at most ``max_tokens`` tokens (``[env] max_tool_reply_tokens``): unchanged when it fits, else its
+    first ``max_tokens`` tokens decoded, then `CUT_MARK` (a few tokens more; the memory plan counts them,
+    `composer_diloco.policy.memory_plan.REPLY_SLACK`).
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        content: the env's reply text.
+        max_tokens: the cap, >= 1.
+    """
+    ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return content
+    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=False) + CUT_MARK
 
 
 @dataclass
