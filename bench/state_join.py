@@ -17,8 +17,10 @@ coordinator and the joiners from another checkout (the code before the change: i
 ``cut --layers 8 --out DIR`` writes Qwen3-0.6B's architecture cut to 8 decoder layers (281M parameters, 3.4 GB of
 state), the size the issue's CPU run failed at.
 
-Memory: `bench.memory.TreeMemory` samples each tree (the process, hivemind's averager and DHT children, p2pd): USS is
-what the tree holds alone, PSS adds its share of shared memory (hivemind's averager buffers in /dev/shm).
+Memory: `bench.memory.TreeMemory` samples each tree (the process, hivemind's averager and DHT children, p2pd) every
+0.5 s: USS is what the tree holds alone, PSS adds its share of shared memory (hivemind's averager buffers in /dev/shm).
+``coordinator_uss_gb`` splits the coordinator's into its last sample before the joiners start (at rest: theta and the
+outer state loaded) and its peak while they download (what serving costs on top).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench.memory, when run as a script
+CODE_ENV = "STATE_JOIN_CODE"  # the checkout a child (prepare, join) imports the project from: --code
+sys.path.insert(0, os.environ.get(CODE_ENV) or str(ROOT))  # before any project import
 CONFIG = ROOT / "configs" / "qwen3_0.6b_full.toml"
 
 
@@ -62,7 +65,10 @@ def prepare(model_dir: Path, run_dir: Path, config_path: Path, round_: int, seed
         for t in gm.state()[1][len(gm.params):]:
             if t.is_floating_point() and t.numel() > 1:
                 t.copy_(torch.randn(t.shape, generator=g) * 1e-4)
-    folder = save_checkpoint(run_dir, round_, model, tokenizer, gm, config.to_json(), model_sha256=base)
+    import inspect
+
+    extra = {"model_sha256": base} if "model_sha256" in inspect.signature(save_checkpoint).parameters else {}
+    folder = save_checkpoint(run_dir, round_, model, tokenizer, gm, config.to_json(), **extra)  # (--code: older)
     return {"checkpoint": str(folder), "global_sha256": gm.sha256(), "base_sha256": base,
             "state_bytes": sum(t.numel() * t.element_size() for t in gm.state()[1])}
 
@@ -110,10 +116,11 @@ def _vm_hwm(pid: int) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     """Coordinator + joiners, measured (module docstring)."""
+    sys.path.insert(0, str(ROOT))
     from bench.memory import TreeMemory
 
     code = Path(args.code or ROOT).resolve()
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(code), CODE_ENV: str(code), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run_dir, logs = args.run_dir.resolve(), args.run_dir.resolve() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     prepared = None
@@ -142,6 +149,8 @@ def run(args: argparse.Namespace) -> dict:
                 raise SystemExit(f"the coordinator exited:\n{(logs / 'coordinator.log').read_text()[-3000:]}")
             peer_line = line.removeprefix("peer: ").strip() if line.startswith("peer: ") else ""
         started = time.monotonic() - t0
+        time.sleep(2.0)  # the coordinator's memory at rest, before anyone downloads
+        serving_from = time.time()
         joiners = {}
         for i in range(args.joiners):
             name = f"joiner-{i}"
@@ -176,8 +185,13 @@ def run(args: argparse.Namespace) -> dict:
         expected = read_outer_state(latest_checkpoint(run_dir))["global_sha256"]
     for r in results.values():
         r["sha256_matches"] = r.get("sha256") == expected
+    coordinator = [x for x in memory.series if x["peer"] == "coordinator"]
+    at_rest = [x["uss_bytes"] for x in coordinator if x["time"] < serving_from]
+    serving = [x["uss_bytes"] for x in coordinator if x["time"] >= serving_from]
     return {"model": str(args.model), "round": args.round, "code": str(code), "coordinator_start_s": round(started, 1),
             "prepared": prepared, "expected_sha256": expected, "joiners": results,
+            "coordinator_uss_gb": {"at_rest": round(at_rest[-1] / 1e9, 2) if at_rest else None,
+                                   "peak_while_serving": round(max(serving) / 1e9, 2) if serving else None},
             "peak_gb": {name: {"uss": round(p.uss_bytes / 1e9, 2), "pss": round(p.pss_bytes / 1e9, 2),
                                "vm_hwm_main": round(hwm.get(name, 0) / 1e9, 2)} for name, p in peaks.items()}}
 

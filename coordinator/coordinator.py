@@ -15,6 +15,7 @@ downloads their state when it is newer than its newest checkpoint, and checkpoin
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -187,6 +188,7 @@ class Coordinator:
         newer_live_state = False
         if checkpoint is not None:
             self._load_outer_state(checkpoint)
+            gc.collect()  # the checkpoint's memory-mapped outer.pt is let go now, not at some later GC cycle
             newer_live_state = self._reload_from_live_nodes()
         publish_config(self.dht, config)
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
