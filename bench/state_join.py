@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                 raise SystemExit(f"the coordinator exited:\n{(logs / 'coordinator.log').read_text()[-3000:]}")
             peer_line = line.removeprefix("peer: ").strip() if line.startswith("peer: ") else ""
         started = time.monotonic() - t0
-        time.sleep(2.0)  # the coordinator's memory at rest, before anyone downloads
+        time.sleep(5.0)  # the coordinator's memory at rest (its start-up transients over), before anyone downloads
         serving_from = time.time()
         joiners = {}
         for i in range(args.joiners):
