@@ -9,7 +9,8 @@
         Phase 1: a joiner whose base differs from the run's (refused), one that loaded the run's base (nothing moves),
         one from a random skeleton (downloads theta from the coordinator, which is slow and then dies, and resumes
         from a node). Phase 2: a peer that holds a theta of its own downloads from the node named ``server-c`` only,
-        which dies mid-download: it must fail in one line with its theta untouched.
+        which is slow: first with a deadline shorter than its delay, then without one while it dies mid-download:
+        each fails in one line with the theta untouched.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def join(args: argparse.Namespace) -> None:
         j = peer(dht, "holder", "node", 3, holds_theta=True, base=None)
         before = j.global_model.sha256()
         server = next(p for p in j.swarm.live_peers() if p.name == "server-c")
+        ok = j.load_state_from_peers(30.0, peer=server, deadline_s=3.0)  # its first chunk comes after 5 s
+        results["deadline"] = {"ok": ok, "error": j.last_download_error, "after": j.global_model.sha256()}
         ok = j.load_state_from_peers(30.0, peer=server)
         results["holder"] = {"ok": ok, "error": j.last_download_error, "before": before,
                              "after": j.global_model.sha256(), "round": j.round}

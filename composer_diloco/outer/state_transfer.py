@@ -507,8 +507,10 @@ class StateTransfer:
                     f"{_size(progress.done)} of {_size(job.bytes_needed())} from {source[1]} (raise --join-deadline, "
                     "or [network] state_min_rate_mb_s lower)")
             try:
-                await self._stream(source, job, chunk_bytes, chunk_timeout_s, progress, report)
+                await self._stream(source, job, chunk_bytes, chunk_timeout_s, progress, report, deadline)
                 continue
+            except _PastDeadline:
+                continue  # the deadline check at the loop's top says so, in one line
             except _Moved as moved:
                 log.info("%s: %s's state moved to round %d during the download: fetching that one, keeping what "
                          "still matches", self.name, source[1], moved.round)
@@ -583,9 +585,9 @@ class StateTransfer:
             await asyncio.sleep(0.5)
 
     async def _stream(self, source: tuple[str, str], job: _Job, chunk_bytes: int, chunk_timeout_s: float,
-                      progress: _Progress, report: DownloadReport) -> None:
-        """One chunk stream from ``source``, from ``job``'s position to the end. Raises `_Moved`, `_StreamFailed`,
-        TimeoutError or the transport's errors."""
+                      progress: _Progress, report: DownloadReport, deadline: float) -> None:
+        """One chunk stream from ``source``, from ``job``'s position to the end or to ``deadline`` (time.monotonic()).
+        Raises `_Moved`, `_StreamFailed`, `_PastDeadline`, TimeoutError or the transport's errors."""
         ask = {"state_id": job.manifest.state_id, "tensors": job.remaining(), "offset": job.offset,
                "chunk_bytes": chunk_bytes}
         stream = await asyncio.wait_for(self._p2p.iterate_protobuf_handler(
@@ -608,12 +610,18 @@ class StateTransfer:
             await loop.run_in_executor(None, job.write, data)
             report.bytes_moved += len(data)
             progress.add(len(data), source[1])
+            if time.monotonic() > deadline:
+                raise _PastDeadline()
         if not job.done():
             raise _StreamFailed(f"the stream ended at {job.position()} (the peer stopped serving)")
 
 
 class _StreamFailed(Exception):
     """A chunk stream ended early or sent a chunk out of order."""
+
+
+class _PastDeadline(Exception):
+    """The download's deadline passed during a chunk stream."""
 
 
 def _min_round_text(min_round: int | None) -> str:
