@@ -104,8 +104,9 @@ def test_plan_matches_measured_allocations(measurements, kind, mode, dtype):
 def test_bytes_per_parameter_follow_the_code():
     """Full fine-tuning: 4 (weights) + 4 (gradients) + 8 (AdamW) + 4 (the DPO reference copy, 2 for its linear weights
     under bf16) bytes per parameter on the device, and theta + pseudo-gradient + the outer state (Delayed Nesterov's
-    momentum and running sum) + the outer step's two transients in host RAM; LoRA: the base's 4 bytes per parameter (2 for its linear weights under bf16) and 16 per
-    adapter parameter, no reference copy."""
+    momentum and running sum) + a resync's download buffers (theta and the outer state again) in host RAM; LoRA: the
+    base's 4 bytes per parameter (2 for its linear weights under bf16) and 16 per adapter parameter, no reference
+    copy."""
     # a model run's default outer optimizer, Delayed Nesterov (two state tensors); DPO on (it defaults off): a reference
     config = load_config(None, model="some/model", loss=LossConfig(beta_dpo=0.2))
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
@@ -117,7 +118,7 @@ def test_bytes_per_parameter_follow_the_code():
     assert 0 < lin < p and full.shape.frozen_linear == 0  # full fine-tuning: every weight trains, kept fp32
     # bf16: the DPO reference copy keeps its linear weights in bf16 (2 bytes), its embedding and norms in fp32
     assert (full.weights, full.gradients, full.optimizer, full.reference) == (4 * p, 4 * p, 8 * p, 4 * p - 2 * lin)
-    assert full.host == 4 * p * 6 + RUNTIME_HOST_BYTES  # + the process's own allocations
+    assert full.host == 4 * p * (1 + 1 + 2 + 3) + RUNTIME_HOST_BYTES  # + the process's own allocations
     assert full.host_bytes == full.host + 4 * p  # + the model as loaded on the CPU
     lora_config = load_config(None, model="some/model", lora=LoraSection(r=16, lora_alpha=32))
     lora = check_plan(lora_config, cfg, micro_batch=8, grad_accum=1, device="cuda:0", bf16=True,
@@ -171,8 +172,9 @@ def test_gpu_node_refuses_when_host_ram_cannot_hold_the_outer_loop():
      "kwargs = {momentum = 0.9, delay = 4}\n", 2),          # momentum and the pseudo-gradients' running sum
 ])
 def test_host_plan_counts_the_outer_optimizers_own_state(tmp_path, outer, tensors):
-    """The host part of the plan holds theta, the pseudo-gradient, the outer state and two transients, 4 bytes each
-    per trainable parameter: the outer state is counted on the optimizer itself, a dotted-path class included."""
+    """The host part of the plan holds theta, the pseudo-gradient, the outer state, and a resync's download buffers
+    (theta and the outer state again), 4 bytes each per trainable parameter: the outer state is counted on the
+    optimizer itself, a dotted-path class included."""
     from composer_diloco.policy import load_default_tokenizer, tiny_model_config
 
     path = tmp_path / "c.toml"
@@ -180,7 +182,7 @@ def test_host_plan_counts_the_outer_optimizers_own_state(tmp_path, outer, tensor
     cfg = tiny_model_config(load_default_tokenizer(), 0)
     plan = check_plan(load_config(path, model="some/model"), cfg, micro_batch=1, grad_accum=8, device="cpu",
                       bf16=False, gradient_checkpointing=False, free=10**12)
-    assert plan.host == 4 * model_shape(cfg).params_trainable * (2 + tensors + 2) + RUNTIME_HOST_BYTES
+    assert plan.host == 4 * model_shape(cfg).params_trainable * (2 + tensors + 1 + tensors) + RUNTIME_HOST_BYTES
 
 
 def test_device_memory_env_caps_and_rejects(monkeypatch):

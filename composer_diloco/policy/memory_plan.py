@@ -32,8 +32,10 @@ training phase's peak is ``max(activations + gradients / 4, gradients + 8 * larg
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
     none for parameter averaging; ``compression = "sparse-2bit"`` adds 8 T: the error feedback and its next value,
-    `composer_diloco.outer.sparse.ErrorFeedback`) + 8 T transient (a state download at join or resync: theta and the outer
-    state pass through hivemind's averager process; the outer step itself copies nothing, `GlobalModel.outer_step`),
+    `composer_diloco.outer.sparse.ErrorFeedback`) + a state download's buffers (`composer_diloco.outer.state_transfer`:
+    a joiner writes into its own theta and outer state, so nothing; a peer that holds theta and resyncs downloads what
+    differs into new buffers, at most theta and the outer state again, 4 T per tensor; the serving peer holds a few
+    chunks, no copy; the outer step itself copies nothing, `GlobalModel.outer_step`),
     plus the policy as loaded: ``from_pretrained`` builds it in fp32 on the CPU (4 P) before
     it moves to a GPU; on a CPU node that copy *is* the device's weights; plus `RUNTIME_HOST_BYTES` of the process's
     own beyond these tensors.
@@ -662,7 +664,9 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         reference_pass=reference_pass_bytes(shape, dpo_pairs, seq_len, bf16=bf16, response_tokens=turn)
         if dpo_pairs else 0,
         episodes_per_step=episodes, turn_tokens=turn, row_source=row_source,
-        host=4 * t * (2 + outer_state_tensors + 2) + RUNTIME_HOST_BYTES, host_model=4 * p, free=free,
+        # theta, the pseudo-gradient buffer, the outer state, and a resync's download buffers (theta + outer state)
+        host=4 * t * (2 + outer_state_tensors + 1 + outer_state_tensors) + RUNTIME_HOST_BYTES, host_model=4 * p,
+        free=free,
         free_source=free_source)
 
 
