@@ -101,6 +101,8 @@ class _StandInStats:
 
     episodes_env_error = 0
     no_tool_call = False
+    longest_episode_tokens = 0  # (`composer_diloco.policy.memory_plan.round_memory`)
+    channel_stats: dict = {}
 
     def __init__(self, samples: int):
         self.samples = samples

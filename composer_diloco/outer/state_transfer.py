@@ -12,9 +12,9 @@ checkpoint transport (``torchft/checkpointing/http_transport.py``) serves the li
 whose writer, the optimizer step, waits for the readers; this module does the same over the run's own libp2p daemon,
 chunked and resumable, and sends only what the downloader does not hold already.
 
-The protocol: two streaming RPCs, served in the peer's own process through a replica of its DHT's p2p daemon
-(`hivemind.DHT.replicate_p2p`), so every chunk is read from theta and the optimizer state themselves; the server holds
-no copy of the state, however many downloads it serves (one chunk per stream in flight):
+The protocol: two streaming RPCs, served in the peer's own process through a replica of its DHT's p2p daemon (as
+`hivemind.DHT.replicate_p2p` makes), so every chunk is read from theta and the optimizer state themselves; the server
+holds no copy of the state, however many downloads it serves (one chunk per stream in flight):
 
 ``{prefix}::StateTransfer.rpc_manifest``
     keepalives while the server hashes its state (once per change of the state, then cached), then the `Manifest`:
@@ -279,7 +279,12 @@ class StateTransfer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self, dht: Any):
-        p2p = await dht.replicate_p2p()
+        # a replica of the DHT's daemon of our own, as `hivemind.DHT.replicate_p2p` makes one, without its per-process
+        # cache: `close` shuts it down, and another `StateTransfer` on the same DHT gets a live one
+        from hivemind import DHT
+        from hivemind.p2p import P2P
+
+        p2p = await P2P.replicate(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         await p2p.add_protobuf_handler(f"{self.prefix}::{MANIFEST_RPC}", self._rpc_manifest,
                                        averaging_pb2.DownloadData, stream_output=True)
         await p2p.add_protobuf_handler(f"{self.prefix}::{CHUNKS_RPC}", self._rpc_chunks, averaging_pb2.DownloadData,
@@ -287,20 +292,40 @@ class StateTransfer:
         return p2p
 
     def close(self) -> None:
-        """Stop serving and stop the loop (idempotent)."""
+        """Stop serving, close this process's replica of the p2p daemon and stop the loop (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        for rpc in (MANIFEST_RPC, CHUNKS_RPC):
-            try:
-                self._run(self._p2p.remove_protobuf_handler(f"{self.prefix}::{rpc}", stream_output=True), timeout=5.0)
-            except Exception as e:  # the daemon is already gone (the DHT shut down first)
-                log.debug("state transfer: removing %s: %r", rpc, e)
+        try:
+            self._run(self._close(), timeout=10.0)
+        except Exception as e:  # the daemon is already gone (the DHT shut down first)
+            log.debug("state transfer: closing: %r", e)
         self._stop_loop()
 
+    async def _close(self) -> None:
+        for rpc in (MANIFEST_RPC, CHUNKS_RPC):
+            try:
+                await self._p2p.remove_protobuf_handler(f"{self.prefix}::{rpc}", stream_output=True)
+            except Exception as e:
+                log.debug("state transfer: removing %s: %r", rpc, e)
+        await self._p2p.shutdown()  # its connections to the daemon close here, in their own loop
+
     def _stop_loop(self) -> None:
+        """Cancel what still runs on the loop (streams in flight), stop it, close it."""
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(5.0)
+        except Exception as e:
+            log.debug("state transfer: cancelling: %r", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     # -- serving --------------------------------------------------------------------------------------------------
     def manifest(self) -> Manifest:
