@@ -217,6 +217,7 @@ class DiLoCoPeer:
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self._peer_names: dict[str, str] = {}  # base58 peer ID -> name, from heartbeats (`_download_candidates`)
         self.delta = [_shared_zeros(p.shape) for p in model.parameters() if p.requires_grad]
+        self._delta_written = False  # only zeros in it yet: the coordinator need not write them (`_pseudo_gradient`)
         # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
         codec = make_sparse_codec(config, [d.shape for d in self.delta])
         self.error_feedback = None if codec is None else ErrorFeedback(
@@ -491,11 +492,14 @@ class DiLoCoPeer:
         feedback and hands the message to the averager; the norm is then the message's (what is averaged)."""
         with self.averager.get_tensors() as delta:
             if model is None:
+                if not self._delta_written:  # still the untouched shared zeros (`_shared_zeros`): keep them unmapped
+                    return 0.0
                 for d in delta:
                     d.zero_()
             else:
                 self.global_model.pseudo_gradient(model, delta)
                 faults.point("pseudo_gradient", r, tensors=delta)
+            self._delta_written = True
             if self.error_feedback is None or model is None or weight <= 0:
                 return pseudo_gradient_norm(delta)
             message, norm = self.error_feedback.prepare(delta)
@@ -580,6 +584,7 @@ class DiLoCoPeer:
             RoundFailed: no group formed (or a group of one), the all-reduce failed, or the group held no weight.
         """
         net = self.config.network
+        self._delta_written = True  # the all-reduce leaves its mean in the buffers
         self.averager.set_group_bits(round_group_bits(r))
         self.averager.set_target_group_size(group_size if group_size and group_size >= 2 else None)
         try:
