@@ -148,7 +148,7 @@ def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
     assert sum(r["sdpo_sites"] for r in node) > 0 and sum(r["dpo_pairs"] for r in node) > 0, node
     assert all(r["loss_dpo"] > 0 for r in node if r["dpo_pairs"]), node
     log = " ".join(run.log("node-0").split())  # the log's lines are wrapped
-    assert "memory plan on cpu, full fine-tuning" in log and "gradient checkpointing)" in log, log[-3000:]
+    assert "memory plan on cpu, full fine-tuning" in log and "fp32, gradient checkpointing;" in log, log[-3000:]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == str(llama_dir)
 
 

@@ -617,8 +617,8 @@ def _dpo_rows(dpo_pairs: int, grad_accum: int) -> int:
 def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq_len: int, device: str = "cpu",
                 bf16: bool = False, gradient_checkpointing: bool = False, sdpo: bool = True, dpo_pairs: int = 0,
                 dpo_reference: bool = True, grpo_reference: bool = False, outer_state_tensors: int = 1,
-                turn_tokens: int | None = None, sdpo_mixture: bool = False, row_source: str = "",
-                free: int | None = None, free_source: str = "") -> MemoryPlan:
+                local_state_tensors: int = 0, turn_tokens: int | None = None, sdpo_mixture: bool = False,
+                row_source: str = "", free: int | None = None, free_source: str = "") -> MemoryPlan:
     """The plan for one node (module docstring for each formula).
 
     Args:
@@ -630,7 +630,10 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         sdpo: SDPO is on (one student row per episode); dpo_pairs: DPO pairs per step at most (0: off).
         dpo_reference: DPO keeps a reference policy (full fine-tuning: a copy; LoRA: none).
         grpo_reference: TRL keeps a GRPO KL reference (``[grpo] beta > 0``; full fine-tuning: another copy).
-        outer_state_tensors: tensors of theta's size the outer optimizer keeps (SGD momentum 1, Adam 2, averaging 0).
+        outer_state_tensors: tensors of theta's size the outer optimizer keeps (SGD momentum 1, Adam 2, averaging 0):
+            part of the run's state, so a resync downloads them again.
+        local_state_tensors: theta-sized tensors a node keeps for itself and never downloads (the sparse codec's
+            error feedback and its next value: 2).
         turn_tokens: tokens per assistant turn (``max_turn_tokens``: the SDPO/DPO response rows and each sampling
             turn); None: ``seq_len``.
         sdpo_mixture: SDPO's ``sdpo_jsd_beta`` is strictly between 0 and 1 (`activation_bytes`).
@@ -664,8 +667,10 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         reference_pass=reference_pass_bytes(shape, dpo_pairs, seq_len, bf16=bf16, response_tokens=turn)
         if dpo_pairs else 0,
         episodes_per_step=episodes, turn_tokens=turn, row_source=row_source,
-        # theta, the pseudo-gradient buffer, the outer state, and a resync's download buffers (theta + outer state)
-        host=4 * t * (2 + outer_state_tensors + 1 + outer_state_tensors) + RUNTIME_HOST_BYTES, host_model=4 * p,
+        # theta, the pseudo-gradient buffer, the outer state, the node's own state (error feedback), and a resync's
+        # download buffers (theta + outer state)
+        host=4 * t * (2 + outer_state_tensors + local_state_tensors + 1 + outer_state_tensors) + RUNTIME_HOST_BYTES,
+        host_model=4 * p,
         free=free,
         free_source=free_source)
 
@@ -698,7 +703,8 @@ def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad
         gradient_checkpointing=gradient_checkpointing, sdpo=config.loss.alpha_sdpo > 0,
         dpo_pairs=pref.max_sites * pref.max_pairs_per_turn if config.loss.beta_dpo > 0 else 0,
         dpo_reference=config.loss.beta_dpo > 0, grpo_reference=config.grpo.beta > 0,
-        outer_state_tensors=_outer_state_tensors(config) + (2 if config.compression == "sparse-2bit" else 0),
+        outer_state_tensors=_outer_state_tensors(config),
+        local_state_tensors=2 if config.compression == "sparse-2bit" else 0,
         turn_tokens=config.env.max_turn_tokens, sdpo_mixture=0 < config.loss.sdpo_jsd_beta < 1,
         row_source=row.source, free=free, free_source=free_source)
 
