@@ -1,8 +1,10 @@
 """Per-round metrics: one JSON line per round in ``<run-dir>/<peer-name>/metrics.jsonl``, and the table of a run.
 
-Fields every peer writes: ``round``, ``peers``, ``sync_seconds``, ``bytes_sent``, ``global_sha256``, ``status``,
+Fields every peer writes: ``round``, ``peers``, ``sync_seconds`` and its parts ``outer_phase_seconds``
+(`composer_diloco.outer.peer.OUTER_PHASES`), ``bytes_sent``, ``global_sha256``, ``status``,
 ``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``episodes_without_tool_call``,
-``episodes_env_error``, ``loss_grpo``, ``inner_seconds``, ``memory_peak_bytes`` / ``memory_planned_bytes`` /
+``episodes_env_error``, ``loss_grpo``, ``inner_seconds`` and its parts ``inner_phase_seconds``
+(`composer_diloco.inner.trainer.INNER_PHASES`), ``generated_tokens``, ``generated_tokens_per_s``, ``memory_peak_bytes`` / ``memory_planned_bytes`` /
 ``episode_tokens_max`` (`composer_diloco.policy.memory_plan.round_memory`) and each loss channel's keys
 (`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
 and DPO channels).
@@ -26,8 +28,8 @@ Column = tuple[str, str, str]
 
 def table_columns() -> tuple[Column, ...]:
     """The round table's columns: round, peers, reward, success, the GRPO loss, every registered channel's loss,
-    every channel's count, then inner/sync seconds, bytes, and the memory peak against the plan (``(key, title,
-    format)`` each)."""
+    every channel's count, then inner seconds, the slowest node's generation seconds, the nodes' generated tokens
+    per second (summed), sync seconds, bytes, and the memory peak against the plan (``(key, title, format)`` each)."""
     from composer_diloco.channels.base import registered_channels
 
     channels = [c.metrics for c in registered_channels()]
@@ -40,6 +42,8 @@ def table_columns() -> tuple[Column, ...]:
         *((m.loss_key, m.loss_title, m.loss_format) for m in channels),
         *((m.count_key, m.count_title, "{}") for m in channels),
         ("inner_seconds", "inner s", "{:.1f}"),
+        ("generation_seconds", "gen s", "{:.1f}"),
+        ("generated_tokens_per_s", "tok/s", "{:.0f}"),
         ("sync_seconds", "sync s", "{:.1f}"),
         ("bytes_sent", "bytes sent", "{:,}"),
         ("memory", "peak/plan GB", "{}"),
@@ -81,7 +85,8 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per round over the nodes (the coordinator counts in ``peers`` and ``bytes_sent``): mean reward
     and success rate weighted by samples, mean losses, summed channel counts (sites, pairs, ...), the slowest
-    node's inner and sync seconds, and the bytes all peers sent; ``samples``, ``episodes_without_tool_call`` and
+    node's inner, generation and sync seconds, the nodes' generated tokens per second (summed: the run's rollout
+    throughput), and the bytes all peers sent; ``samples``, ``episodes_without_tool_call`` and
     ``episodes_env_error`` (summed over the nodes) are in every row but not in the table.
 
     ``sha_agree`` compares each peer's last record of the round: a peer whose theta left the run's lineage and was
@@ -109,6 +114,9 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "success_rate": sum(r.get("success_rate", 0.0) * r.get("samples", 0) for r in nodes) / samples,
             "loss_grpo": _mean(r.get("loss_grpo", 0.0) for r in nodes),
             "inner_seconds": max((r.get("inner_seconds", 0.0) for r in nodes), default=0.0),
+            "generation_seconds": max((r.get("inner_phase_seconds", {}).get("generation", 0.0) for r in nodes),
+                                      default=0.0),
+            "generated_tokens_per_s": sum(r.get("generated_tokens_per_s", 0.0) for r in nodes),
             # the nodes' sync: the coordinator's also holds its wait for the nodes' inner phase
             "sync_seconds": max((r.get("sync_seconds", 0.0) for r in nodes), default=0.0),
             "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in recs),

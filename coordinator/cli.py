@@ -126,6 +126,7 @@ def simulate(
     model: ModelOpt = None,
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
+    rollout: Annotated[str, typer.Option(help="--rollout of every node: auto, batched or continuous.")] = "auto",
     eval_episodes: Annotated[Optional[int], typer.Option(
         "--eval-episodes", min=0, help="Held-out tasks on which the warm start and the final model are evaluated "
                                        "after the run, sampled and greedy, on this process's CPU (0 = no evaluation; "
@@ -135,6 +136,11 @@ def simulate(
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
     against the final model on held-out tasks."""
+    from nodes.options import ROLLOUTS
+
+    if rollout not in ROLLOUTS:
+        typer.echo(f"composer-coordinator: error: --rollout {rollout!r} is not one of {', '.join(ROLLOUTS)}", err=True)
+        raise typer.Exit(1)
     cfg, secret = _check(config, rounds, model, secret_file)  # before the heavy imports
     from composer_diloco.outer.secret import SECRET_ENV
     from coordinator.simulate import Simulation, run_simulation
@@ -146,7 +152,7 @@ def simulate(
                    "(pick a new folder)", err=True)
         raise typer.Exit(1)
     sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, model=model, device=device,
-                     verbose=verbose,
+                     rollout=rollout, verbose=verbose,
                      eval_episodes=eval_episodes if eval_episodes is not None else (256 if cfg.model is None else 0))
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 

@@ -316,7 +316,7 @@ class Coordinator:
                 "samples": 0, "weight_total": result.weight_total, "sync_seconds": round(result.sync_seconds, 3),
                 "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
                 "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
-                "time": time.time(),
+                "outer_phase_seconds": result.phase_seconds, "time": time.time(),
             })
             log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
                      result.weight_total, result.global_sha256[:12])

@@ -83,6 +83,7 @@ class Simulation:
     rounds: int | None = None
     model: str | None = None
     device: str = "cpu"
+    rollout: str = "auto"
     verbose: bool = False
     eval_episodes: int = 256
     max_idle_s: float = 600.0  # a node loading a large --model sends no heartbeat for minutes
@@ -144,7 +145,7 @@ class Simulation:
     def start_nodes(self, peer: str) -> None:
         for i in range(self.nodes):
             args = ["-m", "nodes", "join", "--peer", peer, "--run-dir", str(self.run_dir), "--name", f"node-{i}",
-                    "--device", self.device, "--task-shard", f"{i}/{self.nodes}"]
+                    "--device", self.device, "--task-shard", f"{i}/{self.nodes}", "--rollout", self.rollout]
             if self.verbose:
                 args.append("--verbose")
             self._spawn(f"node-{i}", args)

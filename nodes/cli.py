@@ -63,6 +63,10 @@ def join(
     gradient_checkpointing: Annotated[bool, typer.Option(
         "--gradient-checkpointing", help="Recompute each layer's activations in backward: less activation memory "
                                          "(see the memory plan logged at start), about a third more compute.")] = False,
+    rollout: Annotated[str, typer.Option(
+        help="How episodes decode: continuous (transformers continuous batching: a turn that ends goes to its env "
+             "while the other episodes keep decoding), batched (one generate() per turn of all episodes), or auto: "
+             "continuous on a GPU, batched on the CPU.")] = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -76,7 +80,7 @@ def join(
                           run_name=run_name or None, join_timeout_s=join_timeout, secret_file=secret_file,
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
                           listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing,
-                          join_deadline=join_deadline, state_chunk_size=state_chunk_size)
+                          join_deadline=join_deadline, state_chunk_size=state_chunk_size, rollout=rollout)
     try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
         options.check()
     except ValueError as e:  # every error of check() is one (ConfigError and SecretError included)

@@ -39,6 +39,7 @@ from composer_diloco.outer.swarm import (
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
+from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import NodeOptions
 
@@ -118,6 +119,7 @@ class Node:
         self.memory_plan = None  # composer_diloco.policy.memory_plan.MemoryPlan, once `plan_memory` ran
         self.overlap = None  # composer_diloco.outer.overlap.OverlappedSync when the run's [outer] overlap is on
         self._phases: dict[int, dict] = {}  # overlap: the metrics of each handed-off round's inner phase, by round
+        self.clock = PhaseClock("trainer")  # the inner phase's parts (`INNER_PHASES`); remade on the device in train
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -338,13 +340,16 @@ class Node:
         if self.batch.gradient_checkpointing:
             args.gradient_checkpointing = True
             args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
+        engine = resolve_rollout_engine(self.options.rollout, self.placement.device)
+        log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)], tasks=self.tasks,
-            task_shard=self.task_shard,
+            task_shard=self.task_shard, clock=self.clock, rollout_engine=engine,
         )
         first = peer.round
-        self._round_started = time.monotonic()
+        self._start_inner_phase()
         if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
             self.memory_peak.reset()
         self.trainer.train()
@@ -378,6 +383,11 @@ class Node:
         log.warning("no coordinator is alive at the end of the run: saved the final global model to %s "
                     "(`composer-coordinator start --resume --run-dir %s` continues from it)", folder, own_dir)
 
+    def _start_inner_phase(self) -> None:
+        """Start the clocks of an inner phase: ``inner_seconds`` and its parts (`PhaseClock`) count from now."""
+        self.clock.take()
+        self._round_started = time.monotonic()
+
     def out_of_time(self) -> bool:
         """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""
         budget = self.config.network.round_budget_s
@@ -391,6 +401,7 @@ class Node:
         phase (blocking: the whole sync; overlapped: waiting for the previous round's theta, the fold and the hand-off;
         for the run's last round also its own sync).
         """
+        parts = self.clock.take()
         entered = time.monotonic()
         inner_seconds = entered - self._round_started
         stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
@@ -399,7 +410,8 @@ class Node:
         if stats.episodes_env_error:
             log.warning("round %d: the env failed %d of the %d episodes (ended with reward 0, see the warnings above)",
                         self.peer.round, stats.episodes_env_error, samples)
-        phase = {"stats": stats, "inner_seconds": inner_seconds, "inner_steps": self._steps_in_round}
+        phase = {"stats": stats, "inner_seconds": inner_seconds, "inner_steps": self._steps_in_round,
+                 "inner_phase_seconds": parts}
         if self.overlap is not None:
             self._end_overlapped(model, phase, entered)
         else:
@@ -410,7 +422,7 @@ class Node:
             phase["blocked_seconds"] = time.monotonic() - entered
             self._write_round(result, phase)
         self._steps_in_round = 0
-        self._round_started = time.monotonic()
+        self._start_inner_phase()
 
     def _end_overlapped(self, model: torch.nn.Module, phase: dict, entered: float) -> None:
         """`end_round` with ``[outer] overlap``: fold the round in flight into the policy and hand this one off
@@ -450,6 +462,7 @@ class Node:
             "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
             "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
             "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(), **memory,
+            **phase_record(phase["inner_phase_seconds"], result.phase_seconds, stats.generated_tokens),
         }
         if fold is not None:
             record["fold"] = fold
@@ -481,6 +494,37 @@ class Node:
             s.close()
         self.sessions = []
         self.stop.run_cleanups()
+
+
+ROLLOUT_ENGINES = {
+    "batched": "lock-step batches, one transformers generate() per assistant turn, KV kept across turns",
+    "continuous": "transformers continuous batching: a turn that ends goes to its env while the others decode",
+}
+"""What ``--rollout`` can pick (``auto``: continuous on a GPU, batched on the CPU)."""
+
+
+def resolve_rollout_engine(choice: str, device: str) -> str:
+    """``--rollout``'s engine on ``device``: ``auto`` is ``continuous`` on CUDA (the batch stays full while episodes
+    wait for their env), ``batched`` on the CPU, where a run's sampled tokens, and so its theta, are the same run
+    after run for the same seed (continuous batching's decode steps depend on when env replies come back). On the CPU
+    continuous batching is faster too (BENCHMARKS.md section 9): ``--rollout continuous`` trades the
+    reproducibility for it."""
+    if choice == "auto":
+        return "continuous" if str(device).startswith("cuda") else "batched"
+    return choice
+
+
+def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tokens: int) -> dict:
+    """The metrics line's timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`; they add
+    up to ``inner_seconds``), ``outer_phase_seconds`` (the sync by part, `OUTER_PHASES`; they add up to
+    ``sync_seconds``), ``generated_tokens`` and ``generated_tokens_per_s`` (per second of the ``generation`` part;
+    0.0 when there was none). Seconds, rounded to 4 decimals."""
+    generation = inner.get("generation", 0.0)
+    return {
+        "inner_phase_seconds": {k: round(v, 4) for k, v in sorted(inner.items(), key=lambda kv: -kv[1])},
+        "outer_phase_seconds": dict(outer),
+        "generated_tokens_per_s": round(generated_tokens / generation, 1) if generation > 0 else 0.0,
+    }
 
 
 class RoundCallback(TrainerCallback):

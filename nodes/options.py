@@ -19,6 +19,7 @@ from composer_diloco.outer.secret import load_secret
 from composer_diloco.rollout.task_shard import TaskShard
 
 DTYPES = ("auto", "fp32", "bf16")
+ROLLOUTS = ("auto", "batched", "continuous")
 
 
 class DeviceError(ValueError):
@@ -151,6 +152,7 @@ class NodeOptions:
             ``gradient_checkpointing``; less activation memory, about a third more training compute; the same loss).
         join_deadline: seconds the global model's download may take at join, or ``auto`` (`parse_join_deadline`).
         state_chunk_size: bytes per chunk of a state download, e.g. ``8MiB`` (`parse_chunk_size`).
+        rollout: how episodes decode, one of `ROLLOUTS` (`nodes.node.resolve_rollout_engine`).
     """
 
     peer: str
@@ -172,6 +174,7 @@ class NodeOptions:
     gradient_checkpointing: bool = False
     join_deadline: str = "auto"
     state_chunk_size: str = "8MiB"
+    rollout: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -197,6 +200,8 @@ class NodeOptions:
         for url in self.env_urls:
             if not url.startswith(("http://", "https://")):
                 raise OptionError(f"--env-url {url!r} is not a URL: expected http://HOST:PORT (or https://)")
+        if self.rollout not in ROLLOUTS:
+            raise OptionError(f"--rollout {self.rollout!r} is not one of {', '.join(ROLLOUTS)}")
         if self.join_timeout_s <= 0:
             raise OptionError(f"--join-timeout {self.join_timeout_s}: expected seconds > 0")
         deadline, chunk = parse_join_deadline(self.join_deadline), parse_chunk_size(self.state_chunk_size)

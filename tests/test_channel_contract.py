@@ -185,7 +185,7 @@ def test_round_stats_record_keeps_the_metrics_keys_of_before():
         "step_success": [0.5, 0.5], "frac_reward_zero_std": 1.0,  # four "groups" of one episode: no variance
         "tool_errors_per_episode": 0.0, "loss_grpo": 0.125, "loss_sdpo": 0.125,
         "loss_dpo": 0.0, "sdpo_sites": 4, "dpo_pairs": 2, "episodes_without_tool_call": 4,  # no turns: no call
-        "episodes_env_error": 0,
+        "episodes_env_error": 0, "generated_tokens": 0,  # no completion tokens
         "sdpo_skipped": {"no_hint": 1, "empty_recovery": 0, "no_recovery": 0, "truncated": 2, "unverified": 0},
         "pair_stats": {**PairStats().as_dict(), "sites": 2, "pairs": 2},
     }

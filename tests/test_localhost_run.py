@@ -18,6 +18,29 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
 
 
+def assert_phases_add_up(metrics: dict, channels: set[str]) -> None:
+    """Every node round's ``inner_phase_seconds`` add up to its ``inner_seconds`` and every peer's
+    ``outer_phase_seconds`` to its ``sync_seconds``, within 5%; the loss channels that are on (and only they) have a
+    part; ``generated_tokens_per_s`` is the generated tokens over the generation part."""
+    from composer_diloco.inner.trainer import INNER_PHASES
+    from composer_diloco.outer.peer import OUTER_PHASES
+
+    for name, records in metrics.items():
+        for r in records:
+            outer = r["outer_phase_seconds"]
+            assert set(outer) <= set(OUTER_PHASES) and abs(sum(outer.values()) - r["sync_seconds"]) <= \
+                0.05 * r["sync_seconds"] + 2e-3, (name, r)
+            if r["role"] != "node":
+                continue
+            inner = r["inner_phase_seconds"]
+            assert set(inner) <= set(INNER_PHASES), (name, inner)
+            assert abs(sum(inner.values()) - r["inner_seconds"]) <= 0.05 * r["inner_seconds"], (name, r)
+            assert {"sdpo", "dpo"} & set(inner) == channels, (name, inner)
+            assert all(inner.get(k, 0) > 0 for k in ("generation", "scoring", "forward_backward", "optimizer")), inner
+            assert r["generated_tokens"] > 0 and \
+                abs(r["generated_tokens_per_s"] - r["generated_tokens"] / inner["generation"]) <= 0.1, (name, r)
+
+
 def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "coordinator", "simulate", "--run-dir", str(run_dir), *extra],
@@ -65,6 +88,8 @@ def test_coordinator_and_two_nodes_agree_every_round(run_dir):
     nodes = [r for name, recs in metrics.items() if name.startswith("node") for r in recs]
     assert sum(r["sdpo_sites"] for r in nodes) > 0 and sum(r["dpo_pairs"] for r in nodes) > 0, nodes
     assert any(r["loss_sdpo"] > 0 for r in nodes) and any(r["loss_dpo"] > 0 for r in nodes), nodes
+    assert_phases_add_up(metrics, channels={"sdpo", "dpo"})
+    assert re.search(r"inner s\s+gen s\s+tok/s\s+sync s", result.stdout), result.stdout  # the table shows them
     final = latest_checkpoint(run_dir)
     assert final is not None and final.name == "round-000002"
     assert read_outer_state(final)["global_sha256"] == shas[-1]
@@ -118,7 +143,8 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
 def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
     """``configs/coding.toml`` end to end: the coordinator warm-starts the embedded policy with the coding env's own
     tokenizer (``envs/coding_env/policy_tokenizer``), the node builds the same architecture from the run's env, and
-    both end the round on the same theta. A short warm start (60 steps) already makes parsable calls."""
+    both end the round on the same theta. A short warm start (60 steps) already makes parsable calls. The node
+    decodes with continuous batching (``--rollout continuous``), the channels are off (the config's default)."""
     import tomllib
 
     import tomli_w
@@ -131,8 +157,10 @@ def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
     path = tmp_path / "coding.toml"
     path.write_text(tomli_w.dumps(config))
     run_dir = tmp_path / "run"
-    result = simulate(run_dir, "--nodes", "1", "--config", str(path), "--eval-episodes", "4")
+    result = simulate(run_dir, "--nodes", "1", "--config", str(path), "--eval-episodes", "4", "--rollout", "continuous")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "rollouts: transformers continuous batching" in " ".join((run_dir / "logs" / "node-0.log").read_text().split())
+    assert_phases_add_up(read_metrics(run_dir), channels=set())
     assert re.search(r"^eval: greedy: warm start [\d.]+ -> round 1 [\d.]+ .*4 tasks\)$", result.stdout, re.M), (
         result.stdout)
     shipped = embedded_tokenizer_dir("envs.coding_env.server")

@@ -12,6 +12,7 @@ One optimizer step in `composer_diloco.inner.trainer.ComposerGRPOTrainer`:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 
 from composer_diloco.channels.base import ChannelPart, Counts, LossChannel
 from composer_diloco.rollout.episodes import Episode
+from composer_diloco.timing import PhaseClock
 
 __all__ = ["RoundStats", "StepBatch", "StepLosses"]
 
@@ -76,9 +78,9 @@ class StepBatch:
     micro_left: int = 0
 
     def build_channels(self, channels: Sequence[LossChannel], model: torch.nn.Module, micro_batches: int,
-                       round_stats: RoundStats) -> None:
+                       round_stats: RoundStats, clock: PhaseClock | None = None) -> None:
         """Every channel's rows of ``episodes`` (in channel order), cut into ``micro_batches`` parts; each
-        channel's counts go to ``round_stats``.
+        channel's counts go to ``round_stats``; each channel's build counts as the ``clock``'s phase of its name.
 
         Raises:
             ValueError: ``micro_batches`` below 1; whatever a channel's ``build`` raises.
@@ -87,7 +89,8 @@ class StepBatch:
             raise ValueError(f"parts {micro_batches}: expected a number of micro-batches >= 1")
         for channel in channels:
             stats = channel.stats_type()
-            rows = channel.build(model, self.episodes, stats)
+            with clock.phase(channel.name) if clock is not None else contextlib.nullcontext():
+                rows = channel.build(model, self.episodes, stats)
             round_stats.add_channel_stats(channel.name, stats)
             self.parts[channel.name] = (channel.split(rows, micro_batches) if rows is not None
                                         else [ChannelPart() for _ in range(micro_batches)])
@@ -127,6 +130,12 @@ class RoundStats:
         """Tokens of the round's longest episode, prompt and completion (0 without episodes): what the memory plan's
         row bound (`composer_diloco.policy.memory_plan.row_bound`) must cover."""
         return max((len(e.prompt_ids) + len(e.completion_ids) for e in self.episodes), default=0)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the policy sampled in the round's episodes (``env_mask`` 1: its turns, EOS included; tool replies
+        and prompts are not counted)."""
+        return sum(sum(e.env_mask) for e in self.episodes)
 
     @property
     def episodes_without_tool_call(self) -> int:
@@ -181,8 +190,8 @@ class RoundStats:
     def record(self) -> dict[str, Any]:
         """The round's keys of a node's metrics line: ``samples``, ``mean_reward``, ``success_rate`` (reward >= 1),
         ``step_rewards`` / ``step_success`` (per step, 4 decimals), ``frac_reward_zero_std`` (4 decimals),
-        ``tool_errors_per_episode``, ``episodes_without_tool_call``, ``episodes_env_error``, ``loss_grpo`` (mean over
-        steps) and every channel's `LossChannel.round_record` (its loss's mean over steps, its counts)."""
+        ``tool_errors_per_episode``, ``episodes_without_tool_call``, ``episodes_env_error``, ``generated_tokens``,
+        ``loss_grpo`` (mean over steps) and every channel's `LossChannel.round_record` (its loss's mean over steps, its counts)."""
         episodes, samples = self.episodes, self.samples
         rewards = [e.reward for e in episodes]
         per_step = self.episodes_per_step  # episodes are kept in the order of the inner steps
@@ -196,6 +205,7 @@ class RoundStats:
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / samples if samples else 0.0,
             "episodes_without_tool_call": self.episodes_without_tool_call,
             "episodes_env_error": self.episodes_env_error,
+            "generated_tokens": self.generated_tokens,
             "loss_grpo": _mean(s.loss_grpo for s in self.steps),
         }
         for channel in self.channels:

@@ -42,8 +42,22 @@ from composer_diloco.inner.step import RoundStats, StepBatch, StepLosses
 from composer_diloco.rollout.env_package import EnvPackage, load_env_package
 from composer_diloco.rollout.episodes import EnvSession, play_episodes
 from composer_diloco.rollout.tasks import TaskSet, TaskShard, task_episode_id
+from composer_diloco.timing import PhaseClock
 
 log = logging.getLogger(__name__)
+
+INNER_PHASES = {
+    "generation": "the policy decoding the episodes' turns (with tokenizing the contexts and parsing the calls)",
+    "env": "env resets and tool calls of the rollout (continuous batching: only while no turn is decoding)",
+    "scoring": "TRL scoring the step's episodes: rewards, advantages, its own log-prob passes (the KL reference's "
+               "when [grpo] beta > 0)",
+    "sdpo": "the SDPO channel's build: error sites, hinted teacher rows, verification replays",
+    "dpo": "the DPO channel's build: candidate samples, env replays, pairs, reference log-probs",
+    "forward_backward": "forward and backward of every micro-batch: TRL's GRPO loss plus the channels' terms",
+    "optimizer": "AdamW's step",
+    "trainer": "transformers' Trainer between these: data loading, gradient clipping, logging, callbacks",
+}
+"""The parts of a node's inner phase (`PhaseClock` phases; the metrics line's ``inner_phase_seconds``)."""
 
 
 def env_reward(prompts: list, completions: list, env_reward: list[float], **_: Any) -> list[float]:
@@ -145,6 +159,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
             whether it is on).
         tasks: the ``[tasks]`` dataset (`TaskSet`), whose rows the episodes play; None: the env's reset gives the task.
         task_shard: this node's part of ``tasks`` (``--task-shard``), or None (see `TaskSet.order`).
+        clock: the node's `PhaseClock` (`INNER_PHASES` names what each phase counts); None: a clock of its own.
+        rollout_engine: how episodes decode (`composer_diloco.rollout.episodes.play_episodes`'s ``engine``).
 
     Raises:
         ValueError: no sessions, or ``steps_per_generation != gradient_accumulation_steps`` or
@@ -158,12 +174,14 @@ class ComposerGRPOTrainer(GRPOTrainer):
         round_stats: the current round's `RoundStats` (episodes, per-step losses, channel counts) until
             `take_round_stats`.
         hints: the SDPO hint registry (``[hints]`` over the defaults and the env's reason hints).
+        clock: the `PhaseClock` the inner phase's parts are counted on.
     """
 
     def __init__(self, *, model: Any, tokenizer: Any, config: RunConfig, sessions: Sequence[EnvSession],
                  peer_name: str, args: GRPOConfig, callbacks: list[TrainerCallback] | None = None,
                  env: EnvPackage | None = None, channels: Sequence[type[LossChannel]] | None = None,
-                 tasks: TaskSet | None = None, task_shard: TaskShard | None = None):
+                 tasks: TaskSet | None = None, task_shard: TaskShard | None = None,
+                 clock: PhaseClock | None = None, rollout_engine: str = "batched"):
         if args.steps_per_generation != args.gradient_accumulation_steps or args.num_iterations != 1:
             raise ValueError(f"steps_per_generation {args.steps_per_generation}, gradient_accumulation_steps "
                              f"{args.gradient_accumulation_steps}, num_iterations {args.num_iterations}: expected "
@@ -173,6 +191,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
             raise ValueError("need at least one env session, got none")
         self.run_config = config
         self.sessions = list(sessions)
+        self.clock = clock if clock is not None else PhaseClock()
+        self.rollout_engine = rollout_engine
         env = env if env is not None else load_env_package(config.env.server_module)
         self.hints = HintRegistry.from_config(config.hints, reason_hints=env.reason_hints)
         self._channel_types = registered_channels() if channels is None else tuple(channels)
@@ -191,7 +211,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             train_dataset=episode_dataset(config, peer_name, n_rows, tasks, task_shard),
             processing_class=tokenizer,
             rollout_func=_rollout,
-            callbacks=callbacks,
+            callbacks=[*(callbacks or []), _OptimizerPhase(self.clock)],
         )
         self.remove_callback(PrinterCallback)  # it prints log dicts to stdout; per-round metrics go to metrics.jsonl
         # TRL applies this rule only when `tools` are passed; our rollout_func renders tool replies the same way,
@@ -199,11 +219,19 @@ class ComposerGRPOTrainer(GRPOTrainer):
         if not is_chat_template_prefix_preserving(tokenizer):
             self.chat_template = get_training_chat_template(tokenizer)
 
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        # one micro-batch's forward and backward; on a step's first micro-batch it also generates and scores the
+        # step's episodes (Trainer.training_step calls _prepare_inputs), whose phases take their seconds from this one
+        with self.clock.phase("forward_backward"):
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         # rollout_func receives prompts only; it reads each row's (seed, episode_id) from the step
         self._step_batch = StepBatch(rows=inputs, losses=StepLosses(self._channel_types))
-        output = super()._generate_and_score_completions(inputs)
-        self._step_batch.build_channels(self.channels, self.model, self.args.steps_per_generation, self.round_stats)
+        with self.clock.phase("scoring"):
+            output = super()._generate_and_score_completions(inputs)
+        self._step_batch.build_channels(self.channels, self.model, self.args.steps_per_generation, self.round_stats,
+                                        clock=self.clock)
         return output
 
     def _compute_loss(self, model: Any, inputs: dict) -> Any:
@@ -243,6 +271,20 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return out
 
 
+class _OptimizerPhase(TrainerCallback):
+    """Counts the optimizer step (AdamW's ``step``, between transformers' ``on_pre_optimizer_step`` and
+    ``on_optimizer_step``) as the clock's ``"optimizer"`` phase."""
+
+    def __init__(self, clock: PhaseClock):
+        self.clock = clock
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.clock.enter("optimizer")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.clock.exit("optimizer")
+
+
 def _rollout(prompts: list, trainer: ComposerGRPOTrainer) -> dict[str, list]:
     """TRL ``rollout_func``: play one episode per row; returns TRL's required keys plus ``env_mask`` (becomes
     TRL's ``tool_mask``: tool replies carry no loss) and ``env_reward`` (read by `env_reward`)."""
@@ -268,6 +310,7 @@ def play_rollout(trainer, sessions: list, config: RunConfig, keys: list[tuple[in
         max_tool_calls=config.env.max_tool_calls, max_turn_tokens=config.env.max_turn_tokens,
         max_seq_len=config.max_seq_len, temperature=config.grpo.temperature,
         max_tool_reply_tokens=config.env.max_tool_reply_tokens,
+        clock=getattr(trainer, "clock", None), engine=getattr(trainer, "rollout_engine", "batched"),
     )
     return episodes, {
         "prompt_ids": [e.prompt_ids for e in episodes],

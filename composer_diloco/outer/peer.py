@@ -71,6 +71,8 @@ class SyncResult:
         status: a `SyncStatus` ("averaged", "alone", "resynced", "skipped" or "unsettled"; the string is what
             metrics record).
         rejected: names of the peers whose pseudo-gradient was dropped this round (`screening.screen`).
+        phase_seconds: ``sync_seconds`` by part, in the order they ran (`OUTER_PHASES`; a part that took no time is
+            left out).
     """
 
     round: int
@@ -82,6 +84,21 @@ class SyncResult:
     global_sha256: str
     status: SyncStatus
     rejected: list[str] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+OUTER_PHASES = {
+    "heal_check": "do the replicas of the run agree (`recovery.heal_split`)",
+    "pseudo_gradient": "Delta_i = theta - theta_i into the averager's buffers (and the sparse codec's message)",
+    "barrier": "announce ready and wait for the round's peers",
+    "all_reduce": "hivemind's all-reduce of the pseudo-gradients",
+    "outer_step": "theta <- OuterOpt(theta, Delta), waiting for state downloads in flight",
+    "recovery": "a failed round: download the run's state from a peer (`DiLoCoPeer.load_state_from_peers`), or "
+                "step alone; a split healed",
+    "load": "theta into the policy",
+    "publish": "theta's SHA-256 and the new round into the DHT",
+}
+"""The parts of a round's sync (`SyncResult.phase_seconds`, the metrics line's ``outer_phase_seconds``)."""
 
 
 class ArchitectureMismatch(ValueError):
@@ -90,11 +107,20 @@ class ArchitectureMismatch(ValueError):
 
 @dataclass
 class _RoundClock:
-    """When this peer's sync of a round started, how long it waited at the barrier, bytes sent before it."""
+    """When this peer's sync of a round started, how long it waited at the barrier, bytes sent before it, and the
+    seconds of each of its parts so far (`lap`)."""
 
     start: float
     bytes_before: int
     waited: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    last: float | None = None
+
+    def lap(self, name: str) -> None:
+        """Count the seconds since the previous lap (or the start) under ``name`` (`OUTER_PHASES`)."""
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - (self.start if self.last is None else self.last)
+        self.last = now
 
 
 @dataclass
@@ -424,6 +450,7 @@ class DiLoCoPeer:
         r = self.round
         clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
         norm = self._pseudo_gradient(model, r, weight)
+        clock.lap("pseudo_gradient")
         return HandOff(round=r, weight=float(weight), norm=norm, clock=clock)
 
     def handed_off_weights(self) -> list[torch.Tensor]:
@@ -448,6 +475,7 @@ class DiLoCoPeer:
         """
         r, clock = handoff.round, handoff.clock
         result = recovery.heal_split(self, None, r, clock)
+        clock.lap("heal_check")
         if result is None:
             result = self._reduce_and_step(None, r, handoff.weight, handoff.norm, clock, stop)
         self._settle_feedback(result, handoff.weight)
@@ -459,7 +487,9 @@ class DiLoCoPeer:
         healed = recovery.heal_split(self, model, r, clock)  # 0. replicas that disagree take the run's theta
         if healed is not None:
             return healed
+        clock.lap("heal_check")
         norm = self._pseudo_gradient(model, r, weight)                        # 1. Delta_i = theta - theta_i
+        clock.lap("pseudo_gradient")
         return self._reduce_and_step(model, r, weight, norm, clock, stop)
 
     def _reduce_and_step(self, model: nn.Module | None, r: int, weight: float, norm: float, clock: _RoundClock,
@@ -471,11 +501,14 @@ class DiLoCoPeer:
             if barrier is None:
                 return None  # stopped
             scheduled_time, partners = barrier
+            clock.lap("barrier")
             if not partners:  # we are the whole swarm: theta moves by our own pseudo-gradient
                 return recovery.step_alone(self, model, r, clock)
             reduced = self._all_reduce(r, weight, norm, scheduled_time,       # 3. Delta = sum_i w_i Delta_i / sum w
                                        group_size=len(partners) + 1)
+            clock.lap("all_reduce")
             status = self._outer_step(r, reduced)                             # 4. theta <- OuterOpt(theta, Delta)
+            clock.lap("outer_step")
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
             return recovery.recover(self, model, r, clock)
@@ -644,15 +677,19 @@ class DiLoCoPeer:
     def _finish(self, model: nn.Module | None, clock: _RoundClock, *, peers: int, status: SyncStatus,
                 weight_total: float = 0.0, rejected: list[str] | None = None) -> SyncResult:
         """Step 5: load theta into ``model``, publish the new round and theta's hash, and report the round."""
+        clock.lap("recovery")  # what ran since the last part counted: a failed round's way back, or nothing
         if model is not None:
             self.global_model.load_into(model)
+        clock.lap("load")
         self._update_priority()
         sha = self.global_model.sha256()
         self.swarm.set_round(self.round, sha=sha)
+        clock.lap("publish")
         return SyncResult(
             round=self.round - 1, peers=peers, weight_total=weight_total, sync_seconds=time.monotonic() - clock.start,
             wait_seconds=clock.waited, bytes_sent=int(self.averager.bytes_sent.value - clock.bytes_before),
             global_sha256=sha, status=status, rejected=list(rejected or []),
+            phase_seconds={k: round(v, 4) for k, v in clock.phases.items() if v >= 5e-5},
         )
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ environment tokens) for importance ratios.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from composer_diloco.rollout.chat import parse_tool_call
+from composer_diloco.timing import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -343,13 +345,21 @@ def play_episodes(
     max_seq_len: int,
     temperature: float,
     max_tool_reply_tokens: int | None = None,
+    engine: str = "batched",
+    clock: PhaseClock | None = None,
 ) -> list[Episode]:
-    """Play ``len(keys)`` episodes, ``len(sessions)`` at a time in lock-step, one batched ``generate`` per assistant
-    turn of each wave.
+    """Play ``len(keys)`` episodes on ``sessions``.
 
-    With fewer sessions than keys (an env server that holds fewer sessions than a step has episodes:
-    `composer_diloco.rollout.sessions.open_env_sessions`), the keys are played in waves of ``len(sessions)``, in order;
-    the other episodes of the step wait for a free session.
+    Two engines sample the same distribution (and, greedy, the same tokens: `tests/test_continuous_rollout.py`):
+
+    - ``"batched"``: ``len(sessions)`` episodes at a time in lock-step, one batched ``generate`` per assistant turn
+      of each wave (`generate_turns`, KV kept across turns by `TurnCache`); env calls one after the other. With
+      fewer sessions than keys (an env server that holds fewer sessions than a step has episodes:
+      `composer_diloco.rollout.sessions.open_env_sessions`), the keys are played in waves of ``len(sessions)``, in
+      order; the other episodes of the step wait for a free session.
+    - ``"continuous"``: transformers' continuous batching (`composer_diloco.rollout.continuous`): an episode whose
+      turn ended goes to its env (in a thread) while the others keep decoding, and comes back with its tool reply;
+      a free session starts the next key at once.
 
     An env failure on one episode (a ``call`` that raises: OpenEnv's ``"Server error: ..."``, a dropped connection,
     a malformed observation) ends that episode, with reward 0 and end reason ``"env_error"`` (logged, and counted by
@@ -365,93 +375,154 @@ def play_episodes(
         max_tool_calls: assistant turns per episode.
         max_turn_tokens: new tokens per assistant turn.
         max_seq_len: prompt + completion tokens; an episode reaching it ends ("max_seq_len").
-        temperature: sampling temperature (1.0 = the policy's distribution).
+        temperature: sampling temperature (1.0 = the policy's distribution; 0.0 = greedy decoding).
         max_tool_reply_tokens: a tool reply longer than this many tokens is cut (`cut_reply`) before the policy sees
             it (``[env] max_tool_reply_tokens``); None: not cut.
+        engine: ``"batched"`` or ``"continuous"`` (above).
+        clock: counts the rollout's seconds as ``"generation"`` and ``"env"`` phases (`PhaseClock`); None: not
+            counted.
     Returns:
         The episodes, in the order of ``keys``.
     Raises:
-        ValueError: no sessions.
+        ValueError: no sessions, or an unknown ``engine``.
         What a session's ``reset`` raises (a reset that fails is the env's contract broken, checked at join).
     """
     if not sessions:
         raise ValueError(f"{len(keys)} episodes need at least one env session, got none")
-    wave = len(sessions)
-    episodes: list[Episode] = []
-    for first in range(0, len(keys), wave):
-        episodes += _play_wave(model, tokenizer, sessions, keys[first:first + wave], tool_suffix_ids=tool_suffix_ids,
-                               max_tool_calls=max_tool_calls, max_turn_tokens=max_turn_tokens,
-                               max_seq_len=max_seq_len, temperature=temperature,
-                               max_tool_reply_tokens=max_tool_reply_tokens)
+    turn = TurnRules(tokenizer, tool_suffix_ids, max_turn_tokens=max_turn_tokens, max_seq_len=max_seq_len,
+                     max_tool_reply_tokens=max_tool_reply_tokens)
+    with clock.phase("generation") if clock is not None else contextlib.nullcontext():
+        if engine == "continuous":
+            from composer_diloco.rollout.continuous import play_continuous
+
+            episodes = play_continuous(model, sessions, keys, turn, max_tool_calls=max_tool_calls,
+                                       temperature=temperature, clock=clock)
+        elif engine == "batched":
+            wave = len(sessions)
+            episodes = []
+            for first in range(0, len(keys), wave):
+                episodes += _play_wave(model, sessions, keys[first:first + wave], turn, max_tool_calls=max_tool_calls,
+                                       temperature=temperature, clock=clock)
+        else:
+            raise ValueError(f"rollout engine {engine!r}: expected 'batched' or 'continuous'")
+    for ep in episodes:
+        ep.check()
+        ep.prompt_text = tokenizer.decode(ep.prompt_ids, skip_special_tokens=False)
+        ep.completion_text = tokenizer.decode(ep.completion_ids, skip_special_tokens=False)
     return episodes
 
 
-def _play_wave(model: nn.Module, tokenizer: Any, sessions: Sequence[EnvSession], keys: Sequence[tuple[int, str]], *,
-               tool_suffix_ids: ToolSuffix, max_tool_calls: int, max_turn_tokens: int, max_seq_len: int,
-               temperature: float, max_tool_reply_tokens: int | None = None) -> list[Episode]:
-    """`play_episodes` of at most ``len(sessions)`` keys, all at once."""
-    episodes: list[Episode] = []
-    for session, (seed, episode_id) in zip(sessions, keys):
+@dataclass
+class TurnRules:
+    """What happens between two assistant turns of an episode, the same for every rollout engine: record the
+    sampled turn, parse its call, run it in the env, append the tool reply's tokens or end the episode.
+
+    Attributes:
+        tokenizer: the policy's tokenizer (decodes turns, renders the first prompt, cuts replies).
+        tool_suffix_ids: the template's rendering of a tool reply (`play_episodes`).
+        max_turn_tokens, max_seq_len, max_tool_reply_tokens: as in `play_episodes`.
+    """
+
+    tokenizer: Any
+    tool_suffix_ids: ToolSuffix
+    max_turn_tokens: int
+    max_seq_len: int
+    max_tool_reply_tokens: int | None = None
+
+    def start(self, session: EnvSession, seed: int, episode_id: str) -> Episode:
+        """Reset ``session`` for ``(seed, episode_id)`` and render the prompt (the chat template with the tools).
+
+        Raises:
+            What ``session.reset`` raises.
+        """
         question, tools = session.reset(seed, episode_id)
-        prompt_ids = tokenizer.apply_chat_template(
+        prompt_ids = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tools=tools, add_generation_prompt=True, tokenize=True,
             return_dict=False,
         )
-        episodes.append(Episode(seed, episode_id, [Turn("user", question)], tools, list(prompt_ids)))
+        return Episode(seed, episode_id, [Turn("user", question)], tools, list(prompt_ids))
 
-    eos = tokenizer.eos_token_id
+    def record_turn(self, ep: Episode, ids: list[int], logprobs: list[float]) -> Any:
+        """Append a sampled assistant turn (``ids`` up to and including EOS, their sampler log-probs) to ``ep``;
+        returns the parsed call to run, or None when the episode ended here (``end_reason`` set: "truncated", no EOS
+        within ``max_turn_tokens``; "no_tool_call")."""
+        ep.completion_ids += ids
+        ep.env_mask += [1] * len(ids)
+        ep.logprobs += logprobs
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        call = parse_tool_call(text)
+        ep.turns.append(Turn("assistant", text, {"name": call.name, "arguments": call.arguments} if call.ok else None))
+        if not ids or ids[-1] != self.tokenizer.eos_token_id:
+            ep.end_reason = "truncated"
+            return None
+        if not call.ok:
+            ep.end_reason = "no_tool_call"
+            return None
+        return call
+
+    @staticmethod
+    def call_env(session: EnvSession, call: Any) -> tuple[str, str | None, dict, float, bool] | Exception:
+        """``session.call`` of a parsed call; an exception it raises is returned, not raised (`record_reply` ends the
+        episode with it). Safe to run in another thread than the episode's."""
+        try:
+            return session.call(call.name, call.arguments)
+        except Exception as e:  # the env failed this episode: end it, keep the step
+            return e
+
+    def record_reply(self, ep: Episode, session: EnvSession, call: Any,
+                     reply: tuple[str, str | None, dict, float, bool] | Exception) -> bool:
+        """Append the env's reply to ``call`` to ``ep``; True when the episode goes on to another assistant turn,
+        False when it ended (``end_reason``: "done" with the env's reward, "env_error" with reward 0, "max_seq_len"
+        when the reply and one more turn would not fit)."""
+        if isinstance(reply, Exception):
+            reason = " ".join(str(reply).split())[:300]
+            log.warning("episode %s (seed %d): env %s failed the call %s: %s: %s; the episode ends with reward 0",
+                        ep.episode_id, ep.seed, getattr(session, "url", "?"), call.name, type(reply).__name__, reason)
+            ep.reward, ep.end_reason = 0.0, "env_error"  # no tool turn: the policy made no mistake here
+            return False
+        content, kind, meta, reward, done = reply
+        if self.max_tool_reply_tokens is not None:
+            content = cut_reply(self.tokenizer, content, self.max_tool_reply_tokens)
+        ep.turns.append(Turn("tool", content, None, kind, meta))
+        if done:
+            ep.reward, ep.end_reason = reward, "done"
+            return False
+        suffix = self.tool_suffix_ids([{"role": "tool", "name": call.name, "content": content}])
+        if len(ep.prompt_ids) + len(ep.completion_ids) + len(suffix) + self.max_turn_tokens > self.max_seq_len:
+            ep.end_reason = "max_seq_len"
+            return False
+        ep.completion_ids += suffix
+        ep.env_mask += [0] * len(suffix)
+        ep.logprobs += [0.0] * len(suffix)
+        return True
+
+
+def _play_wave(model: nn.Module, sessions: Sequence[EnvSession], keys: Sequence[tuple[int, str]], turn: TurnRules, *,
+               max_tool_calls: int, temperature: float, clock: PhaseClock | None = None) -> list[Episode]:
+    """The batched engine: at most ``len(sessions)`` keys, all at once, in lock-step turns."""
+    env_phase = (lambda: clock.phase("env")) if clock is not None else contextlib.nullcontext
+    with env_phase():
+        episodes = [turn.start(session, seed, episode_id) for session, (seed, episode_id) in zip(sessions, keys)]
     active = list(range(len(episodes)))
     cache = TurnCache()  # each turn encodes only what the last one appended (`generate_turns`)
     for _ in range(max_tool_calls):
         if not active:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].completion_ids for i in active]
-        generated, logps = generate_turns(model, tokenizer, contexts, max_turn_tokens, temperature, cache=cache)
+        generated, logps = generate_turns(model, turn.tokenizer, contexts, turn.max_turn_tokens, temperature,
+                                          cache=cache)
         still = []
         for i, ids, lp in zip(active, generated, logps):
-            ep = episodes[i]
-            ep.completion_ids += ids
-            ep.env_mask += [1] * len(ids)
-            ep.logprobs += lp
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            call = parse_tool_call(text)
-            ep.turns.append(Turn("assistant", text, {"name": call.name, "arguments": call.arguments} if call.ok else None))
-            if not ids or ids[-1] != eos:
-                ep.end_reason = "truncated"
+            call = turn.record_turn(episodes[i], ids, lp)
+            if call is None:
                 continue
-            if not call.ok:
-                ep.end_reason = "no_tool_call"
-                continue
-            try:
-                content, kind, meta, reward, done = sessions[i].call(call.name, call.arguments)
-            except Exception as e:  # the env failed this episode: end it, keep the step
-                reason = " ".join(str(e).split())[:300]
-                log.warning("episode %s (seed %d): env %s failed the call %s: %s: %s; the episode ends with reward 0",
-                            ep.episode_id, ep.seed, getattr(sessions[i], "url", "?"), call.name, type(e).__name__,
-                            reason)
-                ep.reward, ep.end_reason = 0.0, "env_error"  # no tool turn: the policy made no mistake here
-                continue
-            if max_tool_reply_tokens is not None:
-                content = cut_reply(tokenizer, content, max_tool_reply_tokens)
-            ep.turns.append(Turn("tool", content, None, kind, meta))
-            if done:
-                ep.reward, ep.end_reason = reward, "done"
-                continue
-            suffix = tool_suffix_ids([{"role": "tool", "name": call.name, "content": content}])
-            if len(ep.prompt_ids) + len(ep.completion_ids) + len(suffix) + max_turn_tokens > max_seq_len:
-                ep.end_reason = "max_seq_len"
-                continue
-            ep.completion_ids += suffix
-            ep.env_mask += [0] * len(suffix)
-            ep.logprobs += [0.0] * len(suffix)
-            still.append(i)
+            with env_phase():
+                reply = turn.call_env(sessions[i], call)
+            if turn.record_reply(episodes[i], sessions[i], call, reply):
+                still.append(i)
         active = still
     for i in active:
         episodes[i].end_reason = "max_tool_calls"
-    for ep in episodes:
-        ep.check()
-        ep.prompt_text = tokenizer.decode(ep.prompt_ids, skip_special_tokens=False)
-        ep.completion_text = tokenizer.decode(ep.completion_ids, skip_special_tokens=False)
     return episodes
 
 
@@ -570,7 +641,8 @@ def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], 
         tokenizer: supplies ``pad_token_id`` and ``eos_token_id``.
         contexts: per episode, every token id so far (prompt, earlier turns, tool replies).
         max_new_tokens: tokens per turn at most.
-        temperature: sampling temperature (no top-k / top-p).
+        temperature: sampling temperature (no top-k / top-p); 0.0: greedy decoding (log-probs of the untempered
+            distribution).
         cache: the batch's `TurnCache`, updated in place: when every context continues one of its rows (the usual
             next turn of the same episodes), only the appended tokens are encoded; otherwise the contexts are
             encoded from scratch. None: no cache is kept.
@@ -597,14 +669,18 @@ def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], 
         ids = torch.cat([cache.ids.cpu()[keep], tail_ids], dim=1)
         mask = torch.cat([cache.mask.cpu()[keep], tail_mask], dim=1)
     width = ids.shape[1]
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=past, max_new_tokens=max_new_tokens,
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
-        output_scores=True, return_dict_in_generate=True, use_cache=True,
+        pad_token_id=pad, eos_token_id=eos, output_scores=True, return_dict_in_generate=True, use_cache=True,
+        **sampling,
     )
-    new = out.sequences[:, width:].cpu()  # (B, T_new)
-    scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, T_new, V), temperature already applied
-    token_logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T_new)
+    new_dev = out.sequences[:, width:]  # (B, T_new) on the model's device
+    # the sampled tokens' log-probs on the device: (B, T_new) comes back, not the (B, T_new, V) scores
+    token_logps = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, new_dev[:, t, None]).squeeze(-1)
+                               for t, step in enumerate(out.scores)], dim=1).cpu()  # temperature already applied
+    new = new_dev.cpu()
     new_mask = torch.ones_like(new)
     ids_out, lps_out = [], []
     for row in range(new.shape[0]):
