@@ -76,8 +76,9 @@ def qwen3_config(arch: str, tokenizer=None, **overrides):
     return Qwen3Config(**{**kwargs, **overrides})
 
 
-def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:
-    """Write the random ``arch`` model with the shipped tokenizer to ``out`` (``save_pretrained``, fp32)."""
+def build(arch: str, out: Path, seed: int = 0, plant: bool = True, **overrides) -> Path:
+    """Write the random ``arch`` model with the shipped tokenizer to ``out`` (``save_pretrained``, fp32);
+    ``overrides`` change the architecture's sizes (`qwen3_config`: e.g. ``num_hidden_layers=2`` for a dry run)."""
     from transformers import AutoModelForCausalLM
 
     from composer_diloco.policy import load_default_tokenizer
@@ -85,7 +86,7 @@ def build(arch: str, out: Path, seed: int = 0, plant: bool = True) -> Path:
 
     tokenizer = load_default_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(qwen3_config(arch, tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(qwen3_config(arch, tokenizer, **overrides), dtype=torch.float32)
     if plant:
         plant_calls(model, tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -206,10 +207,11 @@ def write_config(base: Path, out: Path, settings: list[str]) -> Path:
     return out
 
 
-def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
+def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0, timeout_s: float | None = None) -> dict:
     """Run ``python -m coordinator simulate ARGS --run-dir RUN_DIR`` and record each process's peak resident set
     (``VmHWM`` of ``/proc/PID/status``, read every ``poll_s`` seconds while it lives) by its name (``coordinator``,
-    ``node-i``, or the command for hivemind's and the env servers' helper processes).
+    ``node-i``, or the command for hivemind's and the env servers' helper processes). After ``timeout_s`` seconds
+    (None: no limit) simulate is stopped (TERM: it stops its processes) and its exit code is what it returns then.
 
     Returns:
         ``{"exit": simulate's exit code, "seconds": wall seconds, "peak_rss": {name: bytes}, "rounds": the metrics
@@ -228,6 +230,9 @@ def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0) -> dict:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still stops simulate (finally)
     try:
         while proc.poll() is None:
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                print(f"simulate ran past {timeout_s:.0f} s: stopping it", file=sys.stderr)
+                break
             try:
                 children = parent.children(recursive=True)
             except psutil.NoSuchProcess:

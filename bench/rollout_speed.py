@@ -1,0 +1,90 @@
+"""Rollout engines side by side: generated tokens per second of `play_episodes` with ``engine="batched"`` (one
+``generate`` of every episode per turn, in lock-step) and ``engine="continuous"`` (transformers' continuous batching,
+`composer_diloco.rollout.continuous`), on the same model, env server and episode keys, alternating, in one process.
+
+Each repeat plays the same ``--episodes`` keys (groups of G = 4) with each engine at temperature 1.0 and reports the
+rollout's wall seconds, its ``generation`` and ``env`` parts (`composer_diloco.timing.PhaseClock`), the tokens the
+policy generated (``env_mask`` 1), tokens per second of the whole rollout, and the continuous/batched ratio of the
+medians. Run:
+
+    python bench/rollout_speed.py                          (the embedded default, warm-started: cached per machine)
+    python bench/rollout_speed.py --model runs/qwen3-0.6b-random --episodes 8 --max-tool-calls 4
+        (a `bench/real_arch.py build` folder: Qwen3-0.6B's architecture with planted calls)
+    add --device cuda on a GPU; --json OUT writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    """The command line (module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a save_pretrained folder; default: the embedded default")
+    ap.add_argument("--episodes", type=int, default=16)
+    ap.add_argument("--max-tool-calls", type=int, default=6)
+    ap.add_argument("--max-turn-tokens", type=int, default=48)
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+
+    from composer_diloco.policy import load_policy
+    from composer_diloco.rollout.env_process import start_env_server
+    from composer_diloco.rollout.episode_tokens import tool_suffix_ids
+    from composer_diloco.rollout.episodes import play_episodes
+    from composer_diloco.rollout.sessions import open_env_sessions
+    from composer_diloco.timing import PhaseClock, cuda_sync_for
+
+    model, tok = load_policy(a.model, seed=0, warmstart_steps=0 if a.model else 200)
+    model = model.to(a.device).eval()
+    server = start_env_server("envs.tool_env.server", startup_timeout_s=60)
+    rows = []
+    try:
+        sessions = open_env_sessions([server.url], a.episodes, max_tool_calls=a.max_tool_calls)
+        keys = [(0, f"speed{i // 4}") for i in range(a.episodes)]
+        for repeat in range(a.repeats):
+            for engine in ("batched", "continuous"):
+                torch.manual_seed(repeat)
+                clock = PhaseClock("other", sync=cuda_sync_for(a.device))
+                t0 = time.perf_counter()
+                episodes = play_episodes(model, tok, sessions, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
+                                         max_tool_calls=a.max_tool_calls, max_turn_tokens=a.max_turn_tokens,
+                                         max_seq_len=a.max_seq_len, temperature=1.0, engine=engine, clock=clock)
+                seconds = time.perf_counter() - t0
+                parts = clock.take()
+                tokens = sum(sum(e.env_mask) for e in episodes)
+                row = {"engine": engine, "repeat": repeat, "seconds": round(seconds, 3), "tokens": tokens,
+                       "tokens_per_s": round(tokens / seconds, 1), "generation_s": round(parts.get("generation", 0), 3),
+                       "env_s": round(parts.get("env", 0), 3),
+                       "turns": sum(e.tool_calls for e in episodes), "reward": statistics.fmean(e.reward for e in episodes)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        for s in sessions:
+            s.close()
+    finally:
+        server.stop()
+    median = {e: statistics.median(r["tokens_per_s"] for r in rows if r["engine"] == e) for e in ("batched", "continuous")}
+    summary = {"model": a.model or "embedded default", "device": a.device, "episodes": a.episodes,
+               "max_tool_calls": a.max_tool_calls, "max_turn_tokens": a.max_turn_tokens,
+               "median_tokens_per_s": median, "continuous_over_batched": round(median["continuous"] / median["batched"], 2)}
+    print(json.dumps(summary))
+    if a.json:
+        a.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

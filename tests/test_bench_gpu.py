@@ -1,0 +1,35 @@
+"""`bench/gpu.py --dry-run`: the GPU yardstick's code paths on the CPU, so the script cannot rot between GPU loans.
+
+Two of its runs, at 2-layer sizes: the full-fine-tuning run of two nodes (model build, config, simulate, the state
+download, agreement) and the one-node 16-episode run with continuous batching (the phase split, tokens per second,
+the memory columns, the markdown table)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_gpu_bench_dry_run_writes_its_table(tmp_path):
+    out = tmp_path / "gpu"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(out), "--only",
+                        "0.6b-full-2nodes", "0.6b-16ep-continuous"], capture_output=True, text=True, timeout=380,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["dry_run"] and report["device"] == "cpu" and report["torch"]
+    runs = {run["name"]: run["summary"] for run in report["runs"]}
+    assert set(runs) == {"0.6b-full-2nodes", "0.6b-16ep-continuous"}
+    assert all(s["exit"] == 0 and s["agree"] for s in runs.values()), runs
+    assert runs["0.6b-full-2nodes"]["rounds"] == 2
+    perf = runs["0.6b-16ep-continuous"]
+    assert perf["generated_tokens_per_s"] > 0 and perf["inner_phase_seconds"]["generation"] > 0, perf
+    assert perf["memory_peak_gb"] is not None and perf["memory_planned_gb"] > 0, perf
+    table = (out / "gpu.md").read_text()
+    assert "| 0.6b-16ep-continuous | 0 | yes |" in table and "(dry run)" in table, table
