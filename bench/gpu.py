@@ -164,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/gpu.py: error: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
+    unknown = sorted(set(a.only or ()) - {r.name for r in RUNS})
+    if unknown:
+        print(f"bench/gpu.py: error: --only {' '.join(unknown)}: expected names among {', '.join(r.name for r in RUNS)}",
+              file=sys.stderr)
+        return 2
+    configs = {run.name: run_config(run, a.out, a.dry_run) for run in RUNS}  # every config checked before a build
     runs = [r for r in RUNS if not a.only or r.name in a.only]
     report = {**device_info(device), "dry_run": a.dry_run, "runs": []}
     t0 = time.monotonic()
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             if run.arch not in models:
                 models[run.arch] = build(run.arch, a.out / "models" / run.arch,
                                          **(DRY["arch"] if a.dry_run else {}))
-            config = run_config(run, a.out, a.dry_run)
+            config = configs[run.name]
             run_dir = a.out / "runs" / run.name
             args = ["--model", str(models[run.arch]), "--nodes", str(run.nodes), "--config", str(config),
                     "--device", device, "--rollout", run.rollout, "--eval-episodes", "0"]

@@ -329,16 +329,17 @@ def test_compare_policies_is_paired_on_the_same_episodes(tok, warm_cache):
 
     cfg = load_config(None)
     warm, _ = load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
-    same = compare_policies(warm, warm, tok, 24, 7, env="envs.tool_env.server", temperatures=(1.0,))
-    assert (same[0].diff, same[0].diff_se, same[0].n_episodes) == (0.0, 0.0, 24) and same[0].before > 0.2
+    n = 12
+    same = compare_policies(warm, warm, tok, n, 7, env="envs.tool_env.server", temperatures=(1.0,))
+    assert (same[0].diff, same[0].diff_se, same[0].n_episodes) == (0.0, 0.0, n) and same[0].before > 0.2
     untrained = build_tiny_model(tok, seed=5)
-    worse = compare_policies(warm, untrained, tok, 24, 7, env="envs.tool_env.server", temperatures=(1.0, 0.0))
+    worse = compare_policies(warm, untrained, tok, n, 7, env="envs.tool_env.server", temperatures=(1.0, 0.0))
     for c in worse:
         assert c.after == 0.0 and c.diff == -c.before
         p = c.before  # rewards are 0/1: the differences are -1 on the episodes the warm start solved, else 0
-        assert c.diff_se == pytest.approx((p * (1 - p) * 24 / 23 / 24) ** 0.5, abs=1e-9)
+        assert c.diff_se == pytest.approx((p * (1 - p) * n / (n - 1) / n) ** 0.5, abs=1e-9)
     assert worse[0].before == same[0].before  # sampled, seed 7, the same episodes: the same draws
-    assert "greedy: warm start" in worse[1].describe() and "paired se, 24 tasks" in worse[1].describe()
+    assert "greedy: warm start" in worse[1].describe() and f"paired se, {n} tasks" in worse[1].describe()
     # what the warm start does, counted by tool: every parsed call, and the tool_env episode's end (submit) among them
     greedy = evaluate_policy(warm, tok, 8, 7, env="envs.tool_env.server")
     assert sum(greedy["calls_by_tool"].values()) == round(greedy["mean_tool_calls"] * 8)

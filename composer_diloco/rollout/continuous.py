@@ -111,7 +111,10 @@ def play_continuous(model: nn.Module, sessions: Sequence[EnvSession], keys: Sequ
         def submit(p: _Playing) -> None:
             context = p.episode.prompt_ids + p.episode.completion_ids
             request = f"{p.index}.{p.turns}"
-            manager.add_request(context, request_id=request, max_new_tokens=turn.max_turn_tokens)
+            if manager.add_request(context, request_id=request, max_new_tokens=turn.max_turn_tokens) is None:
+                raise ContinuousBatchingError(f"continuous batching refused request {request} (episode "
+                                              f"{p.episode.episode_id}, {len(context)} tokens): the manager is not "
+                                              f"accepting requests")
             decoding[request] = p
 
         def finish(p: _Playing, reason: str | None = None) -> None:
