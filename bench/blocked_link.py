@@ -102,6 +102,7 @@ class _StandInStats:
     episodes_env_error = 0
     no_tool_call = False
     longest_episode_tokens = 0  # (`composer_diloco.policy.memory_plan.round_memory`)
+    generated_tokens = 0  # (`nodes.node.phase_record`)
     channel_stats: dict = {}
 
     def __init__(self, samples: int):
@@ -146,7 +147,7 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int
                 if self.stop.event.wait(0.05):
                     break
             gen = torch.Generator().manual_seed(sum(map(ord, self.options.name)))
-            self._round_started = time.monotonic()
+            self._start_inner_phase()
             while not self.stop.event.is_set():
                 with torch.no_grad():
                     for p in self.model.parameters():

@@ -19,6 +19,7 @@ share a decode step depends on when env replies come back.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -142,7 +143,7 @@ def play_continuous(model: nn.Module, sessions: Sequence[EnvSession], keys: Sequ
         start_waiting()
         while decoding or at_env or waiting:
             if not decoding:  # every episode still playing waits for its env: nothing else to do
-                with clock.phase("env") if clock is not None else _nothing():
+                with clock.phase("env") if clock is not None else contextlib.nullcontext():
                     ready, _ = futures.wait(list(at_env), return_when=futures.FIRST_COMPLETED)
                 env_done(ready)
                 start_waiting()
@@ -176,10 +177,3 @@ def play_continuous(model: nn.Module, sessions: Sequence[EnvSession], keys: Sequ
         raise ContinuousBatchingError(f"the rollout ended without episodes {missing[:4]}")
     return done
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
