@@ -42,7 +42,7 @@ class PhaseClock:
         sync: called at every phase boundary before reading the time (`cuda_sync_for`); None: no call.
         clock: the time source, seconds (``time.perf_counter``).
 
-    Phases are opened from the thread that made the clock only: work that overlaps in other threads (env calls in
+    Phases are opened from one thread only (the first that opens one): work that overlaps in other threads (env calls in
     a thread pool while the model decodes) is counted by what the owning thread waits on (`composer_diloco.rollout.
     continuous`: ``env`` only while no turn is decoding).
     """
@@ -53,7 +53,7 @@ class PhaseClock:
         self._stack: list[str] = [base]
         self._seconds: dict[str, float] = {}
         self._last = clock()
-        self._owner = threading.get_ident()
+        self._owner: int | None = None  # the thread that opens phases: the first one that does
 
     def _charge(self) -> None:
         """Give the seconds since the last boundary to the innermost open phase."""
@@ -68,9 +68,11 @@ class PhaseClock:
         """Open phase ``name``: the seconds from now go to it until `exit` (or a phase opened inside it).
 
         Raises:
-            RuntimeError: called from another thread than the clock's.
+            RuntimeError: called from another thread than the one that opened the clock's first phase.
         """
-        if threading.get_ident() != self._owner:
+        if self._owner is None:
+            self._owner = threading.get_ident()
+        elif threading.get_ident() != self._owner:
             raise RuntimeError(f"phase {name!r} opened from another thread than the clock's")
         self._charge()
         self._stack.append(name)
