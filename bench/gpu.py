@@ -7,9 +7,11 @@ and DPO pairs; no reward):
     0.6b-lora-2nodes        Qwen3-0.6B LoRA r=16, coordinator + 2 nodes, configs/qwen3_0.6b_lora.toml (2 rounds)
     0.6b-full-2nodes        the same with full fine-tuning, configs/qwen3_0.6b_full.toml (the 7 GB state download)
     0.6b-16ep-batched       one node, 16 episodes a step (G = 8, 2 tasks, <= 6 calls of <= 48 tokens, 1,024-token
-                            episodes, SDPO and DPO on), --rollout batched: the rollouts as before continuous batching
-    0.6b-16ep-continuous    the same, --rollout continuous
-    1.7b-16ep               Qwen3-1.7B LoRA, one node, the same step (--rollout auto)
+                            episodes, SDPO and DPO on), --rollout batched, bf16: the step of 2026-11-27 (19.5 s then)
+    0.6b-16ep-batched-fp32  the same in fp32 (--dtype fp32)
+    0.6b-16ep-continuous    the same in fp32 with --rollout continuous (continuous batching runs in fp32 only:
+                            `nodes.node.resolve_rollout_engine`), against the row above
+    1.7b-16ep               Qwen3-1.7B LoRA, one node, the same step (--rollout auto, bf16)
 
 For each: exit codes, whether every round's theta agreed, and from the nodes' metrics lines of the last round: seconds
 per inner step, episodes and generated tokens per second, the inner phase by part (``inner_phase_seconds``), the sync
@@ -63,6 +65,7 @@ class Run:
     nodes: int
     rollout: str = "auto"
     lora: bool = True
+    dtype: str = "auto"
     result: dict = field(default_factory=dict)
 
 
@@ -70,7 +73,8 @@ RUNS = [
     Run("0.6b-lora-2nodes", "0.6b", "qwen3_0.6b_lora.toml", 2),
     Run("0.6b-full-2nodes", "0.6b", "qwen3_0.6b_full.toml", 2, lora=False),
     Run("0.6b-16ep-batched", "0.6b", "perf", 1, rollout="batched"),
-    Run("0.6b-16ep-continuous", "0.6b", "perf", 1, rollout="continuous"),
+    Run("0.6b-16ep-batched-fp32", "0.6b", "perf", 1, rollout="batched", dtype="fp32"),
+    Run("0.6b-16ep-continuous", "0.6b", "perf", 1, rollout="continuous", dtype="fp32"),
     Run("1.7b-16ep", "1.7b", "perf", 1),
 ]
 
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             config = configs[run.name]
             run_dir = a.out / "runs" / run.name
             args = ["--model", str(models[run.arch]), "--nodes", str(run.nodes), "--config", str(config),
-                    "--device", device, "--rollout", run.rollout, "--eval-episodes", "0"]
+                    "--device", device, "--rollout", run.rollout, "--dtype", run.dtype, "--eval-episodes", "0"]
             print(f"== {run.name}: simulate {' '.join(args)}", flush=True)
             result = watch_simulate(args, run_dir, timeout_s=a.run_timeout_s)
             run.result = {"args": args, "summary": summarize(result), "metrics": result["rounds"]}

@@ -127,6 +127,7 @@ def simulate(
     run_dir: RunDirOpt = Path("runs/simulate"),
     device: Annotated[str, typer.Option(help="--device of every node.")] = "cpu",
     rollout: Annotated[str, typer.Option(help="--rollout of every node: auto, batched or continuous.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="--dtype of every node: auto, fp32 or bf16.")] = "auto",
     eval_episodes: Annotated[Optional[int], typer.Option(
         "--eval-episodes", min=0, help="Held-out tasks on which the warm start and the final model are evaluated "
                                        "after the run, sampled and greedy, on this process's CPU (0 = no evaluation; "
@@ -136,11 +137,12 @@ def simulate(
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
     against the final model on held-out tasks."""
-    from nodes.options import ROLLOUTS
+    from nodes.options import DTYPES, ROLLOUTS
 
-    if rollout not in ROLLOUTS:
-        typer.echo(f"composer-coordinator: error: --rollout {rollout!r} is not one of {', '.join(ROLLOUTS)}", err=True)
-        raise typer.Exit(1)
+    for name, value, allowed in (("--rollout", rollout, ROLLOUTS), ("--dtype", dtype, DTYPES)):
+        if value not in allowed:
+            typer.echo(f"composer-coordinator: error: {name} {value!r} is not one of {', '.join(allowed)}", err=True)
+            raise typer.Exit(1)
     cfg, secret = _check(config, rounds, model, secret_file)  # before the heavy imports
     from composer_diloco.outer.secret import SECRET_ENV
     from coordinator.simulate import Simulation, run_simulation
@@ -152,7 +154,7 @@ def simulate(
                    "(pick a new folder)", err=True)
         raise typer.Exit(1)
     sim = Simulation(nodes=nodes, run_dir=run_dir, config_path=config, rounds=rounds, model=model, device=device,
-                     rollout=rollout, verbose=verbose,
+                     rollout=rollout, dtype=dtype, verbose=verbose,
                      eval_episodes=eval_episodes if eval_episodes is not None else (256 if cfg.model is None else 0))
     raise typer.Exit(run_simulation(sim, cfg.rounds))
 

@@ -84,6 +84,7 @@ class Simulation:
     model: str | None = None
     device: str = "cpu"
     rollout: str = "auto"
+    dtype: str = "auto"
     verbose: bool = False
     eval_episodes: int = 256
     max_idle_s: float = 600.0  # a node loading a large --model sends no heartbeat for minutes
@@ -145,7 +146,8 @@ class Simulation:
     def start_nodes(self, peer: str) -> None:
         for i in range(self.nodes):
             args = ["-m", "nodes", "join", "--peer", peer, "--run-dir", str(self.run_dir), "--name", f"node-{i}",
-                    "--device", self.device, "--task-shard", f"{i}/{self.nodes}", "--rollout", self.rollout]
+                    "--device", self.device, "--task-shard", f"{i}/{self.nodes}", "--rollout", self.rollout,
+                    "--dtype", self.dtype]
             if self.verbose:
                 args.append("--verbose")
             self._spawn(f"node-{i}", args)

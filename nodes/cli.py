@@ -65,8 +65,8 @@ def join(
                                          "(see the memory plan logged at start), about a third more compute.")] = False,
     rollout: Annotated[str, typer.Option(
         help="How episodes decode: continuous (transformers continuous batching: a turn that ends goes to its env "
-             "while the other episodes keep decoding), batched (one generate() per turn of all episodes), or auto: "
-             "continuous on a GPU, batched on the CPU.")] = "auto",
+             "while the other episodes keep decoding; fp32 nodes only), batched (one generate() per turn of all "
+             "episodes), or auto: continuous on a GPU in fp32, else batched.")] = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.

@@ -110,6 +110,7 @@ class Node:
         self.swarm: Swarm | None = None
         self.peer: DiLoCoPeer | None = None
         self.trainer: ComposerGRPOTrainer | None = None
+        self.rollout_engine = "batched"  # `resolve_rollout_engine`, at join
         self.config: RunConfig | None = None
         self.swarm_round = 0  # the newest round a live peer was in when this node joined
         self.metrics = MetricsWriter(Path(options.run_dir) / options.name / "metrics.jsonl")
@@ -143,6 +144,7 @@ class Node:
         checked = o.check()  # the command line ran it too, before the heavy imports: milliseconds
         expected, secret = checked.expected_config, checked.secret  # secret None: an open run
         self.placement = Placement.resolve(o.device, o.dtype)
+        self.rollout_engine = resolve_rollout_engine(o.rollout, self.placement)
         parse_multiaddr(o.peer)
         check_addresses(o.listen, o.announce)
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
@@ -341,7 +343,7 @@ class Node:
             args.gradient_checkpointing = True
             args.gradient_checkpointing_kwargs = {"use_reentrant": False}
         self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
-        engine = resolve_rollout_engine(self.options.rollout, self.placement.device)
+        engine = self.rollout_engine
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
@@ -500,17 +502,26 @@ ROLLOUT_ENGINES = {
     "batched": "lock-step batches, one transformers generate() per assistant turn, KV kept across turns",
     "continuous": "transformers continuous batching: a turn that ends goes to its env while the others decode",
 }
-"""What ``--rollout`` can pick (``auto``: continuous on a GPU, batched on the CPU)."""
+"""What ``--rollout`` can pick (``auto``: `resolve_rollout_engine`)."""
 
 
-def resolve_rollout_engine(choice: str, device: str) -> str:
-    """``--rollout``'s engine on ``device``: ``auto`` is ``continuous`` on CUDA (the batch stays full while episodes
-    wait for their env), ``batched`` on the CPU, where a run's sampled tokens, and so its theta, are the same run
-    after run for the same seed (continuous batching's decode steps depend on when env replies come back). On the CPU
-    continuous batching is faster too (BENCHMARKS.md section 9): ``--rollout continuous`` trades the
-    reproducibility for it."""
+def resolve_rollout_engine(choice: str, placement: Placement) -> str:
+    """``--rollout``'s engine on ``placement``.
+
+    ``auto`` is ``continuous`` on a CUDA GPU in fp32, else ``batched``: on the CPU the batched engine is the faster one
+    (BENCHMARKS.md section 9) and keeps a run's sampled tokens, so its theta, the same run after run; under bf16
+    autocast transformers' paged KV cache cannot hold what the forward writes (one dtype for keys and values, and
+    Qwen3's keys come out of their fp32 norm in fp32, its values in bf16).
+
+    Raises:
+        NodeError: ``continuous`` asked on a bf16 node (one line: use ``--dtype fp32`` or ``--rollout batched``).
+    """
     if choice == "auto":
-        return "continuous" if str(device).startswith("cuda") else "batched"
+        return "continuous" if placement.device == "cuda" and not placement.bf16 else "batched"
+    if choice == "continuous" and placement.bf16:
+        raise NodeError("--rollout continuous on a bf16 node: transformers' paged KV cache holds one dtype and under "
+                        "bf16 autocast the keys and values come out in fp32 and bf16; use --dtype fp32 or "
+                        "--rollout batched")
     return choice
 
 

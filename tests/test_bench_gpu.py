@@ -30,7 +30,7 @@ def test_gpu_bench_dry_run_writes_its_table(tmp_path):
     assert perf["exit"] == 0 and perf["agree"] and perf["rounds"] == 1, perf
     written = sorted(p.name for p in (out / "configs").iterdir())
     assert written == sorted(f"{n}.toml" for n in ("0.6b-lora-2nodes", "0.6b-full-2nodes", "0.6b-16ep-batched",
-                                                   "0.6b-16ep-continuous", "1.7b-16ep"))
+                                                   "0.6b-16ep-batched-fp32", "0.6b-16ep-continuous", "1.7b-16ep"))
     assert perf["generated_tokens_per_s"] > 0 and perf["inner_phase_seconds"]["generation"] > 0, perf
     assert perf["memory_peak_gb"] is not None and perf["memory_planned_gb"] > 0, perf
     table = (out / "gpu.md").read_text()

@@ -126,3 +126,18 @@ def test_fewer_sessions_than_episodes_start_each_episode_on_a_free_session(polic
     assert all(e.end_reason in {"done", "no_tool_call", "truncated", "max_tool_calls", "max_seq_len"}
                for e in episodes), [e.end_reason for e in episodes]
     assert sum(e.tool_calls for e in episodes) >= 7
+
+
+def test_the_rollout_engine_a_node_picks():
+    """``--rollout auto``: continuous batching on a CUDA GPU in fp32 only; the batched engine on the CPU (faster there,
+    and reproducible) and under bf16 autocast, where continuous batching is refused in one line."""
+    from nodes.device import Placement
+    from nodes.node import NodeError, resolve_rollout_engine
+
+    assert resolve_rollout_engine("auto", Placement("cpu", False)) == "batched"
+    assert resolve_rollout_engine("auto", Placement("cuda", False)) == "continuous"
+    assert resolve_rollout_engine("auto", Placement("cuda", True)) == "batched"
+    assert resolve_rollout_engine("continuous", Placement("cpu", False)) == "continuous"
+    assert resolve_rollout_engine("batched", Placement("cuda", False)) == "batched"
+    with pytest.raises(NodeError, match="--rollout continuous on a bf16 node: .* use --dtype fp32 or --rollout batched"):
+        resolve_rollout_engine("continuous", Placement("cuda", True))

@@ -14,6 +14,10 @@ top-p; the log-probs are the manager's (``return_logprobs``: the log of the samp
 distribution), within float tolerance of a plain forward pass (`tests/test_continuous_rollout.py`). Greedy decoding
 (temperature 0) gives the batched engine's tokens. Sampled runs are not reproducible token for token: which requests
 share a decode step depends on when env replies come back.
+
+fp32 models only: transformers sizes the paged cache by ``model.dtype`` and keeps keys and values in that one dtype,
+while a bf16 node's autocast forward writes Qwen3's keys in fp32 (their RMSNorm) and its values in bf16; a bf16 node
+refuses this engine (`nodes.node.resolve_rollout_engine`).
 """
 
 from __future__ import annotations
