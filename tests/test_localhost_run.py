@@ -37,8 +37,9 @@ def assert_phases_add_up(metrics: dict, channels: set[str]) -> None:
             assert abs(sum(inner.values()) - r["inner_seconds"]) <= 0.05 * r["inner_seconds"], (name, r)
             assert {"sdpo", "dpo"} & set(inner) == channels, (name, inner)
             assert all(inner.get(k, 0) > 0 for k in ("generation", "scoring", "forward_backward", "optimizer")), inner
-            assert r["generated_tokens"] > 0 and \
-                abs(r["generated_tokens_per_s"] - r["generated_tokens"] / inner["generation"]) <= 0.1, (name, r)
+            # both sides rounded (the part to 4 decimals, the rate to 1): equal within 0.1 %
+            assert r["generated_tokens"] > 0 and abs(r["generated_tokens_per_s"] - r["generated_tokens"] /
+                                                     inner["generation"]) <= 1e-3 * r["generated_tokens_per_s"], (name, r)
 
 
 def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
