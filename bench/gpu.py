@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu.json, gpu.md, the models and the runs")
     ap.add_argument("--dry-run", action="store_true", help="CPU, 2-layer architectures, 1 round each")
     ap.add_argument("--budget-s", type=float, default=290.0, help="start no run after this many seconds")
-    ap.add_argument("--only", nargs="*", help="run only these names (default: all, in order)")
+    ap.add_argument("--only", nargs="*", help="run only these names, in the order given (default: all, in order)")
     ap.add_argument("--run-timeout-s", type=float, default=240.0, help="stop a run after this many seconds")
     a = ap.parse_args(argv)
     from real_arch import build, watch_simulate
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     configs = {run.name: run_config(run, a.out, a.dry_run) for run in RUNS}  # every config checked before a build
-    runs = [r for r in RUNS if not a.only or r.name in a.only]
+    runs = [next(r for r in RUNS if r.name == name) for name in a.only] if a.only else RUNS  # --only: its order
     report = {**device_info(device), "dry_run": a.dry_run, "runs": []}
     t0 = time.monotonic()
     models: dict[str, Path] = {}
@@ -184,10 +185,15 @@ def main(argv: list[str] | None = None) -> int:
             run.result = {"skipped": f"skipped: {a.budget_s:.0f} s budget spent"}
         else:
             if run.arch not in models:
-                models[run.arch] = build(run.arch, a.out / "models" / run.arch,
-                                         **(DRY["arch"] if a.dry_run else {}))
+                folder = a.out / "models" / run.arch
+                if (folder / "config.json").exists():  # built by an earlier call with this --out
+                    print(f"reusing {folder}", flush=True)
+                    models[run.arch] = folder
+                else:
+                    models[run.arch] = build(run.arch, folder, **(DRY["arch"] if a.dry_run else {}))
             config = configs[run.name]
             run_dir = a.out / "runs" / run.name
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier call: its metrics are not this run's
             args = ["--model", str(models[run.arch]), "--nodes", str(run.nodes), "--config", str(config),
                     "--device", device, "--rollout", run.rollout, "--dtype", run.dtype, "--eval-episodes", "0"]
             print(f"== {run.name}: simulate {' '.join(args)}", flush=True)

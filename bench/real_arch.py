@@ -147,7 +147,7 @@ def measure(model_dir: Path, rows: int, seq_len: int, lora: bool, reference: boo
     ``MALLOC_MMAP_THRESHOLD_=65536``): ``rows`` GRPO rows, ``sdpo_rows`` SDPO sites and ``dpo_pairs`` DPO pairs of
     ``seq_len`` tokens (``response_tokens`` of each SDPO/DPO row scored), next to the plan's state, activation and
     reference-pass bytes (`activation_bytes`, `reference_pass_bytes`)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     code = f"""
 import json, torch
 from transformers import AutoModelForCausalLM, AutoConfig
@@ -224,7 +224,7 @@ def watch_simulate(args: list[str], run_dir: Path, poll_s: float = 1.0, timeout_
 
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "simulate", *args, "--run-dir", str(run_dir)],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     peaks: dict[str, int] = {}
     parent = psutil.Process(proc.pid)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still stops simulate (finally)

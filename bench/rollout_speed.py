@@ -11,11 +11,18 @@ medians. Run:
     python bench/rollout_speed.py --model runs/qwen3-0.6b-random --episodes 8 --max-tool-calls 4
         (a `bench/real_arch.py build` folder: Qwen3-0.6B's architecture with planted calls)
     add --device cuda on a GPU; --json OUT writes the rows.
+
+On a GPU, ``--engines`` picks the variants (default ``batched continuous``): ``continuous-graphs`` is the continuous
+engine with transformers' CUDA graphs forced on (``ContinuousBatchingConfig(use_cuda_graph=True)``, set here only: an
+exploration of what the node could use); ``--lora R`` wraps the model with LoRA rank R as a ``[lora]`` node does,
+``--dtype bf16`` places it as a bf16 node does (frozen linears in bf16, autocast forward: the batched engine only). A
+variant that fails is reported with its error and the others go on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -29,6 +36,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+@contextlib.contextmanager
+def cuda_graphs(on: bool):
+    """Within: the continuous engine's managers run with CUDA graphs forced on (``use_cuda_graph=True``)."""
+    if not on:
+        yield
+        return
+    from composer_diloco.rollout import continuous
+
+    plain = continuous._manager_configs
+
+    def with_graphs(*args, **kwargs):
+        generation, batching = plain(*args, **kwargs)
+        batching.use_cuda_graph = True
+        return generation, batching
+
+    continuous._manager_configs = with_graphs
+    try:
+        yield
+    finally:
+        continuous._manager_configs = plain
+
+
 def main() -> None:
     """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,6 +68,10 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--engines", nargs="+", default=["batched", "continuous"],
+                    choices=["batched", "continuous", "continuous-graphs"])
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank (0: no adapters)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
@@ -50,6 +83,15 @@ def main() -> None:
     from composer_diloco.timing import PhaseClock, cuda_sync_for
 
     model, tok = load_policy(a.model, seed=0, warmstart_steps=0 if a.model else 200)
+    if a.lora:
+        from composer_diloco.config import LoraSection
+        from composer_diloco.policy.lora import apply_lora
+
+        model = apply_lora(model, LoraSection(r=a.lora, lora_alpha=a.lora))
+    if a.dtype == "bf16":
+        from nodes.device import Placement
+
+        model = Placement(a.device, True).place(model)
     model = model.to(a.device).eval()
     server = start_env_server("envs.tool_env.server", startup_timeout_s=60)
     rows = []
@@ -57,13 +99,20 @@ def main() -> None:
         sessions = open_env_sessions([server.url], a.episodes, max_tool_calls=a.max_tool_calls)
         keys = [(0, f"speed{i // 4}") for i in range(a.episodes)]
         for repeat in range(a.repeats):
-            for engine in ("batched", "continuous"):
+            for engine in a.engines:
                 torch.manual_seed(repeat)
                 clock = PhaseClock("other", sync=cuda_sync_for(a.device))
                 t0 = time.perf_counter()
-                episodes = play_episodes(model, tok, sessions, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
-                                         max_tool_calls=a.max_tool_calls, max_turn_tokens=a.max_turn_tokens,
-                                         max_seq_len=a.max_seq_len, temperature=1.0, engine=engine, clock=clock)
+                try:
+                    with cuda_graphs(engine == "continuous-graphs"):
+                        episodes = play_episodes(
+                            model, tok, sessions, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
+                            max_tool_calls=a.max_tool_calls, max_turn_tokens=a.max_turn_tokens,
+                            max_seq_len=a.max_seq_len, temperature=1.0, engine=engine.split("-")[0], clock=clock)
+                except Exception as e:  # noqa: BLE001 - one variant failing is a row of the report
+                    rows.append({"engine": engine, "repeat": repeat, "error": f"{type(e).__name__}: {e}"[:400]})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
                 seconds = time.perf_counter() - t0
                 parts = clock.take()
                 tokens = sum(sum(e.env_mask) for e in episodes)
@@ -77,10 +126,13 @@ def main() -> None:
             s.close()
     finally:
         server.stop()
-    median = {e: statistics.median(r["tokens_per_s"] for r in rows if r["engine"] == e) for e in ("batched", "continuous")}
-    summary = {"model": a.model or "embedded default", "device": a.device, "episodes": a.episodes,
-               "max_tool_calls": a.max_tool_calls, "max_turn_tokens": a.max_turn_tokens,
-               "median_tokens_per_s": median, "continuous_over_batched": round(median["continuous"] / median["batched"], 2)}
+    median = {e: statistics.median(r["tokens_per_s"] for r in rows if r["engine"] == e and "error" not in r)
+              for e in a.engines if any(r["engine"] == e and "error" not in r for r in rows)}
+    summary = {"model": a.model or "embedded default", "device": a.device, "dtype": a.dtype, "lora": a.lora,
+               "episodes": a.episodes, "max_tool_calls": a.max_tool_calls, "max_turn_tokens": a.max_turn_tokens,
+               "median_tokens_per_s": median,
+               **{f"{e}_over_batched": round(median[e] / median["batched"], 2)
+                  for e in median if e != "batched" and "batched" in median}}
     print(json.dumps(summary))
     if a.json:
         a.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
