@@ -26,8 +26,14 @@ Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
                  4 T, activations (below), AdamW's temporaries.
 
 Gradients and activations do not add up in full: backward frees a layer's activations as it creates its gradients,
-and AdamW's step (``foreach=False``) runs after backward with every gradient plus two temporaries of one tensor. The
-training phase's peak is ``max(activations + gradients / 4, gradients + 8 * largest trainable tensor)``.
+and AdamW's step runs after backward with every gradient plus its temporaries. TRL's ``optim="adamw_torch"`` is
+``torch.optim.AdamW`` with torch's default implementation: on a CPU the single-tensor one (two temporaries of one
+tensor, ``8 * largest trainable tensor``), on a GPU the multi-tensor ``foreach`` one, whose ``_foreach_sqrt`` of
+``exp_avg_sq`` is one fp32 copy of every trainable tensor at once (``4 T``; torch ``optim/adam.py``,
+``_multi_tensor_adam``; on an H200, full fine-tuning of Qwen3-0.6B peaked at 13.49 GB against a plan of 12.28 GB that
+had counted the single-tensor step, BENCHMARKS.md section 7). The training phase's peak is ``max(activations +
+gradients / 4, gradients + that temporary)``. A GPU node also holds cuBLAS's and cuBLASLt's workspaces
+(`CUDA_WORKSPACE_BYTES`).
 
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
@@ -93,7 +99,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from composer_diloco.config import LoraSection, RunConfig
 
-__all__ = ["DEVICE_MEMORY_ENV", "BatchChoice", "DeviceMemoryError", "MemoryPlan", "ModelShape", "PeakMemory",
+__all__ = ["CUDA_WORKSPACE_BYTES", "DEVICE_MEMORY_ENV", "BatchChoice", "DeviceMemoryError", "MemoryPlan", "ModelShape", "PeakMemory",
            "RowBound", "activation_bytes", "check_plan", "choose_batch", "device_free_bytes",
            "measure_training_bytes", "model_shape", "plan_for_run", "plan_inputs", "plan_memory", "refusal",
            "row_bound"]
@@ -160,6 +166,12 @@ sample did not draw may be a little longer."""
 PROMPT_SLACK = 16
 REPLY_SLACK = 8
 """Tokens a cut tool reply's rendering may add over its cap: the cut marker and token merges at its two edges."""
+
+
+CUDA_WORKSPACE_BYTES = 4 * 32 * 2**20
+"""Device bytes of cuBLAS's and cuBLASLt's workspaces on a GPU node, which torch takes from its caching allocator (so
+``torch.cuda.max_memory_allocated`` counts them): 32 MiB each on Hopper, per handle, and a node's training and
+rollout use up to two handles."""
 
 
 def _size(n: int | float) -> str:
@@ -501,7 +513,9 @@ class MemoryPlan:
         episodes_per_step, turn_tokens: the rollout's batch and ``max_turn_tokens``.
         bf16, gradient_checkpointing: the node's ``--dtype bf16`` and gradient checkpointing.
         weights, gradients, optimizer, reference, activations: device bytes by item.
-        step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor.
+        step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor on a CPU, a
+            copy of every trainable tensor on a GPU (module docstring).
+        workspace: a GPU's cuBLAS workspaces (`CUDA_WORKSPACE_BYTES`); 0 on a CPU.
         rollout: the rollout phase's bytes over the state (KV cache and sampling scores).
         reference_pass: DPO's reference log-probs pass's bytes over the state (0 without DPO).
         host: host bytes of the outer loop (theta, pseudo-gradient, outer state, a state download's transients) and
@@ -532,6 +546,7 @@ class MemoryPlan:
     host_model: int
     rollout: int = 0
     reference_pass: int = 0
+    workspace: int = 0
     episodes_per_step: int = 0
     turn_tokens: int = 0
     row_source: str = ""
@@ -552,8 +567,8 @@ class MemoryPlan:
     def training_peak(self) -> int:
         """Bytes of one training step's peak over the persistent state: ``max(activations + gradients / 4, gradients
         + step_transient)``. Backward frees a layer's activations as it creates its gradients, so the two never
-        add up in full (measured: a quarter of the gradients or less on top of the activations); AdamW's step
-        (``foreach=False``) holds every gradient plus two temporaries of one tensor."""
+        add up in full (measured: a quarter of the gradients or less on top of the activations); AdamW's step holds
+        every gradient plus its temporaries (``step_transient``)."""
         return max(self.activations + self.gradients // 4, self.gradients + self.step_transient)
 
     @property
@@ -564,7 +579,7 @@ class MemoryPlan:
     @property
     def device_bytes(self) -> int:
         """Bytes the training state and an inner step's largest phase need on the device."""
-        return self.weights + self.optimizer + self.reference + self.phase_peak
+        return self.weights + self.optimizer + self.reference + self.phase_peak + self.workspace
 
     @property
     def need(self) -> int:
@@ -600,7 +615,8 @@ class MemoryPlan:
             if self.shape.lora else f"full fine-tuning ({self.shape.params_total:,} parameters)"
         free = "free unknown" if self.free is None else f"{_size(self.free)} free ({self.free_source})"
         return (f"memory plan on {self.device}, {mode}: device {_size(self.device_bytes)} = weights "
-                f"{_size(self.weights)} + AdamW {_size(self.optimizer)} + reference {_size(self.reference)} + the "
+                f"{_size(self.weights)} + AdamW {_size(self.optimizer)} + reference {_size(self.reference)} + "
+                f"{f'cuBLAS workspaces {_size(self.workspace)} + ' if self.workspace else ''}the "
                 f"largest phase {_size(self.phase_peak)} (training {_size(self.training_peak)}: gradients "
                 f"{_size(self.gradients)}, activations {_size(self.activations)} for {self.rows_text()}, "
                 f"micro-batch {self.micro_batch} x {self.grad_accum}, "
@@ -646,6 +662,7 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum}, seq_len {seq_len}: expected >= 1")
     turn = seq_len if turn_tokens is None else turn_tokens
     p, t = shape.params_total, shape.params_trainable
+    on_cpu = device.startswith("cpu")
     # bf16 (`composer_diloco.policy.precision`): frozen linear weights take 2 bytes, the LoRA base's and the DPO
     # reference copy's; TRL's own GRPO reference is loaded by TRL (4 P)
     weights = 4 * p - (2 * shape.frozen_linear if bf16 else 0)
@@ -662,7 +679,9 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
                                      gradient_checkpointing=gradient_checkpointing, sdpo_rows=sdpo_rows,
                                      dpo_rows=dpo_rows, response_tokens=turn, sdpo_mixture=sdpo_mixture,
                                      device=device),
-        step_transient=2 * 4 * shape.largest_trainable,
+        # torch's AdamW: single-tensor on a CPU, foreach (a copy of every trainable tensor) on a GPU
+        step_transient=2 * 4 * shape.largest_trainable if on_cpu else 4 * t,
+        workspace=0 if on_cpu else CUDA_WORKSPACE_BYTES,
         rollout=rollout_bytes(shape, episodes, seq_len, turn, bf16=bf16),
         reference_pass=reference_pass_bytes(shape, dpo_pairs, seq_len, bf16=bf16, response_tokens=turn)
         if dpo_pairs else 0,
