@@ -10,7 +10,7 @@ and DPO pairs; no reward):
                             episodes, SDPO and DPO on), --rollout batched, bf16: the step of 2026-11-27 (19.5 s then)
     0.6b-16ep-batched-fp32  the same in fp32 (--dtype fp32)
     0.6b-16ep-continuous    the same in fp32 with --rollout continuous (continuous batching runs in fp32 only:
-                            `nodes.node.resolve_rollout_engine`), against the row above
+                            `nodes.options.resolve_rollout_engine`), against the row above
     1.7b-16ep               Qwen3-1.7B LoRA, one node, the same step (--rollout auto, bf16)
 
 For each: exit codes, whether every round's theta agreed, and from the nodes' metrics lines of the last round: seconds

@@ -137,12 +137,14 @@ def simulate(
 ) -> None:
     """Run the coordinator and N nodes as processes on 127.0.0.1; print the per-round table, then the warm start
     against the final model on held-out tasks."""
-    from nodes.options import DTYPES, ROLLOUTS
+    from nodes.options import check_device_choice, resolve_rollout_engine
 
-    for name, value, allowed in (("--rollout", rollout, ROLLOUTS), ("--dtype", dtype, DTYPES)):
-        if value not in allowed:
-            typer.echo(f"composer-coordinator: error: {name} {value!r} is not one of {', '.join(allowed)}", err=True)
-            raise typer.Exit(1)
+    try:  # what a node would refuse at once about its own options, refused before any process starts
+        check_device_choice(device, dtype)
+        resolve_rollout_engine(rollout, bf16=dtype == "bf16")
+    except ValueError as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1)
     cfg, secret = _check(config, rounds, model, secret_file)  # before the heavy imports
     from composer_diloco.outer.secret import SECRET_ENV
     from coordinator.simulate import Simulation, run_simulation

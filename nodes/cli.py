@@ -66,7 +66,7 @@ def join(
     rollout: Annotated[str, typer.Option(
         help="How episodes decode: continuous (transformers continuous batching: a turn that ends goes to its env "
              "while the other episodes keep decoding; fp32 nodes only), batched (one generate() per turn of all "
-             "episodes), or auto: continuous on a GPU in fp32, else batched.")] = "auto",
+             "episodes, reproducible), or auto: batched (as fast on an H200, faster on a CPU).")] = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.

@@ -38,10 +38,10 @@ from composer_diloco.outer.swarm import (
     Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
 from composer_diloco.inner.step import RoundStats
-from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args
+from composer_diloco.inner.trainer import INNER_PHASES, ComposerGRPOTrainer, grpo_args
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
-from nodes.options import NodeOptions
+from nodes.options import ROLLOUT_ENGINES, NodeOptions, resolve_rollout_engine
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Node:
         checked = o.check()  # the command line ran it too, before the heavy imports: milliseconds
         expected, secret = checked.expected_config, checked.secret  # secret None: an open run
         self.placement = Placement.resolve(o.device, o.dtype)
-        self.rollout_engine = resolve_rollout_engine(o.rollout, self.placement)
+        self.rollout_engine = resolve_rollout_engine(o.rollout, bf16=self.placement.bf16)
         parse_multiaddr(o.peer)
         check_addresses(o.listen, o.announce)
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
@@ -498,33 +498,6 @@ class Node:
         self.stop.run_cleanups()
 
 
-ROLLOUT_ENGINES = {
-    "batched": "lock-step batches, one transformers generate() per assistant turn, KV kept across turns",
-    "continuous": "transformers continuous batching: a turn that ends goes to its env while the others decode",
-}
-"""What ``--rollout`` can pick (``auto``: `resolve_rollout_engine`)."""
-
-
-def resolve_rollout_engine(choice: str, placement: Placement) -> str:
-    """``--rollout``'s engine on ``placement``.
-
-    ``auto`` is ``continuous`` on a CUDA GPU in fp32, else ``batched``: on the CPU the batched engine is the faster one
-    (BENCHMARKS.md section 9) and keeps a run's sampled tokens, so its theta, the same run after run; under bf16
-    autocast transformers' paged KV cache cannot hold what the forward writes (one dtype for keys and values, and
-    Qwen3's keys come out of their fp32 norm in fp32, its values in bf16).
-
-    Raises:
-        NodeError: ``continuous`` asked on a bf16 node (one line: use ``--dtype fp32`` or ``--rollout batched``).
-    """
-    if choice == "auto":
-        return "continuous" if placement.device == "cuda" and not placement.bf16 else "batched"
-    if choice == "continuous" and placement.bf16:
-        raise NodeError("--rollout continuous on a bf16 node: transformers' paged KV cache holds one dtype and under "
-                        "bf16 autocast the keys and values come out in fp32 and bf16; use --dtype fp32 or "
-                        "--rollout batched")
-    return choice
-
-
 def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tokens: int) -> dict:
     """The metrics line's timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`; they add
     up to ``inner_seconds``), ``outer_phase_seconds`` (the sync by part, `OUTER_PHASES`; they add up to
@@ -532,7 +505,8 @@ def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tok
     0.0 when there was none). Seconds, rounded to 4 decimals."""
     generation = inner.get("generation", 0.0)
     return {
-        "inner_phase_seconds": {k: round(v, 4) for k, v in sorted(inner.items(), key=lambda kv: -kv[1])},
+        "inner_phase_seconds": {k: round(v, 4) for k, v in sorted(  # in a round's order; others after
+            inner.items(), key=lambda kv: list(INNER_PHASES).index(kv[0]) if kv[0] in INNER_PHASES else len(INNER_PHASES))},
         "outer_phase_seconds": dict(outer),
         "generated_tokens_per_s": round(generated_tokens / generation, 1) if generation > 0 else 0.0,
     }

@@ -129,15 +129,16 @@ def test_fewer_sessions_than_episodes_start_each_episode_on_a_free_session(polic
 
 
 def test_the_rollout_engine_a_node_picks():
-    """``--rollout auto``: continuous batching on a CUDA GPU in fp32 only; the batched engine on the CPU (faster there,
-    and reproducible) and under bf16 autocast, where continuous batching is refused in one line."""
-    from nodes.device import Placement
-    from nodes.node import NodeError, resolve_rollout_engine
+    """``--rollout auto`` is the batched engine on every device and precision (as fast as continuous batching on an
+    H200 in fp32, faster on the CPU, reproducible); ``continuous`` is taken as asked, but refused in one line on a
+    bf16 node; anything else is refused naming the choices."""
+    from nodes.options import OptionError, resolve_rollout_engine
 
-    assert resolve_rollout_engine("auto", Placement("cpu", False)) == "batched"
-    assert resolve_rollout_engine("auto", Placement("cuda", False)) == "continuous"
-    assert resolve_rollout_engine("auto", Placement("cuda", True)) == "batched"
-    assert resolve_rollout_engine("continuous", Placement("cpu", False)) == "continuous"
-    assert resolve_rollout_engine("batched", Placement("cuda", False)) == "batched"
-    with pytest.raises(NodeError, match="--rollout continuous on a bf16 node: .* use --dtype fp32 or --rollout batched"):
-        resolve_rollout_engine("continuous", Placement("cuda", True))
+    assert resolve_rollout_engine("auto", bf16=False) == "batched"
+    assert resolve_rollout_engine("auto", bf16=True) == "batched"
+    assert resolve_rollout_engine("continuous", bf16=False) == "continuous"
+    assert resolve_rollout_engine("batched", bf16=True) == "batched"
+    with pytest.raises(OptionError, match="--rollout continuous on a bf16 node: .* use --dtype fp32 or --rollout batched"):
+        resolve_rollout_engine("continuous", bf16=True)
+    with pytest.raises(OptionError, match="--rollout 'vllm': expected one of auto, batched, continuous"):
+        resolve_rollout_engine("vllm", bf16=False)

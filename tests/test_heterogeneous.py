@@ -279,6 +279,8 @@ def join(tmp_path: Path, *args: str, timeout_s: float = 120, python: tuple[str, 
     (("--env-sessions", "0"), "--env-sessions 0: expected at least 1 session per env URL"),
     (("--task-shard", "2/2"), "--task-shard '2/2': expected K/N with 0 <= K < N"),
     (("--env-url", "localhost:8000"), "--env-url 'localhost:8000' is not a URL: expected http://HOST:PORT"),
+    (("--rollout", "vllm"), "--rollout 'vllm': expected one of auto, batched, continuous"),
+    (("--rollout", "continuous", "--dtype", "bf16"), "--rollout continuous on a bf16 node: "),
 ])
 def test_bad_node_options_fail_before_the_heavy_imports(tmp_path, args, expected):
     """Checked by `NodeOptions.check` before torch, TRL and hivemind are imported (``-X importtime`` lists every

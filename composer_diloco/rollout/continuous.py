@@ -17,7 +17,7 @@ share a decode step depends on when env replies come back.
 
 fp32 models only: transformers sizes the paged cache by ``model.dtype`` and keeps keys and values in that one dtype,
 while a bf16 node's autocast forward writes Qwen3's keys in fp32 (their RMSNorm) and its values in bf16; a bf16 node
-refuses this engine (`nodes.node.resolve_rollout_engine`).
+refuses this engine (`nodes.options.resolve_rollout_engine`).
 """
 
 from __future__ import annotations
