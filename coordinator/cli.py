@@ -75,8 +75,9 @@ def start(
 ) -> None:
     """Start the run: print `peer: <multiaddr>` for the nodes, serve every round, checkpoint, exit 0.
 
-    Exits 1 with one line on an error, or when no node was alive for --max-idle seconds ("no node alive for S s
-    since round R: ..."); 130 when stopped by a signal."""
+    Exits 1 with one line on an error, when no node was alive for --max-idle seconds ("no node alive for S s
+    since round R: ..."), or when the run ended with theta unchanged ("the run ended at round R with theta unchanged
+    ..."); 130 when stopped by a signal."""
     cfg, secret = _check(config, rounds, model, secret_file, listen, list(announce))  # before the heavy imports
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.malloc import fix_mmap_threshold
@@ -99,8 +100,9 @@ def start(
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)
         done = coordinator.serve()
-        if coordinator.idle_error is not None:
-            typer.echo(f"composer-coordinator: error: {coordinator.idle_error}", err=True)
+        if coordinator.idle_error is not None or coordinator.unchanged_error is not None:
+            typer.echo(f"composer-coordinator: error: {coordinator.idle_error or coordinator.unchanged_error}",
+                       err=True)
             code = 1
         elif stop.event.is_set():
             log.info("stopped by signal after %d round(s)", done)

@@ -9,8 +9,14 @@ again every ``idle_log_s`` seconds; with ``max_idle_s`` set it ends the run afte
 `Coordinator.serve` returns and ``idle_error`` holds the one-line reason (`composer-coordinator start` exits 1 with it).
 
 Restarts: the nodes do not need the coordinator to go on averaging, so a coordinator that died comes back with
-the same command (or ``--resume``) and the same ``--run-dir``. It dials the nodes it last saw (``peers.json``),
-downloads their state when it is newer than its newest checkpoint, and checkpoints from there.
+the same command (or ``--resume``) and the same ``--run-dir``. Its libp2p key lives in the run dir
+(`composer_diloco.outer.identity`), so it comes back with the same peer ID, and with the same ``--listen`` the same
+``peer:`` line: nodes started later on the line it printed first still reach it. It dials the nodes it last saw
+(``peers.json``), downloads their state when it is newer than its newest checkpoint, and checkpoints from there. One
+coordinator per run dir: a second is refused while the first holds the run dir's lock.
+
+No success on nothing: a run whose rounds all ended without moving theta (``unchanged_error``) makes
+``composer-coordinator start`` exit 1 with the reason, as a node that trained on nothing does.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
 from composer_diloco.outer.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
     CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint, write_atomic,
@@ -139,6 +146,10 @@ class IdleWatch:
                 next_log += self.idle_log_s
 
 
+class CoordinatorBusy(RuntimeError):
+    """Another coordinator holds the run dir (`Coordinator._lock_run_dir`)."""
+
+
 class Coordinator:
     """A running coordinator: `start`, then `serve` until the last round, then `close`."""
 
@@ -152,6 +163,7 @@ class Coordinator:
         self.peer: DiLoCoPeer | None = None
         self.secret = options.secret  # the run secret (never logged or written); None = an open run
         self.idle_error: str | None = None  # set when the run ended for want of nodes (`IdleWatch`)
+        self.unchanged_error: str | None = None  # set when the run's rounds left theta as it was (`serve`)
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
@@ -165,6 +177,9 @@ class Coordinator:
             TaskSet.load(config.tasks)
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_run_dir()
+        peer_id = load_or_create_identity(self.run_dir / IDENTITY_FILE)  # before the model: a bad key fails at once
+        log.info("peer ID %s (its key: %s)", peer_id, self.run_dir / IDENTITY_FILE)
         if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
             self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
                                                      warmstart_steps=config.warmstart.steps,
@@ -249,15 +264,36 @@ class Coordinator:
             return []
         return [str(p) for p in peers if isinstance(p, str)] if isinstance(peers, list) else []
 
+    def _lock_run_dir(self) -> None:
+        """Hold ``RUN_DIR/coordinator.lock`` (an OS file lock, released when this process ends, even on SIGKILL) for
+        the coordinator's life: a second coordinator on the same run dir, hence on the same identity, is refused.
+
+        Raises:
+            CoordinatorBusy: another process holds the lock (one line naming the run dir).
+        """
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(self.run_dir / "coordinator.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise CoordinatorBusy(f"--run-dir {str(self.run_dir)!r} is in use by another coordinator (its lock "
+                                  f"{str(self.run_dir / 'coordinator.lock')!r} is held): stop it first, or pick "
+                                  f"another --run-dir") from None
+        self.stop.add_cleanup(lock.release)
+
     def _start_dht(self, known_peers: list[str]):
+        identity = str(self.run_dir / IDENTITY_FILE)
         if known_peers:
             try:
                 return start_dht(initial_peers=known_peers, listen=self.options.listen,
-                                 announce=self.options.announce, secret=self.secret)
+                                 announce=self.options.announce, secret=self.secret, identity_path=identity)
             except SwarmError as e:
+                if "identity" in str(e):
+                    raise
                 log.info("none of the %d peers of the last round answered (%s): starting alone", len(known_peers), e)
         return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
-                         secret=self.secret)
+                         secret=self.secret, identity_path=identity)
 
     def _reload_from_live_nodes(self) -> bool:
         """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on)."""
@@ -290,10 +326,14 @@ class Coordinator:
         """Take part in every round until the run's last; returns the rounds completed.
 
         Stops early on a signal, or when no node was alive for ``max_idle_s`` seconds: then ``idle_error`` holds
-        the one-line reason (`IdleWatch`), and the stop event is set as a signal would.
+        the one-line reason (`IdleWatch`), and the stop event is set as a signal would. A run that reaches its last
+        round with theta bit for bit what it was when this call began (no round moved the global model: every
+        pseudo-gradient was zero, as when no episode of any node parsed a tool call) sets ``unchanged_error`` to the
+        one-line reason: a success on nothing is not reported as one.
         """
         peer = self.peer
         first = peer.round
+        first_sha = peer.global_model.sha256() if first < self.config.rounds else None
         watch = IdleWatch(self.swarm, lambda: peer.round, self.stop.event, max_idle_s=self.options.max_idle_s,
                           idle_log_s=self.options.idle_log_s).start()
         try:
@@ -301,6 +341,14 @@ class Coordinator:
         finally:
             watch.close()
             self.idle_error = watch.error
+        if first_sha is not None and self.idle_error is None and peer.round >= self.config.rounds \
+                and peer.global_model.sha256() == first_sha:
+            self.unchanged_error = (
+                f"the run ended at round {peer.round} with theta unchanged since round {first} (sha256 "
+                f"{first_sha[:12]}): no round moved the global model, so every node's pseudo-gradient was zero (did "
+                f"any episode produce a parsed tool call? the nodes' logs say 'trained on nothing' when none did); "
+                f"the checkpoints hold the starting theta")
+            log.error("%s", self.unchanged_error)
         if self.idle_error is None:
             self._linger()
         return peer.round - first

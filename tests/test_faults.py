@@ -5,6 +5,7 @@ that the survivors go on within the averaging timeout, agree on ``global_sha256`
 run. The seconds until the run went on are printed (``pytest -s``) for the operations notes.
 """
 
+import socket
 import time
 
 import pytest
@@ -33,8 +34,8 @@ def config(tmp_path, rounds: int, inner_steps: int = 2, extra: str = ""):
                                                                       extra=extra))
 
 
-def start(run: LocalRun, env: dict[str, dict[str, str]] | None = None) -> None:
-    run.start_coordinator(env=(env or {}).get("coordinator"))
+def start(run: LocalRun, env: dict[str, dict[str, str]] | None = None, *coordinator_args: str) -> None:
+    run.start_coordinator(*coordinator_args, env=(env or {}).get("coordinator"))
     for name in ("node-0", "node-1"):
         run.start_node(name, env=(env or {}).get(name))
 
@@ -101,14 +102,21 @@ def test_node_killed_during_the_all_reduce(run_dir, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir, tmp_path):
+    """Also (issue 37): restarted with the same command, the coordinator has the same peer ID (its key is in the run
+    dir), so the ``peer:`` line it printed first still works: a node started on it after the restart joins."""
     rounds = 7
     hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
     held = {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = ("--listen", f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}")
     try:
         # the worst moment to lose it: in round 2's all-reduce, after it returned its averaged part to one
         # node and not to the other, so the two nodes leave the all-reduce with different averages
-        start(run, {"coordinator": {"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"}, "node-0": held, "node-1": held})
+        start(run, {"coordinator": {"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"}, "node-0": held, "node-1": held},
+              *listen)
+        first_line = run.peer
         run.procs["coordinator"].wait(timeout=300)
         killed_at = time.time()
         coordinator_log = run.log("coordinator")
@@ -135,11 +143,13 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         # the nodes pause (alive, heartbeating) until the restarted coordinator has taken their state: however
         # slow the machine, the run cannot end before it is back
         hold.touch()
-        run.start_coordinator()  # the same command and --run-dir
+        assert run.start_coordinator(*listen) == first_line  # the same command and --run-dir: the same peer line
         run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to reload from a live node")
+        run.start_node("node-2", peer=first_line)  # as a job script started before the kill would
+        run.wait_until(lambda: "loaded round" in run.log("node-2"), 240, "node-2 to join on the first peer line")
         hold.unlink()
-        run.assert_exit_ok("coordinator", "node-0", "node-1")
+        run.assert_exit_ok("coordinator", "node-0", "node-1", "node-2")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -152,6 +162,7 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
     shas = assert_agree(records, range(rounds))
     final = read_outer_state(latest_checkpoint(run_dir))
     assert final["round"] == rounds and final["global_sha256"] == shas[rounds - 1]
+    assert records["node-2"] and all(r["global_sha256"] == shas[r["round"]] for r in records["node-2"])
 
 
 CHECKPOINT_WRITER = """

@@ -130,6 +130,10 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
     assert "NO TOOL CALL in any of the" in node_log, node_log[-3000:]
     assert ("composer-node: error: trained on nothing: no episode of 1 round(s) produced a parsed tool call"
             in node_log), node_log[-3000:]
+    # the coordinator does not call it a success either: theta never moved (issue 37)
+    coordinator_log = " ".join((run_dir / "logs" / "coordinator.log").read_text().split())
+    assert ("composer-coordinator: error: the run ended at round 1 with theta unchanged since round 0"
+            in coordinator_log), coordinator_log[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"] == str(model_dir)
     saved = json.loads((run_dir / "checkpoints" / "round-000001" / "config.json").read_text())

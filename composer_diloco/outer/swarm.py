@@ -70,18 +70,22 @@ def check_addresses(listen: str | None, announce: list[str]) -> None:
 
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
-              secret: bytes | None = None) -> hivemind.DHT:
+              secret: bytes | None = None, identity_path: str | None = None) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
     ``secret`` closes the run: every DHT RPC is signed and checked with it, bound to the connection's peer IDs
-    (`composer_diloco.outer.auth.ClosedDHT`).
+    (`composer_diloco.outer.auth.ClosedDHT`). ``identity_path``: the private key file that fixes the peer ID
+    (`composer_diloco.outer.identity`); None: a new peer ID every start.
 
     Raises:
-        SwarmError: the daemon did not start, or no initial peer answered (or all refused our run secret).
+        SwarmError: the daemon did not start, no initial peer answered (or all refused our run secret), or the
+            identity is in use by a peer reachable from the initial peers.
     """
     kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
     if announce:
         kwargs["announce_maddrs"] = announce
+    if identity_path is not None:
+        kwargs["identity_path"] = identity_path
     dht_type: type[hivemind.DHT] = hivemind.DHT
     if secret is not None:
         from composer_diloco.outer.auth import ClosedDHT
@@ -91,6 +95,10 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
         with keep_signal_handlers():
             return dht_type(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
+        if identity_path is not None and "already taken" in str(e):
+            raise SwarmError(f"the identity in {identity_path!r} is in use by a live peer of this swarm (another "
+                             f"process started with it): stop that process, or give this one its own run dir") \
+                from None
         if initial_peers and "bootstrap" in str(e):
             hint = ("It also refuses a wrong run secret: check --secret-file / COMPOSER_DILOCO_SECRET" if secret
                     else "A closed run also refuses peers without its secret: --secret-file or COMPOSER_DILOCO_SECRET")
