@@ -86,6 +86,9 @@ class IdleWatch:
         max_idle_s: seconds without a live node before giving up; None = never.
         idle_log_s: seconds without a live node before the first waiting line, and between two of them.
         poll_s: seconds between two looks at the heartbeats.
+        on_nodes: called with the live nodes' multiaddrs whenever that set changes (the coordinator keeps
+            ``peers.json`` current with it, so a restart dials the nodes alive when it died, not those of its last
+            round); None: not called.
 
     Attributes:
         error: None, or the one-line reason once it gave up (``"no node alive for S s since round R: ..."``).
@@ -95,8 +98,9 @@ class IdleWatch:
     """
 
     def __init__(self, swarm: Swarm, current_round, stop: threading.Event, *, max_idle_s: float | None,
-                 idle_log_s: float, poll_s: float = 1.0):
-        self.swarm, self.current_round, self.stop = swarm, current_round, stop
+                 idle_log_s: float, poll_s: float = 1.0, on_nodes=None):
+        self.swarm, self.current_round, self.stop, self.on_nodes = swarm, current_round, stop, on_nodes
+        self._node_maddrs: set[str] = set()
         self.max_idle_s, self.idle_log_s, self.poll_s = max_idle_s, idle_log_s, poll_s
         self.error: str | None = None
         self._done = threading.Event()
@@ -127,6 +131,13 @@ class IdleWatch:
                 continue
             now = time.monotonic()
             nodes = [p for p in peers if p.role == "node"]
+            maddrs = {p.maddr for p in nodes if p.maddr}
+            if self.on_nodes is not None and maddrs and maddrs != self._node_maddrs:
+                self._node_maddrs = maddrs
+                try:
+                    self.on_nodes(sorted(maddrs))
+                except OSError as e:  # a full disk must not end the watch
+                    log.warning("could not record the live nodes: %s", e)
             if nodes:
                 self._last_alive, next_log = now, self.idle_log_s
                 self._last_seen = "last seen: " + ", ".join(f"{p.name} at round {p.round}" for p in nodes)
@@ -313,6 +324,11 @@ class Coordinator:
         maddrs = sorted({p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME})
         write_atomic(self.run_dir / "peers.json", json.dumps(maddrs))
 
+    def _record_nodes(self, maddrs: list[str]) -> None:
+        """``peers.json`` as the live heartbeats have it now (`IdleWatch`), merged with what it held: a node that
+        joined since the last round is known to a restart, and one whose heartbeat expired is still dialed."""
+        write_atomic(self.run_dir / "peers.json", json.dumps(sorted(set(maddrs) | set(self._known_peers()))))
+
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
         lora_base = self.peer.base_sha256 if self.config.lora is not None else None  # a LoRA checkpoint's base
@@ -335,7 +351,7 @@ class Coordinator:
         first = peer.round
         first_sha = peer.global_model.sha256() if first < self.config.rounds else None
         watch = IdleWatch(self.swarm, lambda: peer.round, self.stop.event, max_idle_s=self.options.max_idle_s,
-                          idle_log_s=self.options.idle_log_s).start()
+                          idle_log_s=self.options.idle_log_s, on_nodes=self._record_nodes).start()
         try:
             self._serve_rounds()
         finally:

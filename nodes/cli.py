@@ -20,7 +20,9 @@ def _root() -> None:
 
 @app.command()
 def join(
-    peer: Annotated[str, typer.Option(help="Multiaddr of a peer of the run: the coordinator's `peer:` line.")],
+    peer: Annotated[list[str], typer.Option(help="Multiaddr of a peer of the run: the coordinator's `peer:` line "
+                                                 "(repeatable: any that answers; the node keeps re-dialing them "
+                                                 "all, and waits up to --join-timeout for one at join).")],
     device: Annotated[str, typer.Option(help="auto, cpu or cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Training precision: auto (bf16 on a CUDA GPU that supports it, "
                                             "else fp32), fp32 or bf16 (autocast; fp32 master weights, frozen "

@@ -45,6 +45,9 @@ from nodes.options import ROLLOUT_ENGINES, NodeOptions, resolve_rollout_engine
 
 log = logging.getLogger(__name__)
 
+JOIN_REDIAL_S = 5.0
+"""Seconds between two bootstrap attempts of a node whose ``--peer``s did not answer (`Node._start_dht`)."""
+
 
 class NodeError(RuntimeError):
     """The node cannot take part in the run (bad peer, unreachable env, no global model ...)."""
@@ -145,7 +148,8 @@ class Node:
         expected, secret = checked.expected_config, checked.secret  # secret None: an open run
         self.placement = Placement.resolve(o.device, o.dtype)
         self.rollout_engine = resolve_rollout_engine(o.rollout, bf16=self.placement.bf16)
-        parse_multiaddr(o.peer)
+        for peer_addr in o.peers:
+            parse_multiaddr(peer_addr)
         check_addresses(o.listen, o.announce)
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
             self.plan_memory(expected)
@@ -154,7 +158,7 @@ class Node:
         for url in o.env_urls:
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
-        self.dht = start_dht(initial_peers=[o.peer], listen=o.listen, announce=o.announce or None, secret=secret)
+        self.dht = self._start_dht(secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
         diff = config_diff(expected, config) if expected is not None else []
@@ -164,7 +168,7 @@ class Node:
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
-                           initial_peers=[o.peer])
+                           initial_peers=o.peers)
 
         self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
@@ -254,6 +258,24 @@ class Node:
             save_codec_state(self._codec_state_path(), state, round_, self.config.digest())
         except OSError as e:
             log.warning("round %d: could not save the error feedback: %s", round_, e)
+
+    def _start_dht(self, secret: bytes | None):
+        """The node's DHT peer, bootstrapped from any of its ``--peer``s. While none answers (a coordinator
+        restarting, a job script that started the nodes first) it re-dials every few seconds for ``--join-timeout``
+        seconds, saying at WARNING what it waits for, then raises the last `SwarmError` ("no peer answered ...").
+        A refused run secret looks the same from here, so it waits too before that one-line error."""
+        o = self.options
+        deadline = time.monotonic() + o.join_timeout_s
+        while True:
+            try:
+                return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret)
+            except SwarmError as e:
+                left = deadline - time.monotonic()
+                if "no peer answered" not in str(e) or left < 1.0 or self.stop.event.is_set():
+                    raise
+                log.warning("no peer answered at --peer %s: dialing again for %.0f more s (--join-timeout)",
+                            " ".join(o.peers), left)
+                self.stop.event.wait(min(JOIN_REDIAL_S, left))
 
     def plan_memory(self, config: RunConfig):
         """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), pick the micro-batch

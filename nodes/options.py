@@ -158,7 +158,8 @@ class NodeOptions:
     """The `composer-node join` options.
 
     Attributes:
-        peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line).
+        peer: multiaddr of any peer of the run (usually the coordinator's ``peer:`` line), or several (``--peer``
+            repeated): the node bootstraps from whichever answers, and keeps re-dialing them all (`peers`).
         device: "auto", "cpu" or "cuda:N".
         dtype: training precision, "auto" (bf16 on a CUDA GPU with native bf16, else fp32), "fp32" or "bf16".
         batch_size: episodes per micro-batch (one forward/backward); None = the run's tasks_per_step * G.
@@ -184,7 +185,7 @@ class NodeOptions:
         rollout: how episodes decode, one of `ROLLOUTS` (`resolve_rollout_engine`).
     """
 
-    peer: str
+    peer: str | list[str]
     device: str = "auto"
     dtype: str = "auto"
     batch_size: int | None = None
@@ -209,6 +210,11 @@ class NodeOptions:
         if not self.name:
             self.name = f"node-{socket.gethostname()}-{os.getpid()}"
 
+    @property
+    def peers(self) -> list[str]:
+        """Every ``--peer``, in the order given."""
+        return [self.peer] if isinstance(self.peer, str) else list(self.peer)
+
     def check(self) -> CheckedOptions:
         """Check every option the node can judge alone, and read ``--config`` and the run secret; imports nothing
         heavy and opens no connection. The command line runs it before the heavy imports; `Node.join` uses what it
@@ -220,7 +226,11 @@ class NodeOptions:
             (``--task-shard``) / ConfigError (``--config``) / SecretError: one line naming the option, its value and
             what was expected.
         """
-        check_address_form("--peer", self.peer, peer_id=True)
+        if not self.peers:
+            raise OptionError("--peer: expected at least one multiaddr of a peer of the run (the coordinator's peer: "
+                              "line)")
+        for peer in self.peers:
+            check_address_form("--peer", peer, peer_id=True)
         check_listen_and_announce(self.listen, self.announce)
         check_device_choice(self.device, self.dtype)
         check_batch_options(self.batch_size, self.grad_accum)

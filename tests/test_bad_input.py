@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,16 @@ def test_swarm_parses_what_the_form_check_lets_through():
 
 @pytest.mark.timeout(120)
 def test_peer_where_no_one_answers(tmp_path):
+    """Two ``--peer``s, neither answering: the node re-dials them (a WARNING saying so) until ``--join-timeout``,
+    then exits 1 with one line naming both (issue 37: a node started before its coordinator waits for it)."""
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-    r = run("nodes", "join", "--peer", dead, "--run-dir", str(tmp_path), "--join-timeout", "10")
-    assert r.returncode != 0 and "no peer answered" in error_line(r) and "tcp/9" in error_line(r)
+    dead2 = "/ip4/127.0.0.1/tcp/7/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    started = time.monotonic()
+    r = run("nodes", "join", "--peer", dead, "--peer", dead2, "--run-dir", str(tmp_path), "--join-timeout", "8")
+    assert r.returncode == 1 and "no peer answered" in error_line(r)
+    assert "tcp/9" in error_line(r) and "tcp/7" in error_line(r)
+    assert "dialing again for" in " ".join(r.stderr.split()), r.stderr
+    assert time.monotonic() - started >= 8
 
 
 @pytest.mark.timeout(120)

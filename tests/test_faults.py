@@ -146,7 +146,8 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         assert run.start_coordinator(*listen) == first_line  # the same command and --run-dir: the same peer line
         run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to reload from a live node")
-        run.start_node("node-2", peer=first_line)  # as a job script started before the kill would
+        dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+        run.start_node("node-2", "--peer", dead, peer=first_line)  # a job script's lines from before the kill
         run.wait_until(lambda: "loaded round" in run.log("node-2"), 240, "node-2 to join on the first peer line")
         hold.unlink()
         run.assert_exit_ok("coordinator", "node-0", "node-1", "node-2")
