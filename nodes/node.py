@@ -495,6 +495,11 @@ class Node:
                  "%d peers, %s%s", result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"],
                  inner_seconds, result.sync_seconds, phase["blocked_seconds"], result.peers, result.status,
                  f" ({fold})" if fold else "")
+        if result.status == "alone":  # no other peer reached: say what it waits for, every round it lasts
+            seen = sorted({p.name for p in self.swarm.live_peers() if p.name != self.options.name})
+            log.warning("round %d: stepped alone: no other peer joined its all-reduce (live peers seen: %s); it keeps "
+                        "re-dialing --peer %s and every peer it has seen, and averages again once one answers",
+                        result.round, ", ".join(seen) or "none", " ".join(self.options.peers))
 
     def end_training(self, model: torch.nn.Module | None) -> None:
         """The trainer stopped (the run's end, a stop, steps run out): with ``[outer] overlap``, wait for the round in

@@ -129,6 +129,8 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
     records = run.records()
     alone = [r for r in records["node-1"] if r["status"] == "alone" and r["time"] > cut_at]
     assert len(alone) >= 3
+    # and it said so at WARNING, with what it waits for (issue 37), not only in its round line
+    assert "stepped alone: no other peer joined its all-reduce" in " ".join(run.log("node-1").split())
     # while cut off, node-1's theta left the run's: it disagrees with the coordinator at the rounds it stepped alone
     by_round = {n: _latest_per_round(records[n]) for n in records}
     diverged = [r for r in alone if r["global_sha256"] != by_round["coordinator"].get(r["round"], {}).get("global_sha256")]
