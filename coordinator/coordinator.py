@@ -188,9 +188,7 @@ class Coordinator:
             TaskSet.load(config.tasks)
         checkpoint = self._continue_point()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_run_dir()
-        peer_id = load_or_create_identity(self.run_dir / IDENTITY_FILE)  # before the model: a bad key fails at once
-        log.info("peer ID %s (its key: %s)", peer_id, self.run_dir / IDENTITY_FILE)
+        load_or_create_identity(self.run_dir / IDENTITY_FILE, create=False)  # a bad key fails before the model
         if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
             self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
                                                      warmstart_steps=config.warmstart.steps,
@@ -204,6 +202,9 @@ class Coordinator:
             self.model = apply_lora(self.model, config.lora)
             if checkpoint is not None:
                 load_adapters(self.model, checkpoint)
+        self._lock_run_dir()  # from here on the run dir is this process's: its first write is the next line
+        peer_id = load_or_create_identity(self.run_dir / IDENTITY_FILE)
+        log.info("peer ID %s (its key: %s)", peer_id, self.run_dir / IDENTITY_FILE)
         (self.run_dir / "config.json").write_text(config.to_json())
         self.dht = self._start_dht(known_peers=self._known_peers() if checkpoint is not None else [])
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent

@@ -25,6 +25,8 @@ def test_an_identity_is_made_once_owner_only_and_read_back(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o400
     assert load_or_create_identity(path) == first  # the same key, the same peer ID
     assert sorted(p.name for p in tmp_path.iterdir()) == [IDENTITY_FILE]  # no temporary file left behind
+    assert load_or_create_identity(tmp_path / "none.key", create=False) is None  # a check alone writes nothing
+    assert not (tmp_path / "none.key").exists()
     from hivemind.p2p import PeerID
 
     assert PeerID.from_identity(path.read_bytes()).to_base58() == first  # what hivemind's daemon will announce

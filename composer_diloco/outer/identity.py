@@ -41,11 +41,13 @@ def _peer_id(data: bytes, path: Path) -> str:
                             f"it to make a new identity (the peer: line changes), or restore the original") from None
 
 
-def load_or_create_identity(path: str | os.PathLike[str]) -> str:
+def load_or_create_identity(path: str | os.PathLike[str], *, create: bool = True) -> str | None:
     """Check the identity file at ``path``, or make one; returns its peer ID (base58, ``12D3KooW...`` or ``Qm...``).
 
     A new key is hivemind's (RSA, in libp2p's ``crypto_pb2.PrivateKey`` protobuf), written to a temporary file in
     the same folder with mode 0400 and renamed into place, so a crash leaves either no file or a whole one.
+    ``create=False`` only checks a file that exists (None when there is none): a start that fails later writes
+    nothing.
 
     Raises:
         IdentityError: the file exists and grants any permission to group or others (one line naming its mode and
@@ -61,6 +63,8 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> str:
             return _peer_id(path.read_bytes(), path)
         except OSError as e:
             raise IdentityError(f"identity file {str(path)!r} cannot be read: {e.strerror}") from None
+    if not create:
+        return None
     from hivemind.proto import crypto_pb2
     from hivemind.utils.crypto import RSAPrivateKey
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_diloco.rollout.episodes import Episode, EnvSession, TurnRules
+from composer_diloco.rollout.episodes import Episode, EnvSession, TurnRules, sampling_kwargs
 from composer_diloco.timing import PhaseClock
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,8 @@ def _manager_configs(model: nn.Module, tokenizer: Any, *, episodes: int, max_tur
     the free GPU memory), log-probs returned, a seed from torch's RNG (so the node's seed decides it)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
     generation = GenerationConfig(max_new_tokens=max_turn_tokens, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+                                  pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(temperature))
     pages = math.ceil(max_seq_len / PAGE_SIZE) + 1
     batching = ContinuousBatchingConfig(
         page_size=PAGE_SIZE, num_blocks=episodes * pages + 1, max_batch_tokens=max(max_seq_len, 512),

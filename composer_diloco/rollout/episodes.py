@@ -632,6 +632,15 @@ def _left_padded(contexts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Ten
     return ids, mask
 
 
+def sampling_kwargs(temperature: float) -> dict[str, Any]:
+    """transformers generation settings of a rollout's sampler, shared by both engines (`generate_turns`,
+    `composer_diloco.rollout.continuous`): the temperature-scaled softmax of the logits, no top-k or top-p;
+    ``temperature`` 0 decodes greedily."""
+    if temperature > 0:
+        return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    return dict(do_sample=False)
+
+
 def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], max_new_tokens: int,
                    temperature: float, cache: TurnCache | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one assistant turn for each context, as one left-padded batch (transformers ``generate``).
@@ -669,8 +678,7 @@ def generate_turns(model: nn.Module, tokenizer: Any, contexts: list[list[int]], 
         ids = torch.cat([cache.ids.cpu()[keep], tail_ids], dim=1)
         mask = torch.cat([cache.mask.cpu()[keep], tail_mask], dim=1)
     width = ids.shape[1]
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = sampling_kwargs(temperature)
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=past, max_new_tokens=max_new_tokens,
         pad_token_id=pad, eos_token_id=eos, output_scores=True, return_dict_in_generate=True, use_cache=True,
