@@ -362,9 +362,9 @@ class Coordinator:
                 and peer.global_model.sha256() == first_sha:
             self.unchanged_error = (
                 f"the run ended at round {peer.round} with theta unchanged since round {first} (sha256 "
-                f"{first_sha[:12]}): no round moved the global model, so every node's pseudo-gradient was zero (did "
-                f"any episode produce a parsed tool call? the nodes' logs say 'trained on nothing' when none did); "
-                f"the checkpoints hold the starting theta")
+                f"{first_sha[:12]}): every node's pseudo-gradient was zero (no episode parsed a tool call: the nodes "
+                f"say 'trained on nothing'; or every group's rewards were equal, so no advantage, and no SDPO site or "
+                f"DPO pair); the checkpoints hold the starting theta")
             log.error("%s", self.unchanged_error)
         if self.idle_error is None:
             self._linger()

@@ -163,11 +163,19 @@ def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
     path.write_text(tomli_w.dumps(config))
     run_dir = tmp_path / "run"
     result = simulate(run_dir, "--nodes", "1", "--config", str(path), "--eval-episodes", "4", "--rollout", "continuous")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "rollouts: transformers continuous batching" in " ".join((run_dir / "logs" / "node-0.log").read_text().split())
     assert_phases_add_up(read_metrics(run_dir), channels=set())
-    assert re.search(r"^eval: greedy: warm start [\d.]+ -> round 1 [\d.]+ .*4 tasks\)$", result.stdout, re.M), (
-        result.stdout)
+    if read_metrics(run_dir)["node-0"][0]["frac_reward_zero_std"] == 1.0:
+        # every group's rewards were equal (a 60-step warm start rarely passes a hidden test) and the channels are
+        # off: theta cannot move, and the run does not call that a success (issue 37): the coordinator exits 1 naming
+        # why, simulate reports it and skips the evaluation
+        assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+        assert "coordinator exited with code 1: composer-coordinator: error: the run ended at round 1 with theta " \
+               "unchanged since round 0" in " ".join((result.stdout + result.stderr).split()), result.stderr[-3000:]
+    else:
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        assert re.search(r"^eval: greedy: warm start [\d.]+ -> round 1 [\d.]+ .*4 tasks\)$", result.stdout, re.M), (
+            result.stdout)
     shipped = embedded_tokenizer_dir("envs.coding_env.server")
     final = run_dir / "checkpoints" / "round-000001"
     assert (final / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
