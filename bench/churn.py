@@ -1,0 +1,261 @@
+"""Goodput under churn: a coordinator and N nodes on 127.0.0.1, nodes SIGKILLed and restarted on a schedule, the
+coordinator SIGKILLed and restarted once, every restart with the same command a user's job script would run (the
+coordinator's first ``peer:`` line, its ``--run-dir`` and ``--listen``).
+
+Each peer is its own process group (a machine): a kill takes its DHT, averager, p2pd and env server down with it.
+Every ``--kill-every-s`` seconds one live node (seeded choice) is killed and started again ``--restart-after-s`` later;
+at ``--coordinator-kill-at-s`` the coordinator is killed and started again. Restarts stop once the coordinator has
+reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
+
+    goodput            inner-loop seconds (``inner_seconds`` of every node round line) over node-seconds alive
+                       (spawn to exit or kill, every life of every node)
+    goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round
+                       (work that reached the canonical model)
+    where the rest went, over node-seconds alive: ``startup`` (spawn to the start of a life's first inner phase:
+                       imports, env server, DHT join, state download), ``sync`` (each round's ``sync_seconds``),
+                       ``lost`` (the rest: the inner phase a kill cut short, waits between rounds)
+    rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
+                       recorded; it misses the rounds it was down for)
+    agree              every round's peers recorded one ``global_sha256``
+    orphans            processes of the run still alive after it (p2pd, env servers, hivemind workers)
+
+    python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
+    python bench/churn.py --out runs/churn --kill-every-s 0   (no churn: the same run's goodput without faults)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Life:
+    """One process of a peer, from spawn to exit."""
+
+    name: str
+    proc: subprocess.Popen
+    started: float
+    ended: float | None = None
+    killed: bool = False
+
+
+@dataclass
+class Churn:
+    """The run's processes and their lives."""
+
+    run_dir: Path
+    rounds: int
+    listen: str
+    lives: list[Life] = field(default_factory=list)
+    peer: str = ""
+
+    def spawn(self, name: str, args: list[str]) -> Life:
+        log = self.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with open(log, "ab") as f:
+            stdout = subprocess.PIPE if name == "coordinator" else f
+            proc = subprocess.Popen([sys.executable, *args], stdout=stdout, stderr=f, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=ROOT, start_new_session=True)
+        life = Life(name, proc, time.time())
+        self.lives.append(life)
+        return life
+
+    def start_coordinator(self) -> str:
+        life = self.spawn("coordinator", ["-m", "coordinator", "start", "--run-dir", str(self.run_dir), "--rounds",
+                                          str(self.rounds), "--listen", self.listen])
+        found: list[str] = []
+
+        def read() -> None:
+            for raw in life.proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("peer: ") and not found:
+                    found.append(line.split()[1])
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.time() + 300
+        while not found and life.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        if not found:
+            raise RuntimeError(f"the coordinator printed no peer line (exit {life.proc.poll()}); see "
+                               f"{self.run_dir / 'logs' / 'coordinator.log'}")
+        return found[0]
+
+    def start_node(self, name: str) -> Life:
+        return self.spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
+                                 "--name", name, "--device", "cpu"])
+
+    def live(self, name: str) -> Life | None:
+        return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None), None)
+
+    def kill(self, life: Life) -> None:
+        try:
+            os.killpg(life.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        life.proc.wait(timeout=30)
+        life.killed = True
+
+    def reap(self) -> None:
+        for life in self.lives:
+            if life.ended is None and life.proc.poll() is not None:
+                life.ended = time.time()
+
+
+def coordinator_round(run_dir: Path) -> int:
+    """The last round the coordinator recorded (-1: none yet)."""
+    path = run_dir / "coordinator" / "metrics.jsonl"
+    if not path.exists():
+        return -1
+    rounds = [json.loads(line)["round"] for line in path.read_text().splitlines() if line.strip()]
+    return max(rounds, default=-1)
+
+
+def session_processes(pids: set[int]) -> list[str]:
+    """Processes still alive in the sessions (process groups) the run started: ``pid cmd`` each."""
+    out = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    alive = []
+    for line in out:
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and int(parts[1]) in pids:
+            alive.append(f"{parts[0]} {parts[2][:80] if len(parts) > 2 else ''}")
+    return alive
+
+
+def summarize(churn: Churn, rounds: int) -> dict:
+    """The report of the module docstring, from the lives and every peer's metrics lines."""
+    from composer_diloco.metrics import read_metrics
+
+    records = read_metrics(churn.run_dir)
+    canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
+    alive = inner = kept = sync = startup = 0.0
+    for life in (x for x in churn.lives if x.name != "coordinator"):
+        end = life.ended or time.time()
+        alive += end - life.started
+        mine = [r for r in records.get(life.name, []) if life.started <= r["time"] <= end + 1]
+        inner += sum(r["inner_seconds"] for r in mine)
+        kept += sum(r["inner_seconds"] for r in mine if canonical.get(r["round"]) == r["global_sha256"])
+        sync += sum(r["sync_seconds"] for r in mine)
+        if mine:
+            first = min(mine, key=lambda r: r["time"])
+            startup += max(0.0, first["time"] - first["inner_seconds"] - first["sync_seconds"] - life.started)
+        else:
+            startup += end - life.started
+    by_round: dict[int, set] = {}
+    for recs in records.values():
+        for r in recs:
+            by_round.setdefault(r["round"], set()).add(r["global_sha256"])
+    share = (lambda x: round(x / alive, 3)) if alive else (lambda x: None)
+    return {
+        "goodput": share(inner), "goodput_kept": share(kept),
+        "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
+        "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
+                  "lost": share(alive - inner - startup - sync)},
+        "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
+        "agree": all(len(s) == 1 for s in by_round.values()),
+        "node_lives": sum(1 for x in churn.lives if x.name != "coordinator"),
+        "node_kills": sum(1 for x in churn.lives if x.name != "coordinator" and x.killed),
+        "coordinator_kills": sum(1 for x in churn.lives if x.name == "coordinator" and x.killed),
+    }
+
+
+def main() -> int:
+    """The command line (module docstring); returns the exit code (1: the run did not complete or agree)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="run dir and churn.json")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--kill-every-s", type=float, default=25.0, help="0: no node is killed")
+    ap.add_argument("--restart-after-s", type=float, default=2.0)
+    ap.add_argument("--coordinator-kill-at-s", type=float, default=60.0, help="0: the coordinator is not killed")
+    ap.add_argument("--timeout-s", type=float, default=1200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    if a.out.exists() and any(a.out.iterdir()):
+        ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder (a run dir continues the run it holds)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
+    churn = Churn(a.out, a.rounds, listen)
+    rng = random.Random(a.seed)
+    names = [f"node-{i}" for i in range(a.nodes)]
+    t0 = time.time()
+    try:
+        churn.peer = churn.start_coordinator()
+        print(f"coordinator at {churn.peer}", flush=True)
+        for name in names:
+            churn.start_node(name)
+        next_kill = t0 + a.kill_every_s if a.kill_every_s > 0 else float("inf")
+        coordinator_kill = t0 + a.coordinator_kill_at_s if a.coordinator_kill_at_s > 0 else float("inf")
+        pending: list[tuple[float, str]] = []  # (when, name) restarts
+        while time.time() - t0 < a.timeout_s:
+            time.sleep(0.5)
+            churn.reap()
+            coordinator = churn.live("coordinator")
+            over = coordinator_round(a.out) >= a.rounds - 1
+            if coordinator is None and not any(n == "coordinator" for _, n in pending):
+                break  # the coordinator finished (or failed): the run is over
+            now = time.time()
+            if not over and now >= coordinator_kill and coordinator is not None:
+                churn.kill(coordinator)
+                print(f"{now - t0:6.1f} s  killed the coordinator", flush=True)
+                pending.append((now + a.restart_after_s, "coordinator"))
+                coordinator_kill = float("inf")
+            if not over and now >= next_kill:
+                victims = [n for n in names if churn.live(n) is not None]
+                if victims:
+                    victim = rng.choice(victims)
+                    churn.kill(churn.live(victim))
+                    print(f"{now - t0:6.1f} s  killed {victim}", flush=True)
+                    pending.append((now + a.restart_after_s, victim))
+                next_kill = now + a.kill_every_s
+            for when, name in [p for p in pending if p[0] <= now]:
+                pending.remove((when, name))
+                if name == "coordinator":
+                    line = churn.start_coordinator()
+                    print(f"{time.time() - t0:6.1f} s  restarted the coordinator: "
+                          f"{'the same' if line == churn.peer else 'ANOTHER'} peer line", flush=True)
+                elif not over:
+                    churn.start_node(name)
+                    print(f"{time.time() - t0:6.1f} s  restarted {name}", flush=True)
+        end_by = time.time() + 120  # nodes still finishing their last round end on their own
+        for life in churn.lives:
+            try:
+                life.proc.wait(timeout=max(0.1, end_by - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        churn.reap()
+    finally:
+        sessions = {x.proc.pid for x in churn.lives}
+        for life in churn.lives:
+            if life.proc.poll() is None:
+                churn.kill(life)
+        churn.reap()
+    time.sleep(2)
+    report = {**summarize(churn, a.rounds), "orphans": session_processes(sessions),
+              "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
+              "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes,
+              "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives]}
+    (a.out / "churn.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "exit_codes"}))
+    return 0 if report["rounds"] >= a.rounds and report["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
