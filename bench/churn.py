@@ -64,6 +64,7 @@ class Churn:
     peer: str = ""
 
     def spawn(self, name: str, args: list[str]) -> Life:
+        """Start ``python ARGS`` as peer ``name`` in its own session (a machine), logging to ``logs/NAME.log``."""
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -77,6 +78,10 @@ class Churn:
         return life
 
     def start_coordinator(self) -> str:
+        """Start (or restart, with the same command) the coordinator; returns its ``peer:`` line.
+
+        Raises:
+            RuntimeError: it printed no peer line within 300 s (or exited first)."""
         life = self.spawn("coordinator", ["-m", "coordinator", "start", "--run-dir", str(self.run_dir), "--rounds",
                                           str(self.rounds), "--listen", self.listen])
         found: list[str] = []
@@ -97,13 +102,16 @@ class Churn:
         return found[0]
 
     def start_node(self, name: str) -> Life:
+        """Start (or restart, with the same command) node ``name`` on the coordinator's first ``peer:`` line."""
         return self.spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
                                  "--name", name, "--device", "cpu"])
 
     def live(self, name: str) -> Life | None:
+        """The running life of peer ``name``, or None."""
         return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None), None)
 
     def kill(self, life: Life) -> None:
+        """SIGKILL the life's whole process group (its DHT, averager, p2pd and env server with it)."""
         try:
             os.killpg(life.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -112,6 +120,7 @@ class Churn:
         life.killed = True
 
     def reap(self) -> None:
+        """Record the end time of every life that has exited."""
         for life in self.lives:
             if life.ended is None and life.proc.poll() is not None:
                 life.ended = time.time()
