@@ -21,6 +21,8 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
     python bench/churn.py --out runs/churn --kill-every-s 0   (no churn: the same run's goodput without faults)
+    python bench/churn.py --out runs/churn-before --code /tmp/before   (the peers run another checkout's code, e.g. a
+                                                                      worktree of an older commit; the same schedule)
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Churn:
     run_dir: Path
     rounds: int
     listen: str
+    code: Path = ROOT
     lives: list[Life] = field(default_factory=list)
     peer: str = ""
 
@@ -68,11 +71,11 @@ class Churn:
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(self.code), os.environ.get("PYTHONPATH")]))}
         with open(log, "ab") as f:
             stdout = subprocess.PIPE if name == "coordinator" else f
             proc = subprocess.Popen([sys.executable, *args], stdout=stdout, stderr=f, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=ROOT, start_new_session=True)
+                                    env=env, cwd=self.code, start_new_session=True)
         life = Life(name, proc, time.time())
         self.lives.append(life)
         return life
@@ -110,14 +113,15 @@ class Churn:
         """The running life of peer ``name``, or None."""
         return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None), None)
 
-    def kill(self, life: Life) -> None:
-        """SIGKILL the life's whole process group (its DHT, averager, p2pd and env server with it)."""
+    def kill(self, life: Life, scheduled: bool = True) -> None:
+        """SIGKILL the life's whole process group (its DHT, averager, p2pd and env server with it); ``scheduled``
+        False: the bench's own cleanup at the end, not counted as a kill."""
         try:
             os.killpg(life.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         life.proc.wait(timeout=30)
-        life.killed = True
+        life.killed = scheduled
 
     def reap(self) -> None:
         """Record the end time of every life that has exited."""
@@ -193,7 +197,10 @@ def main() -> int:
     ap.add_argument("--restart-after-s", type=float, default=2.0)
     ap.add_argument("--coordinator-kill-at-s", type=float, default=60.0, help="0: the coordinator is not killed")
     ap.add_argument("--timeout-s", type=float, default=1200.0)
+    ap.add_argument("--stall-s", type=float, default=90.0,
+                    help="end the run when no node has been alive (and none is due to restart) for this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code the peers run (default: this one)")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder (a run dir continues the run it holds)")
@@ -201,7 +208,7 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         listen = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
-    churn = Churn(a.out, a.rounds, listen)
+    churn = Churn(a.out.resolve(), a.rounds, listen, a.code.resolve())
     rng = random.Random(a.seed)
     names = [f"node-{i}" for i in range(a.nodes)]
     t0 = time.time()
@@ -213,6 +220,8 @@ def main() -> int:
         next_kill = t0 + a.kill_every_s if a.kill_every_s > 0 else float("inf")
         coordinator_kill = t0 + a.coordinator_kill_at_s if a.coordinator_kill_at_s > 0 else float("inf")
         pending: list[tuple[float, str]] = []  # (when, name) restarts
+        nodes_seen = time.time()
+        stalled = False
         while time.time() - t0 < a.timeout_s:
             time.sleep(0.5)
             churn.reap()
@@ -221,6 +230,12 @@ def main() -> int:
             if coordinator is None and not any(n == "coordinator" for _, n in pending):
                 break  # the coordinator finished (or failed): the run is over
             now = time.time()
+            if any(churn.live(n) for n in names) or any(n != "coordinator" for _, n in pending):
+                nodes_seen = now
+            elif now - nodes_seen > a.stall_s:  # every node exited on its own (e.g. no peer answered its --peer)
+                print(f"{now - t0:6.1f} s  stalled: no node alive for {a.stall_s:.0f} s", flush=True)
+                stalled = True
+                break
             if not over and now >= coordinator_kill and coordinator is not None:
                 churn.kill(coordinator)
                 print(f"{now - t0:6.1f} s  killed the coordinator", flush=True)
@@ -243,7 +258,7 @@ def main() -> int:
                 elif not over:
                     churn.start_node(name)
                     print(f"{time.time() - t0:6.1f} s  restarted {name}", flush=True)
-        end_by = time.time() + 120  # nodes still finishing their last round end on their own
+        end_by = time.time() + (0 if stalled else 120)  # nodes still finishing their last round end on their own
         for life in churn.lives:
             try:
                 life.proc.wait(timeout=max(0.1, end_by - time.time()))
@@ -254,12 +269,12 @@ def main() -> int:
         sessions = {x.proc.pid for x in churn.lives}
         for life in churn.lives:
             if life.proc.poll() is None:
-                churn.kill(life)
+                churn.kill(life, scheduled=False)
         churn.reap()
     time.sleep(2)
-    report = {**summarize(churn, a.rounds), "orphans": session_processes(sessions),
+    report = {**summarize(churn, a.rounds), "stalled": stalled, "orphans": session_processes(sessions),
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
-              "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes,
+              "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
               "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives]}
     (a.out / "churn.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "exit_codes"}))
