@@ -100,9 +100,8 @@ def start(
         peer = coordinator.start()
         print(f"peer: {peer}", flush=True)
         done = coordinator.serve()
-        if coordinator.idle_error is not None or coordinator.unchanged_error is not None:
-            typer.echo(f"composer-coordinator: error: {coordinator.idle_error or coordinator.unchanged_error}",
-                       err=True)
+        if coordinator.end_error is not None:
+            typer.echo(f"composer-coordinator: error: {coordinator.end_error}", err=True)
             code = 1
         elif stop.event.is_set():
             log.info("stopped by signal after %d round(s)", done)

@@ -35,7 +35,7 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
-from composer_diloco.outer.swarm import Swarm, SwarmError, publish_config, start_dht, visible_multiaddr
+from composer_diloco.outer.swarm import NoPeerAnswered, Swarm, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
     CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint, write_atomic,
 )
@@ -176,6 +176,11 @@ class Coordinator:
         self.idle_error: str | None = None  # set when the run ended for want of nodes (`IdleWatch`)
         self.unchanged_error: str | None = None  # set when the run's rounds left theta as it was (`serve`)
 
+    @property
+    def end_error(self) -> str | None:
+        """Why a run that was not stopped by a signal did not succeed (``idle_error`` or ``unchanged_error``)."""
+        return self.idle_error or self.unchanged_error
+
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
         from composer_diloco.policy import load_policy
@@ -300,9 +305,7 @@ class Coordinator:
             try:
                 return start_dht(initial_peers=known_peers, listen=self.options.listen,
                                  announce=self.options.announce, secret=self.secret, identity_path=identity)
-            except SwarmError as e:
-                if "identity" in str(e):
-                    raise
+            except NoPeerAnswered as e:
                 log.info("none of the %d peers of the last round answered (%s): starting alone", len(known_peers), e)
         return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
                          secret=self.secret, identity_path=identity)
@@ -321,14 +324,15 @@ class Coordinator:
                  from_round)
         return True
 
-    def _write_known_peers(self) -> None:
-        maddrs = sorted({p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME})
-        write_atomic(self.run_dir / "peers.json", json.dumps(maddrs))
-
-    def _record_nodes(self, maddrs: list[str]) -> None:
-        """``peers.json`` as the live heartbeats have it now (`IdleWatch`), merged with what it held: a node that
-        joined since the last round is known to a restart, and one whose heartbeat expired is still dialed."""
-        write_atomic(self.run_dir / "peers.json", json.dumps(sorted(set(maddrs) | set(self._known_peers()))))
+    def _write_known_peers(self, maddrs: list[str] | None = None) -> None:
+        """``peers.json``, what a restart dials: at a round's end the peers alive then (``maddrs`` None); between
+        rounds (`IdleWatch`) ``maddrs``, the live nodes now, merged with what it held, so a node that joined since the
+        last round is known to a restart and one whose heartbeat just expired is still dialed."""
+        if maddrs is None:
+            known = {p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME}
+        else:
+            known = set(maddrs) | set(self._known_peers())
+        write_atomic(self.run_dir / "peers.json", json.dumps(sorted(known)))
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
@@ -352,7 +356,7 @@ class Coordinator:
         first = peer.round
         first_sha = peer.global_model.sha256() if first < self.config.rounds else None
         watch = IdleWatch(self.swarm, lambda: peer.round, self.stop.event, max_idle_s=self.options.max_idle_s,
-                          idle_log_s=self.options.idle_log_s, on_nodes=self._record_nodes).start()
+                          idle_log_s=self.options.idle_log_s, on_nodes=self._write_known_peers).start()
         try:
             self._serve_rounds()
         finally:

@@ -35,7 +35,7 @@ from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.outer.swarm import (
-    Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
+    NoPeerAnswered, Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import INNER_PHASES, ComposerGRPOTrainer, grpo_args
@@ -269,9 +269,9 @@ class Node:
         while True:
             try:
                 return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret)
-            except SwarmError as e:
+            except NoPeerAnswered:
                 left = deadline - time.monotonic()
-                if "no peer answered" not in str(e) or left < 1.0 or self.stop.event.is_set():
+                if left < 1.0 or self.stop.event.is_set():
                     raise
                 log.warning("no peer answered at --peer %s: dialing again for %.0f more s (--join-timeout)",
                             " ".join(o.peers), left)
@@ -525,6 +525,9 @@ class Node:
         self.stop.run_cleanups()
 
 
+_PHASE_ORDER = {name: i for i, name in enumerate(INNER_PHASES)}  # a round's order; a phase not listed goes last
+
+
 def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tokens: int) -> dict:
     """The metrics line's timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`; they add
     up to ``inner_seconds``), ``outer_phase_seconds`` (the sync by part, `OUTER_PHASES`; they add up to
@@ -532,8 +535,7 @@ def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tok
     0.0 when there was none). Seconds, rounded to 4 decimals."""
     generation = inner.get("generation", 0.0)
     return {
-        "inner_phase_seconds": {k: round(v, 4) for k, v in sorted(  # in a round's order; others after
-            inner.items(), key=lambda kv: list(INNER_PHASES).index(kv[0]) if kv[0] in INNER_PHASES else len(INNER_PHASES))},
+        "inner_phase_seconds": {k: round(inner[k], 4) for k in sorted(inner, key=lambda k: _PHASE_ORDER.get(k, 99))},
         "outer_phase_seconds": dict(outer),
         "generated_tokens_per_s": round(generated_tokens / generation, 1) if generation > 0 else 0.0,
     }

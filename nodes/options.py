@@ -19,14 +19,13 @@ from composer_diloco.outer.secret import load_secret
 from composer_diloco.rollout.task_shard import TaskShard
 
 DTYPES = ("auto", "fp32", "bf16")
-ROLLOUTS = ("auto", "batched", "continuous")
-
 ROLLOUT_ENGINES = {
     "batched": "lock-step batches, one transformers generate() per assistant turn, KV kept across turns",
     "continuous": "transformers continuous batching: a turn that ends goes to its env while the others decode",
 }
 """The engines ``--rollout`` can pick (`composer_diloco.rollout.episodes.play_episodes`); ``auto``:
 `resolve_rollout_engine`."""
+ROLLOUTS = ("auto", *ROLLOUT_ENGINES)
 
 
 class DeviceError(ValueError):

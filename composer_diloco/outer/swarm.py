@@ -47,6 +47,14 @@ class SwarmError(RuntimeError):
     """The DHT could not be joined, or the run's records are missing or inconsistent."""
 
 
+class NoPeerAnswered(SwarmError):
+    """None of the initial peers answered the bootstrap (or all refused the run secret)."""
+
+
+class IdentityInUse(SwarmError):
+    """The identity file's peer ID is held by a live peer reachable from the initial peers."""
+
+
 def parse_multiaddr(text: str) -> Multiaddr:
     """Parse ``--peer`` with hivemind's multiaddr, once its form passed `address_form.check_address_form` (the command
     lines check it before the heavy imports). Raises SwarmError naming the value when it does not parse."""
@@ -96,13 +104,13 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
             return dht_type(initial_peers=initial_peers or None, start=True, **kwargs)
     except Exception as e:
         if identity_path is not None and "already taken" in str(e):
-            raise SwarmError(f"the identity in {identity_path!r} is in use by a live peer of this swarm (another "
+            raise IdentityInUse(f"the identity in {identity_path!r} is in use by a live peer of this swarm (another "
                              f"process started with it): stop that process, or give this one its own run dir") \
                 from None
         if initial_peers and "bootstrap" in str(e):
             hint = ("It also refuses a wrong run secret: check --secret-file / COMPOSER_DILOCO_SECRET" if secret
                     else "A closed run also refuses peers without its secret: --secret-file or COMPOSER_DILOCO_SECRET")
-            raise SwarmError(f"no peer answered at --peer {' '.join(initial_peers)} (is the coordinator running "
+            raise NoPeerAnswered(f"no peer answered at --peer {' '.join(initial_peers)} (is the coordinator running "
                              f"and reachable from here? {hint})") from None
         where = f"peers {initial_peers}" if initial_peers else f"address {kwargs['host_maddrs'][0]}"
         raise SwarmError(f"could not start a DHT peer with {where}: {type(e).__name__}: {e}") from None
