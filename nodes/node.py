@@ -30,6 +30,7 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
 from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
@@ -51,6 +52,10 @@ JOIN_REDIAL_S = 5.0
 
 class NodeError(RuntimeError):
     """The node cannot take part in the run (bad peer, unreachable env, no global model ...)."""
+
+
+class NodeBusy(NodeError):
+    """Another live node holds this node's folder (``<run-dir>/<name>``), hence its identity (`Node._lock_own_dir`)."""
 
 
 class TrainedOnNothing(NodeError):
@@ -116,7 +121,8 @@ class Node:
         self.rollout_engine = "batched"  # `resolve_rollout_engine`, at join
         self.config: RunConfig | None = None
         self.swarm_round = 0  # the newest round a live peer was in when this node joined
-        self.metrics = MetricsWriter(Path(options.run_dir) / options.name / "metrics.jsonl")
+        self.own_dir = Path(options.run_dir) / options.name  # metrics, identity key, error feedback, lock
+        self.metrics = MetricsWriter(self.own_dir / "metrics.jsonl")
         self._round_started = time.monotonic()
         self._steps_in_round = 0
         self.tool_calls = ToolCallTally()
@@ -151,6 +157,7 @@ class Node:
         for peer_addr in o.peers:
             parse_multiaddr(peer_addr)
         check_addresses(o.listen, o.announce)
+        load_or_create_identity(self.own_dir / IDENTITY_FILE, create=False)  # a bad key: one line, no network
         if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
             self.plan_memory(expected)
         # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
@@ -158,6 +165,9 @@ class Node:
         for url in o.env_urls:
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
+        self._lock_own_dir()  # from here on <run-dir>/<name> is this process's, its identity too
+        peer_id = load_or_create_identity(self.own_dir / IDENTITY_FILE)
+        log.info("peer ID %s (its key: %s)", peer_id, self.own_dir / IDENTITY_FILE)
         self.dht = self._start_dht(secret)
         self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
         self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
@@ -229,7 +239,7 @@ class Node:
     def _codec_state_path(self) -> Path:
         from composer_diloco.checkpoint import CODEC_STATE_FILE
 
-        return Path(self.options.run_dir) / self.options.name / CODEC_STATE_FILE
+        return self.own_dir / CODEC_STATE_FILE
 
     def _restore_codec_state(self) -> None:
         """A node restarting under the same name takes back its sparse codec's error feedback from its own folder
@@ -259,16 +269,41 @@ class Node:
         except OSError as e:
             log.warning("round %d: could not save the error feedback: %s", round_, e)
 
+    def _lock_own_dir(self) -> None:
+        """Hold ``<run-dir>/<name>/node.lock`` (an OS file lock, dropped when this process ends, even on SIGKILL) for
+        the node's life: a second node started with the same ``--run-dir`` and ``--name``, hence on the same identity
+        key and metrics file, is refused before it touches either.
+
+        Raises:
+            NodeBusy: another process holds the lock (one line naming the folder).
+        """
+        from filelock import FileLock, Timeout
+
+        self.own_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.own_dir / "node.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise NodeBusy(f"--name {self.options.name!r} is in use in --run-dir {str(self.options.run_dir)!r} by "
+                           f"another node (its lock {str(self.own_dir / 'node.lock')!r} is held): stop it first, or "
+                           f"give this node another --name") from None
+        self.stop.add_cleanup(lock.release)
+
     def _start_dht(self, secret: bytes | None):
         """The node's DHT peer, bootstrapped from any of its ``--peer``s. While none answers (a coordinator
         restarting, a job script that started the nodes first) it re-dials every few seconds for ``--join-timeout``
         seconds, saying at WARNING what it waits for, then raises the last `SwarmError` ("no peer answered ...").
-        A refused run secret looks the same from here, so it waits too before that one-line error."""
+        A refused run secret looks the same from here, so it waits too before that one-line error.
+
+        Its peer ID is the key in ``<run-dir>/<name>/identity.key`` (`composer_diloco.outer.identity`), so a node
+        restarted with the same ``--run-dir`` and ``--name`` is the same peer to the others; hivemind refuses the key
+        while a live peer reachable from the ``--peer``s holds it (`IdentityInUse`)."""
         o = self.options
         deadline = time.monotonic() + o.join_timeout_s
         while True:
             try:
-                return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret)
+                return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret,
+                                 identity_path=str(self.own_dir / IDENTITY_FILE))
             except NoPeerAnswered:
                 left = deadline - time.monotonic()
                 if left < 1.0 or self.stop.event.is_set():
@@ -400,7 +435,7 @@ class Node:
             return
         from composer_diloco.checkpoint import save_checkpoint
 
-        own_dir = Path(self.options.run_dir) / self.options.name
+        own_dir = self.own_dir
         folder = save_checkpoint(own_dir, self.peer.round, self.model, self.tokenizer, self.peer.global_model,
                                  self.config.to_json(), codec_state=self.peer.codec_state(),
                                  model_sha256=self.peer.base_sha256 if self.config.lora is None else None)

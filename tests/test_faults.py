@@ -5,6 +5,8 @@ that the survivors go on within the averaging timeout, agree on ``global_sha256`
 run. The seconds until the run went on are printed (``pytest -s``) for the operations notes.
 """
 
+import json
+import re
 import socket
 import time
 
@@ -69,6 +71,9 @@ def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
     records = run.records()
     rejoined = [r for r in records["node-1"] if r["time"] > restarted_at]
     assert rejoined and rejoined[0]["round"] >= 2, records["node-1"]
+    # issue 37: the same --name, the same key in run_dir/node-1/, the same peer to the others
+    ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1"))
+    assert len(ids) == 2 and ids[0] == ids[1], ids
     print(f"restarted node-1 rejoined at round {rejoined[0]['round']} (status {rejoined[0]['status']})")
     shas = assert_agree(records, range(8))  # its first round's theta included
     assert all(r["peers"] == 3 for r in records["coordinator"] if r["round"] > rejoined[0]["round"])
@@ -103,7 +108,9 @@ def test_node_killed_during_the_all_reduce(run_dir, tmp_path):
 @pytest.mark.timeout(600)
 def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir, tmp_path):
     """Also (issue 37): restarted with the same command, the coordinator has the same peer ID (its key is in the run
-    dir), so the ``peer:`` line it printed first still works: a node started on it after the restart joins."""
+    dir), so the ``peer:`` line it printed first still works: a node started on it after the restart joins; and
+    the live nodes, absent from its ``peers.json`` (whose one entry is dead), find it by re-dialing that line: it
+    reloads their round from them, and none of them steps alone after the restart."""
     rounds = 7
     hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
@@ -143,11 +150,14 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         # the nodes pause (alive, heartbeating) until the restarted coordinator has taken their state: however
         # slow the machine, the run cannot end before it is back
         hold.touch()
+        # the issue-37 case: the only peer the restarted coordinator knows of is dead, so the live nodes, never in
+        # its peers.json now, must find it themselves (they re-dial their --peer, the same line: the same key)
+        (run_dir / "peers.json").write_text(json.dumps([DEAD_PEER]))
         assert run.start_coordinator(*listen) == first_line  # the same command and --run-dir: the same peer line
+        restarted_at = time.time()
         run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to reload from a live node")
-        dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-        run.start_node("node-2", "--peer", dead, peer=first_line)  # a job script's lines from before the kill
+        run.start_node("node-2", "--peer", DEAD_PEER, peer=first_line)  # a job script's lines from before the kill
         run.wait_until(lambda: "loaded round" in run.log("node-2"), 240, "node-2 to join on the first peer line")
         hold.unlink()
         run.assert_exit_ok("coordinator", "node-0", "node-1", "node-2")
@@ -160,10 +170,16 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
     after = [r for r in records["coordinator"] if r["time"] > killed_at]
     assert after and after[0]["round"] > checkpoint_round, after  # it did not go back to its checkpoint
     print(f"restarted coordinator rejoined at round {after[0]['round']}")
+    for name in ("node-0", "node-1"):  # once they met, nobody stepped alone
+        assert not [r for r in records[name] if r["time"] > restarted_at and r["status"] == "alone"], records[name]
     shas = assert_agree(records, range(rounds))
     final = read_outer_state(latest_checkpoint(run_dir))
     assert final["round"] == rounds and final["global_sha256"] == shas[rounds - 1]
     assert records["node-2"] and all(r["global_sha256"] == shas[r["round"]] for r in records["node-2"])
+
+
+DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+"""A peer line nobody answers (port 9, discard)."""
 
 
 CHECKPOINT_WRITER = """

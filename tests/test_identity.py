@@ -1,6 +1,8 @@
-"""The coordinator's identity across restarts (issue 37): a key file in its run dir, checked before any network, and
-one coordinator per run dir. The restart itself (same command, same ``peer:`` line, a node joining on the line printed
-before the kill) runs in ``tests/test_faults.py::test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node``.
+"""Identities across restarts (issue 37): a key file in the coordinator's run dir and in each node's folder, checked
+before any network; one coordinator per run dir, one node per folder. The restarts themselves (same command, same
+peer ID; a node joining on the line printed before the kill) run in ``tests/test_faults.py``
+(``test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node``,
+``test_node_killed_mid_inner_phase_then_restarted_rejoins``).
 """
 
 from __future__ import annotations
@@ -73,4 +75,43 @@ def test_one_coordinator_per_run_dir(tmp_path):
         second._lock_run_dir()
     first.stop.run_cleanups()  # what its exit does
     second._lock_run_dir()
+    second.stop.run_cleanups()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_refuses_a_bad_identity_before_the_network(tmp_path):
+    """A node's key that is not a key: `composer-node join` exits 1 with one line naming it, before the DHT (its
+    ``--peer`` points at a port nobody listens on, so a dial would show as "no peer answered")."""
+    own = tmp_path / "run" / "node-a"
+    own.mkdir(parents=True)
+    (own / IDENTITY_FILE).write_bytes(b"not a key")
+    os.chmod(own / IDENTITY_FILE, 0o400)
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(tmp_path / "run"),
+                        "--name", "node-a", "--join-timeout", "5"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=110)
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = error_line(r)
+    assert f"identity file '{own / IDENTITY_FILE}' is not a libp2p private key" in line, line
+    assert "no peer answered" not in r.stderr and not (own / "node.lock").exists()
+
+
+def test_one_node_per_folder(tmp_path):
+    """A second node with the same --run-dir and --name (so the same key) is refused in one line while the first
+    holds the folder's lock; another --name is not."""
+    from composer_diloco.lifecycle import GracefulStop
+    from nodes.node import Node, NodeBusy
+    from nodes.options import NodeOptions
+
+    def node(name: str) -> Node:
+        return Node(NodeOptions(peer="/ip4/127.0.0.1/tcp/9", run_dir=tmp_path, name=name), GracefulStop())
+
+    first, second, other = node("node-a"), node("node-a"), node("node-b")
+    first._lock_own_dir()
+    with pytest.raises(NodeBusy, match=f"--name 'node-a' is in use in --run-dir '{tmp_path}' by another node"):
+        second._lock_own_dir()
+    other._lock_own_dir()
+    for n in (first, other):
+        n.stop.run_cleanups()
+    second._lock_own_dir()
     second.stop.run_cleanups()

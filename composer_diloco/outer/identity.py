@@ -5,12 +5,14 @@ hivemind takes a private key file as ``identity_path`` (``hivemind.DHT(..., iden
 with the same ``--listen`` the same multiaddr. The coordinator keeps its key in its run dir (`IDENTITY_FILE`), made
 on the first start with owner-only permissions (0400, as hivemind's own ``P2P.generate_identity``), written whole or
 not at all; every later start with that run dir reads it. INTELLECT-1 and OpenDiLoCo keep a stable bootstrap address
-the same way; torchft's Lighthouse is one fixed address every replica dials back.
+the same way; torchft's Lighthouse is one fixed address every replica dials back. A node keeps its key in its own
+folder, ``<run-dir>/<name>/``, so a node restarted with the same ``--name`` is the same peer to the others (a node
+without ``--name`` is named after its pid, hence a new peer every start).
 
 Rotating an identity on purpose: stop the coordinator, delete the file, start it again; it makes a new key and
 prints a new ``peer:`` line, which every node must then be given. Two processes on one identity: a second
-coordinator on the same run dir is refused while the first holds the run dir's lock (`RunDirLock`); a copied key
-used elsewhere is refused by hivemind when the first peer is reachable from the second's initial peers ("identity
+coordinator on the same run dir is refused while the first holds the run dir's lock (``coordinator.lock``), a second
+node with the same run dir and name while the first holds ``<name>/node.lock``; a copied key used elsewhere is refused by hivemind when the first peer is reachable from the second's initial peers ("identity
 ... is already taken").
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 __all__ = ["IDENTITY_FILE", "IdentityError", "load_or_create_identity"]
 
 IDENTITY_FILE = "identity.key"
-"""The coordinator's private key, in its run dir."""
+"""A peer's private key file: the coordinator's in its run dir, a node's in ``<run-dir>/<name>/``."""
 
 
 class IdentityError(RuntimeError):

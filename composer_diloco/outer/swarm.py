@@ -105,7 +105,8 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     except Exception as e:
         if identity_path is not None and "already taken" in str(e):
             raise IdentityInUse(f"the identity in {identity_path!r} is in use by a live peer of this swarm (another "
-                             f"process started with it): stop that process, or give this one its own run dir") \
+                                f"process started with it): stop that process, or give this one its own key "
+                                f"(another --run-dir for a coordinator, another --name for a node)") \
                 from None
         if initial_peers and "bootstrap" in str(e):
             hint = ("It also refuses a wrong run secret: check --secret-file / COMPOSER_DILOCO_SECRET" if secret
