@@ -225,6 +225,7 @@ class Swarm:
         self.history: dict[int, str] = {}  # round -> SHA-256 of theta at its start, for the settled rounds seen here
         self._maddr = ""
         self._ttl_s: float | None = None
+        self._period_s: float | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._redial: threading.Thread | None = None
@@ -248,7 +249,7 @@ class Swarm:
                         log.debug("heartbeat failed: %r", e)
                 self._stop.wait(period_s)
 
-        self._ttl_s = ttl_s
+        self._ttl_s, self._period_s = ttl_s, period_s
         try:
             self._maddr = visible_multiaddr(self.dht)
         except SwarmError:
@@ -353,18 +354,27 @@ class Swarm:
         of them, and the round without the peer that keeps the canonical model. A peer that never arrives is given
         up ``slack_s`` after the first ready node.
 
+        A peer waited for whose heartbeat is late (older than 1.5 heartbeat periods) is pinged at its multiaddr, at
+        most once a period (`_answers`): one that does not answer (its process killed: its p2pd is gone, the dial
+        is refused) is not waited for, instead of until its heartbeat's TTL ends. A newer heartbeat of it brings it
+        back. Under churn this was the barrier's largest wait: every kill held each other peer for up to the TTL.
+
         Returns:
             ``(scheduled_time, ready_nodes)``: the DHT time at which all peers start the all-reduce (the same
             on every peer when all were ready) and the names of the ready nodes; None if ``stop`` was set.
         """
+        unanswered: dict[str, float] = {}  # name -> the heartbeat time (``t``) it did not answer a ping after
+        pinged: dict[str, float] = {}  # name -> time.monotonic() of its last ping
         while stop is None or not stop.is_set():
             announced = self.ready_peers(round_)
             ready = {n: v for n, v in announced.items() if v.get("role") == "node"}
             if ready:
                 peers = self.live_peers()
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
-                live = {p.name for p in peers if p.role == "node" and p.round <= round_}
-                live |= {p.name for p in peers if p.role == "coordinator" and round_ - 1 <= p.round <= round_}
+                waited = [p for p in peers if (p.role == "node" and p.round <= round_)
+                          or (p.role == "coordinator" and round_ - 1 <= p.round <= round_)]
+                self._ping_the_late(round_, [p for p in waited if p.name not in announced], unanswered, pinged)
+                live = {p.name for p in waited if unanswered.get(p.name) != p.t}
                 first = min(v["t"] for v in ready.values())
                 if live <= announced.keys():
                     return max(v["t"] for v in announced.values()) + matchmaking_s, sorted(ready)
@@ -374,6 +384,30 @@ class Swarm:
                     return first + slack_s + matchmaking_s, sorted(ready)
             time.sleep(poll_s)
         return None
+
+    def _ping_the_late(self, round_: int, missing: list[PeerRecord], unanswered: dict[str, float],
+                       pinged: dict[str, float]) -> None:
+        """Ping the peers of ``missing`` whose heartbeat is late, each at most once a heartbeat period; record in
+        ``unanswered`` (name -> its heartbeat's ``t``) those that do not answer (`wait_for_round`)."""
+        if self._period_s is None:  # no heartbeat of our own yet: no period to call a beat late by
+            return
+        now, mono = get_dht_time(), time.monotonic()
+        late = [p for p in missing if p.maddr and now - p.t > 1.5 * self._period_s and unanswered.get(p.name) != p.t
+                and mono - pinged.get(p.name, -1e9) >= self._period_s]
+        if not late:
+            return
+        for p in late:
+            pinged[p.name] = mono
+        try:
+            answered = set(self.dht.run_coroutine(partial(_ping_peers, maddrs=[p.maddr for p in late])))
+        except Exception as e:  # a failed look is no verdict: the TTL still ends the wait
+            log.debug("barrier ping failed: %r", e)
+            return
+        for p in late:
+            if p.maddr not in answered:
+                unanswered[p.name] = p.t
+                log.info("round %d: not waiting for %s: its heartbeat is %.1f s old and it does not answer a ping",
+                         round_, p.name, now - p.t)
 
     def close(self) -> None:
         """Stop the heartbeat and redial threads (the DHT is shut down by its owner)."""

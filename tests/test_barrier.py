@@ -1,0 +1,74 @@
+"""The round barrier (`Swarm.wait_for_round`) stops waiting for a peer that died, without waiting out its heartbeat's
+TTL, and still waits for a live peer whose heartbeats are late.
+
+Two real DHT peers on 127.0.0.1 with their heartbeats (1 s period, a 60 s TTL, the barrier's slack 60 s). node-a is
+ready for round 0; node-b, live at round 0, is not. Killed (its DHT and p2pd shut down: the dial is refused), node-b
+is pinged once its heartbeat is late and given up at once. Silent but alive (its heartbeat thread stopped, its DHT
+answering), it is waited for: the barrier ends only when its record expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from composer_diloco.outer.swarm import Swarm, start_dht, visible_multiaddr
+
+PERIOD_S, TTL_S, SLACK_S = 1.0, 60.0, 60.0
+
+
+def _pair(ttl_s: float) -> tuple[Swarm, Swarm]:
+    a_dht = start_dht(initial_peers=[])
+    b_dht = start_dht(initial_peers=[visible_multiaddr(a_dht)])
+    swarms = tuple(Swarm(d, run_name="barrier", peer_name=n, role="node") for d, n in ((a_dht, "node-a"),
+                                                                                       (b_dht, "node-b")))
+    for s in swarms:
+        s.set_round(0)
+        s.start_heartbeat(PERIOD_S, ttl_s)
+    a = swarms[0]
+    deadline = time.monotonic() + 30
+    while {p.name for p in a.live_peers()} != {"node-a", "node-b"}:  # each sees the other's heartbeat
+        assert time.monotonic() < deadline, a.live_peers()
+        time.sleep(0.2)
+    return swarms
+
+
+def _close(*swarms: Swarm) -> None:
+    for s in swarms:
+        s.close()
+        s.dht.shutdown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_barrier_gives_up_a_dead_peer_at_once_and_waits_for_a_silent_live_one(caplog):
+    caplog.set_level(logging.INFO, logger="composer_diloco.outer.swarm")
+    a, b = _pair(TTL_S)
+    try:
+        b.close()  # killed: no more heartbeats, and its p2pd is gone
+        b.dht.shutdown()
+        a.announce_ready(0, 1.0)
+        started = time.monotonic()
+        result = a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)
+        waited = time.monotonic() - started
+    finally:
+        _close(a, b)
+    assert result is not None and result[1] == ["node-a"], result
+    assert waited < TTL_S / 2, waited  # without the ping it waits for node-b's record to expire (60 s)
+    assert "not waiting for node-b: its heartbeat is" in caplog.text, caplog.text
+
+    caplog.clear()
+    a, b = _pair(ttl_s=6.0)
+    try:
+        b.close()  # alive (its DHT answers pings) but silent: waited for until its record expires
+        a.announce_ready(0, 1.0)
+        silent_since = time.monotonic()
+        result = a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)
+        waited = time.monotonic() - silent_since
+    finally:
+        _close(a, b)
+    assert result is not None and result[1] == ["node-a"], result
+    assert "not waiting for node-b" not in caplog.text, caplog.text
+    assert waited > 6.0 - 2 * PERIOD_S, waited  # its last heartbeat's TTL ran out first
