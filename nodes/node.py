@@ -7,7 +7,7 @@ One round on a node, in order (the calls are in `RoundCallback.on_step_end` and 
 
 Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT starts (health, protocol, tools), one
 reset per ``--env-url`` with the run's ``reset_kwargs`` before the model is built or downloaded (a node's own env
-server: after the model skeleton, before the download). A bad env fails the node
+server: started in the background once the run config is read, used before the download). A bad env fails the node
 with one line and exit code 1 in seconds, not after the model download.
 """
 
@@ -27,7 +27,7 @@ from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff
 from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
-from composer_diloco.rollout.env_process import EnvServer, start_env_server, wait_for_env
+from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
@@ -177,6 +177,13 @@ class Node:
                             f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
+        # a node's own env server (no --env-url) is spawned now: its process's imports (~4 s on a 2-core machine)
+        # overlap the memory plan, the task file and the model skeleton instead of following them; an error below
+        # stops it (the stop's cleanup), and its own failure is raised where it is waited for
+        own_server = None
+        if not o.env_urls:
+            own_server = launch_env_server(config.env.server_module, args=config.env.server_args)
+            self.stop.add_cleanup(own_server.stop)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=o.peers)
 
@@ -187,8 +194,7 @@ class Node:
 
         # --env-url sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
         # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
-        # server starts after the model skeleton (an architecture mismatch fails before any process is started) but
-        # before the global model is downloaded; a later error stops it.
+        # server (started above) opens its sessions after the model skeleton, before the global model is downloaded.
         self.tasks = TaskSet.load(config.tasks)  # a bad [tasks] dataset fails here, before any env or model
         self.task_shard = shard = checked.shard
         first_row = self.tasks.order(1, seed=config.seed, shard=shard, peer_name=o.name)[0] if self.tasks else 0
@@ -204,11 +210,9 @@ class Node:
         # a full-fine-tuning --model: what this node loaded is the run's base, theta's round-0 value (checked against
         # the run's at the download, and at round 0 nothing else travels)
         base = _full_model_sha256(model) if config.model is not None and config.lora is None else None
-        if not urls:
-            server = start_env_server(config.env.server_module, startup_timeout_s=config.env.connect_timeout_s,
-                                      args=config.env.server_args)
+        if own_server is not None:
+            server = own_server.wait(config.env.connect_timeout_s)  # EnvServerError as `start_env_server` raises it
             self.env_servers.append(server)
-            self.stop.add_cleanup(server.stop)
             self.sessions = open_env_sessions([server.url], n_sessions, **opening)
         # serves no state before the download
         self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EnvServer", "EnvServerError", "find_free_port", "start_env_server", "wait_for_env"]
+__all__ = ["EnvServer", "EnvServerError", "EnvServerLaunch", "find_free_port", "launch_env_server", "start_env_server",
+           "wait_for_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,52 @@ def _spawn(module: str, host: str, port: int, args: Sequence[str] = ()) -> EnvSe
     return EnvServer(process, f"http://{host}:{port}", Path(log_name))
 
 
+class EnvServerLaunch:
+    """An env server process started by `launch_env_server` and not yet known to be healthy: the caller does other
+    work while the process imports and binds, then calls `wait`. (A process, not a thread: the server is spawned from
+    the calling thread, whose exit would SIGTERM it through ``PR_SET_PDEATHSIG``, so that thread must live on.)"""
+
+    def __init__(self, module: str, host: str, port: int, args: Sequence[str]):
+        self.module, self.host, self.port, self.args = module, host, port, tuple(args)
+        self._attempts = _PORT_RETRIES if port == 0 else 1
+        self._attempt = 1
+        self.server = _spawn(module, host, port or find_free_port(host), self.args)
+
+    def wait(self, startup_timeout_s: float = 60.0) -> EnvServer:
+        """Return the server once its ``/health`` answers (within ``startup_timeout_s`` seconds of this call); a lost
+        race for a free port respawns it on another, from the calling thread.
+
+        Raises:
+            EnvServerError: the process exited or is not healthy in time; the message names the URL and ends with
+                the tail of the server's output. The process is stopped before raising.
+        """
+        while True:
+            try:
+                wait_for_env(self.server.url, startup_timeout_s, process=self.server._process)
+            except EnvServerError as exc:
+                tail = self.server.log_tail()
+                self.server.stop()
+                if self._attempt < self._attempts and "address already in use" in tail.lower():
+                    logger.info("port race on %s, retrying with another port", self.server.url)
+                    self._attempt += 1
+                    self.server = _spawn(self.module, self.host, find_free_port(self.host), self.args)
+                    continue
+                raise EnvServerError(f"{exc}\n--- server output (tail) ---\n{tail}") from None
+            logger.info("env server %s up at %s (pid %d)", self.module, self.server.url, self.server.pid)
+            return self.server
+
+    def stop(self) -> None:
+        """Stop the process (`EnvServer.stop`: idempotent), healthy or not."""
+        self.server.stop()
+
+
+def launch_env_server(module: str = "envs.tool_env.server", host: str = "127.0.0.1", port: int = 0,
+                      args: Sequence[str] = ()) -> EnvServerLaunch:
+    """Spawn an environment server process and return at once (`EnvServerLaunch.wait` gives the healthy server).
+    The arguments are `start_env_server`'s."""
+    return EnvServerLaunch(module, host, port, args)
+
+
 def start_env_server(
     module: str = "envs.tool_env.server",
     host: str = "127.0.0.1",
@@ -196,18 +243,4 @@ def start_env_server(
             message names the URL and ends with the tail of the server's output. The process is
             stopped before raising.
     """
-    attempts = _PORT_RETRIES if port == 0 else 1
-    for attempt in range(1, attempts + 1):
-        server = _spawn(module, host, port or find_free_port(host), args)
-        try:
-            wait_for_env(server.url, startup_timeout_s, process=server._process)
-        except EnvServerError as exc:
-            tail = server.log_tail()
-            server.stop()
-            if attempt < attempts and "address already in use" in tail.lower():
-                logger.info("port race on %s, retrying with another port", server.url)
-                continue
-            raise EnvServerError(f"{exc}\n--- server output (tail) ---\n{tail}") from None
-        logger.info("env server %s up at %s (pid %d)", module, server.url, server.pid)
-        return server
-    raise AssertionError("unreachable")
+    return launch_env_server(module, host, port, args).wait(startup_timeout_s)
