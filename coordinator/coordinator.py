@@ -34,7 +34,7 @@ from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
 from composer_diloco.outer.swarm import NoPeerAnswered, Swarm, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
     CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint, write_atomic,
@@ -168,6 +168,7 @@ class Coordinator:
         self.options, self.stop = options, stop
         self.config = options.config
         self.run_dir = Path(options.run_dir)
+        self._new_identity = False  # the identity key was made by this start: nobody else can hold it
         self.metrics = MetricsWriter(self.run_dir / PEER_NAME / "metrics.jsonl")
         self.dht = None
         self.swarm: Swarm | None = None
@@ -208,6 +209,7 @@ class Coordinator:
             if checkpoint is not None:
                 load_adapters(self.model, checkpoint)
         self._lock_run_dir()  # from here on the run dir is this process's: its first write is the next line
+        self._new_identity = not (self.run_dir / IDENTITY_FILE).exists()
         peer_id = load_or_create_identity(self.run_dir / IDENTITY_FILE)
         log.info("peer ID %s (its key: %s)", peer_id, self.run_dir / IDENTITY_FILE)
         (self.run_dir / "config.json").write_text(config.to_json())
@@ -288,12 +290,8 @@ class Coordinator:
         Raises:
             CoordinatorBusy: another process holds the lock (one line naming the run dir).
         """
-        from filelock import FileLock, Timeout
-
-        lock = FileLock(self.run_dir / "coordinator.lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
+        lock = try_lock(self.run_dir / "coordinator.lock")
+        if lock is None:
             raise CoordinatorBusy(f"--run-dir {str(self.run_dir)!r} is in use by another coordinator (its lock "
                                   f"{str(self.run_dir / 'coordinator.lock')!r} is held): stop it first, or pick "
                                   f"another --run-dir") from None
@@ -304,11 +302,12 @@ class Coordinator:
         if known_peers:
             try:
                 return start_dht(initial_peers=known_peers, listen=self.options.listen,
-                                 announce=self.options.announce, secret=self.secret, identity_path=identity)
+                                 announce=self.options.announce, secret=self.secret, identity_path=identity,
+                                 identity_is_new=self._new_identity)
             except NoPeerAnswered as e:
                 log.info("none of the %d peers of the last round answered (%s): starting alone", len(known_peers), e)
         return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
-                         secret=self.secret, identity_path=identity)
+                         secret=self.secret, identity_path=identity, identity_is_new=self._new_identity)
 
     def _reload_from_live_nodes(self) -> bool:
         """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on)."""

@@ -30,7 +30,7 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
-from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
 from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
@@ -122,6 +122,7 @@ class Node:
         self.config: RunConfig | None = None
         self.swarm_round = 0  # the newest round a live peer was in when this node joined
         self.own_dir = Path(options.run_dir) / options.name  # metrics, identity key, error feedback, lock
+        self._new_identity = False  # the identity key was made by this start (`join`): nobody else can hold it
         self.metrics = MetricsWriter(self.own_dir / "metrics.jsonl")
         self._round_started = time.monotonic()
         self._steps_in_round = 0
@@ -166,6 +167,7 @@ class Node:
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
         self._lock_own_dir()  # from here on <run-dir>/<name> is this process's, its identity too
+        self._new_identity = not (self.own_dir / IDENTITY_FILE).exists()
         peer_id = load_or_create_identity(self.own_dir / IDENTITY_FILE)
         log.info("peer ID %s (its key: %s)", peer_id, self.own_dir / IDENTITY_FILE)
         self.dht = self._start_dht(secret)
@@ -281,13 +283,9 @@ class Node:
         Raises:
             NodeBusy: another process holds the lock (one line naming the folder).
         """
-        from filelock import FileLock, Timeout
-
         self.own_dir.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(self.own_dir / "node.lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
+        lock = try_lock(self.own_dir / "node.lock")
+        if lock is None:
             raise NodeBusy(f"--name {self.options.name!r} is in use in --run-dir {str(self.options.run_dir)!r} by "
                            f"another node (its lock {str(self.own_dir / 'node.lock')!r} is held): stop it first, or "
                            f"give this node another --name") from None
@@ -307,7 +305,8 @@ class Node:
         while True:
             try:
                 return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret,
-                                 identity_path=str(self.own_dir / IDENTITY_FILE))
+                                 identity_path=str(self.own_dir / IDENTITY_FILE),
+                                 identity_is_new=self._new_identity)
             except NoPeerAnswered:
                 left = deadline - time.monotonic()
                 if left < 1.0 or self.stop.event.is_set():

@@ -41,34 +41,33 @@ def _close(*swarms: Swarm) -> None:
         s.dht.shutdown()
 
 
+def _wait_after(ttl_s: float, *, kill: bool) -> tuple[tuple[float, list[str]] | None, float]:
+    """node-b stops its heartbeats (and, ``kill``, its DHT); node-a, ready for round 0, waits at the barrier.
+    Returns the barrier's result and the seconds node-a waited."""
+    a, b = _pair(ttl_s)
+    try:
+        b.close()
+        if kill:
+            b.dht.shutdown()
+        a.announce_ready(0, 1.0)
+        started = time.monotonic()
+        result = a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)
+        return result, time.monotonic() - started
+    finally:
+        _close(a, b)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_the_barrier_gives_up_a_dead_peer_at_once_and_waits_for_a_silent_live_one(caplog):
     caplog.set_level(logging.INFO, logger="composer_diloco.outer.swarm")
-    a, b = _pair(TTL_S)
-    try:
-        b.close()  # killed: no more heartbeats, and its p2pd is gone
-        b.dht.shutdown()
-        a.announce_ready(0, 1.0)
-        started = time.monotonic()
-        result = a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)
-        waited = time.monotonic() - started
-    finally:
-        _close(a, b)
+    result, waited = _wait_after(TTL_S, kill=True)  # killed: no more heartbeats, and its p2pd is gone
     assert result is not None and result[1] == ["node-a"], result
     assert waited < TTL_S / 2, waited  # without the ping it waits for node-b's record to expire (60 s)
     assert "not waiting for node-b: its heartbeat is" in caplog.text, caplog.text
 
     caplog.clear()
-    a, b = _pair(ttl_s=6.0)
-    try:
-        b.close()  # alive (its DHT answers pings) but silent: waited for until its record expires
-        a.announce_ready(0, 1.0)
-        silent_since = time.monotonic()
-        result = a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)
-        waited = time.monotonic() - silent_since
-    finally:
-        _close(a, b)
+    result, waited = _wait_after(6.0, kill=False)  # alive (its DHT answers pings) but silent
     assert result is not None and result[1] == ["node-a"], result
     assert "not waiting for node-b" not in caplog.text, caplog.text
     assert waited > 6.0 - 2 * PERIOD_S, waited  # its last heartbeat's TTL ran out first

@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["IDENTITY_FILE", "IdentityError", "load_or_create_identity"]
+__all__ = ["IDENTITY_FILE", "IdentityError", "load_or_create_identity", "try_lock"]
 
 IDENTITY_FILE = "identity.key"
 """A peer's private key file: the coordinator's in its run dir, a node's in ``<run-dir>/<name>/``."""
@@ -83,3 +83,17 @@ def load_or_create_identity(path: str | os.PathLike[str], *, create: bool = True
         tmp.unlink(missing_ok=True)
         raise IdentityError(f"cannot write identity file {str(path)!r}: {e.strerror}") from None
     return _peer_id(key, path)
+
+
+def try_lock(path: str | os.PathLike[str]):
+    """Take the OS file lock at ``path`` (``filelock.FileLock``; the OS drops it when the process ends, even on
+    SIGKILL) without waiting: the lock, to ``release()`` at exit, or None when another process holds it. The
+    coordinator's run dir and each node's folder are held this way, so one process owns each identity key."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(Path(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return None
+    return lock

@@ -78,12 +78,15 @@ def check_addresses(listen: str | None, announce: list[str]) -> None:
 
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
-              secret: bytes | None = None, identity_path: str | None = None) -> hivemind.DHT:
+              secret: bytes | None = None, identity_path: str | None = None,
+              identity_is_new: bool = False) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
     ``secret`` closes the run: every DHT RPC is signed and checked with it, bound to the connection's peer IDs
     (`composer_diloco.outer.auth.ClosedDHT`). ``identity_path``: the private key file that fixes the peer ID
-    (`composer_diloco.outer.identity`); None: a new peer ID every start.
+    (`composer_diloco.outer.identity`); None: a new peer ID every start. ``identity_is_new``: the key was made by
+    this start, so no other peer can hold it: hivemind's check that it is free (a temporary p2pd dialing the initial
+    peers, ~0.5 s) is skipped.
 
     Raises:
         SwarmError: the daemon did not start, no initial peer answered (or all refused our run secret), or the
@@ -94,6 +97,8 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
         kwargs["announce_maddrs"] = announce
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
+        if identity_is_new:
+            kwargs["check_if_identity_free"] = False
     dht_type: type[hivemind.DHT] = hivemind.DHT
     if secret is not None:
         from composer_diloco.outer.auth import ClosedDHT
