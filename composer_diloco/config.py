@@ -301,7 +301,9 @@ class NetworkConfig(_Section):
 
     join_timeout_s: float = Field(30.0, gt=0, le=600, description="Seconds a node waits for the DHT and run config.")
     matchmaking_time_s: float = Field(2.0, gt=0, description="Seconds hivemind spends assembling an all-reduce group.")
-    averaging_timeout_s: float = Field(45.0, gt=0, description="Seconds an all-reduce may take before it is abandoned.")
+    averaging_timeout_s: float = Field(
+        45.0, gt=0, description="Seconds an all-reduce may take before it is abandoned, plus the time to move the "
+                                "pseudo-gradient twice at state_min_rate_mb_s (`allreduce_timeout_s`).")
     round_slack_s: float = Field(
         120.0, gt=0, description="Seconds the first peer ready for a round waits for the others before it goes on."
     )
@@ -321,15 +323,26 @@ class NetworkConfig(_Section):
                                 "from that peer or another holding the same state (composer_diloco.outer.state_transfer).",
     )
     state_min_rate_mb_s: float = Field(
-        10.0, gt=0, description="The slowest link a state download is given time for: its deadline is the start "
-                                "timeout plus the bytes to move at this many MB/s (a node's --join-deadline overrides "
-                                "it). 10 MB/s gives Qwen3-0.6B's 7.2 GB of full-fine-tuning state 12 minutes.",
+        10.0, gt=0, description="The slowest link a state download and an all-reduce are given time for: a "
+                                "download's deadline is the start timeout plus the bytes to move at this many MB/s (a "
+                                "node's --join-deadline overrides it), an all-reduce's is averaging_timeout_s plus its "
+                                "pseudo-gradient's bytes twice. 10 MB/s gives Qwen3-0.6B's 7.2 GB of "
+                                "full-fine-tuning state 12 minutes, and its 2.4 GB fp32 pseudo-gradient 480 s more.",
     )
     state_hold_s: float = Field(
         60.0, ge=0, description="Seconds an outer step waits for a state download in flight from this peer to end "
                                 "before it moves theta under it (the downloader then starts over at the new round; "
                                 "0 = never wait). torchft's checkpoint server makes its step wait for readers alike.",
     )
+
+    def allreduce_timeout_s(self, delta_bytes: int) -> float:
+        """Seconds one all-reduce of a ``delta_bytes``-byte pseudo-gradient may take: ``averaging_timeout_s`` plus
+        the bytes each peer moves in the worst case (its reduce-scatter and its all-gather, each at most the whole
+        uncompressed pseudo-gradient) at ``state_min_rate_mb_s``.
+
+        A fixed 45 s was the length of Qwen3-0.6B's full-fine-tuning all-reduce on one H200 (44-45 s, shared/gpu-probe),
+        so a real-size run abandoned rounds that were merely long; the embedded 0.9M model's 3.6 MB add 0.7 s."""
+        return self.averaging_timeout_s + 2 * delta_bytes / (self.state_min_rate_mb_s * 1e6)
 
     @model_validator(mode="after")
     def _ttl_covers_heartbeats(self) -> NetworkConfig:

@@ -188,6 +188,10 @@ class Node:
             self.stop.add_cleanup(own_server.stop)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=o.peers)
+        net = config.network
+        # the barrier of the round this node joins waits for it from now on, not only from its first heartbeat
+        intended = self.swarm.announce_joining(net.heartbeat_s, net.heartbeat_ttl_s, net.join_grace_s)
+        log.info("joining at round %d", intended)
 
         self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
@@ -233,7 +237,7 @@ class Node:
 
         # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
-            join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event)
+            join_grace_s=net.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event, intended=intended)
         self.peer.global_model.load_into(model)
         self._restore_codec_state()
         self.model = self.placement.place(model)

@@ -1,5 +1,6 @@
 """The round barrier (`Swarm.wait_for_round`) stops waiting for a peer that died, without waiting out its heartbeat's
-TTL, and still waits for a live peer whose heartbeats are late.
+TTL, still waits for a live peer whose heartbeats are late, and waits for a node that announced it is setting up to
+join the round (`Swarm.announce_joining`) before its first heartbeat.
 
 Two real DHT peers on 127.0.0.1 with their heartbeats (1 s period, a 60 s TTL, the barrier's slack 60 s). node-a is
 ready for round 0; node-b, live at round 0, is not. Killed (its DHT and p2pd shut down: the dial is refused), node-b
@@ -10,6 +11,7 @@ answering), it is waited for: the barrier ends only when its record expires.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -71,3 +73,33 @@ def test_the_barrier_gives_up_a_dead_peer_at_once_and_waits_for_a_silent_live_on
     assert result is not None and result[1] == ["node-a"], result
     assert "not waiting for node-b" not in caplog.text, caplog.text
     assert waited > 6.0 - 2 * PERIOD_S, waited  # its last heartbeat's TTL ran out first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_barrier_waits_for_a_node_still_setting_up_to_join_its_round():
+    a_dht = start_dht(initial_peers=[])
+    b_dht = start_dht(initial_peers=[visible_multiaddr(a_dht)])
+    a = Swarm(a_dht, run_name="barrier", peer_name="node-a", role="node")
+    b = Swarm(b_dht, run_name="barrier", peer_name="node-b", role="node")
+    c = Swarm(b_dht, run_name="barrier", peer_name="node-c", role="node")
+    try:
+        a.set_round(0)
+        a.start_heartbeat(PERIOD_S, TTL_S)
+        # node-a trains round 0 since a moment; with no grace node-b would join at round 1 and not hold round 0 up
+        assert c.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=0.0) == 1
+        assert b.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 0
+        a.announce_ready(0, 1.0)
+        done: list = []
+        waiter = threading.Thread(target=lambda: done.append(a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)))
+        waiter.start()
+        time.sleep(4 * PERIOD_S)  # node-b's joining record outlives its 3 s TTL only by being renewed
+        assert not done, done  # without the joining record, node-a went on alone at once (CI's lost round 0)
+        b.set_round(0)
+        b.start_heartbeat(PERIOD_S, TTL_S)
+        b.announce_ready(0, 1.0)
+        waiter.join(timeout=30)
+        assert done and done[0] is not None and done[0][1] == ["node-a", "node-b"], done
+    finally:
+        c.close()
+        _close(a, b)

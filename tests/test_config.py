@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from composer_diloco.config import ConfigError, RunConfig, load_config
+from composer_diloco.config import ConfigError, NetworkConfig, RunConfig, load_config
 
 
 def test_defaults_are_valid_and_embedded():
@@ -97,3 +97,12 @@ def test_a_model_runs_config_is_read_without_importing_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "delay=0" in r.stdout and r.stdout.strip().endswith("no torch"), r.stdout
+
+
+def test_the_all_reduce_time_limit_grows_with_the_pseudo_gradient():
+    net = RunConfig().network
+    # Qwen3-0.6B's fp32 pseudo-gradient (full fine-tuning): its all-reduce took 44-45 s on an H200, the old fixed limit
+    assert net.allreduce_timeout_s(2_400_000_000) == pytest.approx(net.averaging_timeout_s + 480.0)
+    assert net.allreduce_timeout_s(3_600_000) == pytest.approx(net.averaging_timeout_s + 0.72)
+    slow = NetworkConfig(state_min_rate_mb_s=1.0)
+    assert slow.allreduce_timeout_s(10_000_000) == pytest.approx(slow.averaging_timeout_s + 20.0)

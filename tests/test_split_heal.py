@@ -52,12 +52,24 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _remove_stale_links() -> None:
+    """Delete the veth pairs and namespaces of earlier runs that were killed before their clean-up: one left up
+    holds HOST_IP's route, and node-1's dials then go into it (it cost a local run its round 0)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for dev in {w.split("@")[0] for w in out.split() if w.startswith("cdsh")}:
+        subprocess.run(["ip", "link", "del", dev], capture_output=True)
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in (line.split()[0] for line in out.splitlines() if line.startswith("cdsplit")):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @pytest.fixture
 def split_link():
     """A namespace joined to the host by a veth pair; yields (namespace, host-side device)."""
     reason = _netns_unusable()
     if reason:
         pytest.skip(reason)
+    _remove_stale_links()  # tests run one at a time: any such link is an earlier run's
     tag = os.getpid() % 100000
     ns, host_dev, ns_dev = f"cdsplit{tag}", f"cdsh{tag}", f"cdsn{tag}"
     try:

@@ -37,7 +37,7 @@ local progress: the policy loads theta as the blocking path does, and no pseudo-
 dropped phase (a zero one weighted by its samples would dilute the average). The node's next inner phase then
 trains the round the peer is in. An exception of the background thread (`ArchitectureMismatch`) is raised in the
 foreground at the next fold. At the end of training (the run's end, a stop) the in-flight round is waited for (at
-most ``averaging_timeout_s`` x 2 + 10 s; on a stop (SIGTERM) at most ``STOP_JOIN_S``, then given up as failed) and
+most ``DiLoCoPeer.allreduce_timeout_s`` x 2 + 10 s; on a stop (SIGTERM) at most ``STOP_JOIN_S``, then given up as failed) and
 theta is loaded, so the final policy is theta, as in blocking mode; `OverlappedSync.close` (a cleanup, run before the
 averager is shut down) joins the thread the same way.
 The coordinator has no inner phase: it always syncs blocking.
@@ -118,8 +118,7 @@ class OverlappedSync:
     def __init__(self, peer: DiLoCoPeer, stop: threading.Event):
         self.peer, self.stop = peer, stop
         self._inflight: _InFlight | None = None
-        net = peer.config.network
-        self.join_timeout_s = 2 * net.averaging_timeout_s + 10.0
+        self.join_timeout_s = 2 * peer.allreduce_timeout_s + 10.0
 
     @property
     def in_flight(self) -> int | None:

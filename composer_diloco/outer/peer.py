@@ -228,6 +228,8 @@ class DiLoCoPeer:
         last_download: the `DownloadReport` of the last completed download (None before one).
         last_download_error: why the last download failed ("" when it did not).
         chunk_bytes: bytes per chunk this peer asks for in its downloads (a node's ``--state-chunk-size``).
+        allreduce_timeout_s: seconds an all-reduce of this peer's pseudo-gradient may take, and a wait for others'
+            (`NetworkConfig.allreduce_timeout_s`: grows with its bytes).
     """
 
     def __init__(self, model: nn.Module, config: RunConfig, swarm: Swarm, *, start_round: int = 0,
@@ -243,6 +245,9 @@ class DiLoCoPeer:
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self._peer_names: dict[str, str] = {}  # base58 peer ID -> name, from heartbeats (`_download_candidates`)
         self.delta = [_shared_zeros(p.shape) for p in model.parameters() if p.requires_grad]
+        # an all-reduce's (and a wait for one's) time limit grows with the pseudo-gradient's bytes
+        self.allreduce_timeout_s = config.network.allreduce_timeout_s(sum(d.numel() * d.element_size()
+                                                                          for d in self.delta))
         self._delta_written = False  # only zeros in it yet: the coordinator need not write them (`_pseudo_gradient`)
         # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
         codec = make_sparse_codec(config, [d.shape for d in self.delta])
@@ -278,7 +283,7 @@ class DiLoCoPeer:
             # wait on each other's lock until this timeout breaks the tie; at the window's length it took the whole
             # window, and the round's group did not form
             request_timeout=min(5.0, net.matchmaking_time_s / 2),
-            allreduce_timeout=net.averaging_timeout_s,
+            allreduce_timeout=self.allreduce_timeout_s,
             next_chunk_timeout=min(10.0, net.averaging_timeout_s / 3),
             compression=make_compression(config.compression),
             max_norm_ratio=config.outer.max_norm_ratio,
@@ -405,10 +410,12 @@ class DiLoCoPeer:
         order = sorted((p for p in priority if p != mine), key=lambda p: (-priority[p], random.random()))
         return [(p, names.get(p, p[:16])) for p in order]
 
-    def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event) -> int:
+    def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event,
+                               intended: int | None = None) -> int:
         """Bring a joining peer to the round the swarm is in (`recovery.join_at_round_boundary`, which documents
         the arguments). Returns the newest round a live peer was in. Raises ArchitectureMismatch."""
-        return recovery.join_at_round_boundary(self, join_grace_s=join_grace_s, timeout_s=timeout_s, stop=stop)
+        return recovery.join_at_round_boundary(self, join_grace_s=join_grace_s, timeout_s=timeout_s, stop=stop,
+                                               intended=intended)
 
     # -- one round ------------------------------------------------------------------------------------
     def sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None = None) -> SyncResult | None:
@@ -616,7 +623,6 @@ class DiLoCoPeer:
         Raises:
             RoundFailed: no group formed (or a group of one), the all-reduce failed, or the group held no weight.
         """
-        net = self.config.network
         self._delta_written = True  # the all-reduce leaves its mean in the buffers
         self.averager.set_group_bits(round_group_bits(r))
         self.averager.set_target_group_size(group_size if group_size and group_size >= 2 else None)
@@ -626,7 +632,7 @@ class DiLoCoPeer:
                 gather={"name": self.swarm.name, "role": self.swarm.role, "round": r, "weight": float(weight),
                         "norm": norm},
                 scheduled_time=scheduled_time,
-                timeout=net.averaging_timeout_s,
+                timeout=self.allreduce_timeout_s,
                 allow_retries=False,
             )
         except Exception as e:

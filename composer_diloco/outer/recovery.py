@@ -85,7 +85,7 @@ def recover(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundCloc
 
     One rule on every peer, so that replicas never fork: while a live peer is past round ``r``, download the
     newest state from the peers of the newest round, in `by_precedence` order (a settled one, the coordinator
-    first among equals). While others are still in round ``r``, wait for them, at most ``averaging_timeout_s``;
+    first among equals). While others are still in round ``r``, wait for them, at most ``peer.allreduce_timeout_s``;
     only the first of the peers left in round ``r`` (the coordinator, else the lowest name) applies its own
     pseudo-gradient at once, so the others have a state to take. A peer with nobody in or past its round is the
     whole swarm and steps alone.
@@ -96,7 +96,7 @@ def recover(peer: DiLoCoPeer, model: nn.Module | None, r: int, clock: _RoundCloc
         ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
     """
     me = peer.swarm.name
-    timeout_s = peer.config.network.averaging_timeout_s
+    timeout_s = peer.allreduce_timeout_s  # the others may be in a long all-reduce
     deadline = time.monotonic() + timeout_s
     # unsettled while waiting for a state, so that a member settling its own theta (`settle`) does not wait for us
     peer.swarm.set_round(r, sha=peer.swarm.sha, settled=False)
@@ -182,7 +182,7 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
     groups), each stepping theta by its own mean, so the replicas part. `heal_split` would bring them back at the next
     sync, after a whole inner phase trained on a theta that is then dropped; here a peer whose group lacks the
     authority (the first live peer by `step_order`) waits for the authority to publish its theta of round ``r + 1``
-    (at most ``network.averaging_timeout_s``) and, when it differs from ours, downloads it before training on. The
+    (at most ``peer.allreduce_timeout_s``) and, when it differs from ours, downloads it before training on. The
     pseudo-gradients of this peer's group are then lost for round ``r``, as in `heal_split`: the rule is the same on
     every peer, so the replicas agree again without a second all-reduce. This peer's own theta of round ``r + 1`` is
     published first (settled), so an authority that found no group at all takes it (`recover`) instead of stepping
@@ -199,7 +199,7 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
         ArchitectureMismatch: from `DiLoCoPeer.load_state_from_peers`.
     """
     me, ours, waited_for = peer.swarm.name, peer.global_model.sha256(), "the authority"
-    deadline = time.monotonic() + peer.config.network.averaging_timeout_s
+    deadline = time.monotonic() + peer.allreduce_timeout_s
     while time.monotonic() < deadline:
         others = [p for p in peer.swarm.live_peers() if p.name != me]
         if not others:
@@ -220,7 +220,7 @@ def join_authority_after_split(peer: DiLoCoPeer, r: int, members: list[str]) -> 
             return load_from_first(peer, [authority], min_round=r + 1)
         time.sleep(0.25)
     log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking again "
-                "at the next sync", me, r, len(members), waited_for, peer.config.network.averaging_timeout_s)
+                "at the next sync", me, r, len(members), waited_for, peer.allreduce_timeout_s)
     return False
 
 
@@ -233,7 +233,7 @@ def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStat
     """After an all-reduce of round ``r`` that missed ``missed`` elements: take one group member's theta.
 
     A reducer lost mid-way may have returned its part to some members and not to others, so theta can differ
-    between them. This peer publishes its theta as unsettled and waits (at most ``averaging_timeout_s``) for
+    between them. This peer publishes its theta as unsettled and waits (at most ``peer.allreduce_timeout_s``) for
     a settled member, one that received every part, or for every live member to be done with round ``r``.
     Then all adopt the theta of the same member, the first by `by_precedence` that answers (settled ones
     first, then the coordinator, then by name); a peer that comes first keeps its own.
@@ -251,7 +251,7 @@ def settle(peer: DiLoCoPeer, members: set[str], r: int, missed: int) -> SyncStat
                 "settling theta with the group", me, r, missed)
     peer._update_priority()
     peer.swarm.set_round(next_round, sha=ours, settled=False)
-    deadline = time.monotonic() + peer.config.network.averaging_timeout_s
+    deadline = time.monotonic() + peer.allreduce_timeout_s
     while True:
         group = [p for p in peer.swarm.live_peers() if p.name in members and p.name != me]
         done = [p for p in group if p.round == next_round and p.sha]
@@ -332,7 +332,7 @@ def load_from_first(peer: DiLoCoPeer, candidates: list[PeerRecord], *, min_round
 
 
 def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: float,
-                           stop: threading.Event) -> int:
+                           stop: threading.Event, intended: int | None = None) -> int:
     """Bring a joining peer to the round the swarm is in, right before its first inner phase.
 
     First the newest state of any live peer past ours (a joiner whose set-up outlasted a round). Then, if that
@@ -340,8 +340,12 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     the next round's state, so that a late joiner never holds the others up for long. Had the others already
     passed the barrier when it arrives anyway, `DiLoCoPeer.sync` takes their state (`recover`).
 
+    A peer that announced at the start of its set-up which round it joins (`Swarm.announce_joining`, by the same
+    rule) joins that round however long its set-up took: the others wait for it at that round's barrier.
+
     Args:
         join_grace_s: seconds a round may have been underway for this peer to still join it.
+        intended: the round `Swarm.announce_joining` returned (None: decide by the round's age now).
         timeout_s: seconds to wait for a peer's state per download.
         stop: set to give up waiting (shutdown).
     Returns:
@@ -357,6 +361,8 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
         log.info("%s: the swarm is at round %d, past our round %d: downloading its state", me, newest, peer.round)
         peer.load_state_from_peers(timeout_s, min_round=newest)
     r = peer.round
+    if r == intended:
+        return newest  # the barrier of round r waits for us: we said so when our set-up began
     training = [p for p in peer.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
     if not training:
         return newest

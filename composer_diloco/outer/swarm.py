@@ -234,6 +234,72 @@ class Swarm:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._redial: threading.Thread | None = None
+        self._joining: threading.Thread | None = None
+        self._joined = threading.Event()  # set when the heartbeat starts: the joining record is no longer renewed
+
+    # -- joiners --------------------------------------------------------------------------------------------
+    def announce_joining(self, period_s: float, ttl_s: float, join_grace_s: float) -> int:
+        """Tell the round barrier that this node is setting up to join, before its first heartbeat.
+
+        A node's heartbeat starts only once its model is built and theta downloaded (seconds on a CPU, minutes for
+        a large model); until then `wait_for_round` could not know of it, and nodes launched together missed the
+        run's first round whenever one finished setting up an inner phase before another (three CI failures: the
+        others passed round 0's barrier before the late one's first heartbeat). Like torchft's Lighthouse, which
+        waits its ``join_timeout`` for replicas that asked to join, the barrier now waits for a joiner that said so.
+
+        The round this node means to join is decided here, once, by the rule `recovery.join_at_round_boundary`
+        applies: the swarm's newest round if it has been underway for at most ``join_grace_s`` seconds, else the
+        next one. A record ``{run}.joining`` (subkey = this peer's name: round, multiaddr, time) is renewed every
+        ``period_s`` seconds with a ``ttl_s`` expiry until `start_heartbeat`, so a joiner that dies is waited for
+        at most ``ttl_s`` (or less: its dial fails, `_ping_the_late`).
+
+        Returns:
+            The round this node means to join (the barrier of that round, and only that one, waits for it).
+        """
+        peers = [p for p in self.live_peers() if p.name != self.name]
+        newest = max((p.round for p in peers), default=0)
+        training = [p for p in peers if p.role == "node" and p.round == newest]
+        age = get_dht_time() - min(p.since for p in training) if training else 0.0
+        intended = newest if age <= join_grace_s else newest + 1
+        try:
+            maddr = visible_multiaddr(self.dht)
+        except SwarmError:
+            maddr = ""
+
+        def store() -> Any:
+            value = {"round": intended, "maddr": maddr, "t": get_dht_time()}
+            return self.dht.store(f"{self.run}.joining", value, get_dht_time() + ttl_s, subkey=self.name,
+                                  return_future=True)
+
+        def renew() -> None:
+            while not self._joined.is_set() and not self._stop.wait(period_s):
+                if not self._joined.is_set():
+                    try:
+                        store()
+                    except Exception as e:  # a missed renewal is harmless; the next one retries
+                        log.debug("joining record failed: %r", e)
+
+        try:
+            store().result(timeout=ttl_s)
+        except Exception as e:
+            log.debug("joining record failed: %r", e)
+        self._joining = threading.Thread(target=renew, name=f"joining-{self.name}", daemon=True)
+        self._joining.start()
+        return intended
+
+    def joining_peers(self) -> list[PeerRecord]:
+        """Nodes setting up to join (`announce_joining`) whose record has not expired, as records of the round they
+        mean to join (``t`` = their record's last renewal)."""
+        found = self.dht.get(f"{self.run}.joining", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for name, item in found.value.items():
+            v = getattr(item, "value", None)
+            if isinstance(v, dict) and {"round", "t"} <= v.keys():
+                out.append(PeerRecord(str(name), "node", int(v["round"]), float(v["t"]), float(v["t"]),
+                                      str(v.get("maddr", ""))))
+        return out
 
     # -- heartbeats ---------------------------------------------------------------------------------------
     def start_heartbeat(self, period_s: float, ttl_s: float) -> None:
@@ -254,6 +320,7 @@ class Swarm:
                         log.debug("heartbeat failed: %r", e)
                 self._stop.wait(period_s)
 
+        self._joined.set()
         self._ttl_s, self._period_s = ttl_s, period_s
         try:
             self._maddr = visible_multiaddr(self.dht)
@@ -359,6 +426,9 @@ class Swarm:
         of them, and the round without the peer that keeps the canonical model. A peer that never arrives is given
         up ``slack_s`` after the first ready node.
 
+        So is a node that announced it is setting up to join ``round_`` (`announce_joining`) and has no heartbeat
+        yet: nodes launched together all train the run's first round.
+
         A peer waited for whose heartbeat is late (older than 1.5 heartbeat periods) is dialed at its multiaddr, at
         most once a period (`_ping_the_late`): one whose dial fails (its process killed: its p2pd is gone, the dial
         is refused) is not waited for, instead of until its heartbeat's TTL ends. A dial that connects is enough to
@@ -380,6 +450,9 @@ class Swarm:
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
                 waited = [p for p in peers if (p.role == "node" and p.round <= round_)
                           or (p.role == "coordinator" and round_ - 1 <= p.round <= round_)]
+                # and nodes still setting up to join this very round (not those given up at an earlier one)
+                beating = {p.name for p in peers}
+                waited += [p for p in self.joining_peers() if p.round == round_ and p.name not in beating]
                 self._ping_the_late(round_, [p for p in waited if p.name not in announced], unanswered, pinged)
                 live = {p.name for p in waited if unanswered.get(p.name) != p.t}
                 first = min(v["t"] for v in ready.values())
@@ -421,6 +494,9 @@ class Swarm:
     def close(self) -> None:
         """Stop the heartbeat and redial threads (the DHT is shut down by its owner)."""
         self._stop.set()
+        self._joined.set()
+        if self._joining is not None:
+            self._joining.join(timeout=5)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         if self._redial is not None:
