@@ -21,6 +21,7 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
     python bench/churn.py --out runs/churn --kill-every-s 0   (no churn: the same run's goodput without faults)
+    python bench/churn.py --out runs/churn --config bench/configs/overlap.toml   (the run's TOML: here the sync overlaps)
     python bench/churn.py --out runs/churn-before --code /tmp/before   (the peers run another checkout's code, e.g. a
                                                                       worktree of an older commit; the same schedule)
 """
@@ -63,6 +64,7 @@ class Churn:
     rounds: int
     listen: str
     code: Path = ROOT
+    config: Path | None = None
     lives: list[Life] = field(default_factory=list)
     peer: str = ""
 
@@ -85,8 +87,9 @@ class Churn:
 
         Raises:
             RuntimeError: it printed no peer line within 300 s (or exited first)."""
+        config = ["--config", str(self.config)] if self.config is not None else []
         life = self.spawn("coordinator", ["-m", "coordinator", "start", "--run-dir", str(self.run_dir), "--rounds",
-                                          str(self.rounds), "--listen", self.listen])
+                                          str(self.rounds), "--listen", self.listen, *config])
         found: list[str] = []
 
         def read() -> None:
@@ -201,6 +204,8 @@ def main() -> int:
                     help="end the run when no node has been alive (and none is due to restart) for this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code the peers run (default: this one)")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="the run's TOML (default: the embedded default), e.g. one with [outer] overlap = true")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder (a run dir continues the run it holds)")
@@ -208,7 +213,10 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         listen = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
-    churn = Churn(a.out.resolve(), a.rounds, listen, a.code.resolve())
+    if a.config is not None and not a.config.is_file():
+        ap.error(f"--config {str(a.config)!r} is not a file")
+    churn = Churn(a.out.resolve(), a.rounds, listen, a.code.resolve(),
+                  a.config.resolve() if a.config is not None else None)
     rng = random.Random(a.seed)
     names = [f"node-{i}" for i in range(a.nodes)]
     t0 = time.time()
@@ -275,6 +283,7 @@ def main() -> int:
     report = {**summarize(churn, a.rounds), "stalled": stalled, "orphans": session_processes(sessions),
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
               "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
+              "config": str(a.config) if a.config else None,
               "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives]}
     (a.out / "churn.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "exit_codes"}))
