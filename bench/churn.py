@@ -12,8 +12,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round
                        (work that reached the canonical model)
     where the rest went, over node-seconds alive: ``startup`` (spawn to the start of a life's first inner phase:
-                       imports, env server, DHT join, state download), ``sync`` (each round's ``sync_seconds``),
-                       ``lost`` (the rest: the inner phase a kill cut short, waits between rounds)
+                       imports, env server, DHT join, state download), ``sync`` (the seconds each round's sync
+                       stopped the inner loop: ``blocked_seconds``, which is ``sync_seconds`` unless the sync
+                       overlaps), ``lost`` (the rest: the inner phase a kill cut short, waits between rounds)
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -153,6 +154,13 @@ def session_processes(pids: set[int]) -> list[str]:
     return alive
 
 
+def _stood_still(record: dict) -> float:
+    """Seconds a node's inner loop stood still for the round's sync: ``blocked_seconds`` (with ``[outer] overlap``
+    the sync runs under the next inner phase and only the wait for its theta stops the loop), else ``sync_seconds``
+    (the metrics of a checkout older than ``blocked_seconds``)."""
+    return float(record.get("blocked_seconds", record["sync_seconds"]))
+
+
 def summarize(churn: Churn, rounds: int) -> dict:
     """The report of the module docstring, from the lives and every peer's metrics lines."""
     from composer_diloco.metrics import read_metrics
@@ -166,10 +174,10 @@ def summarize(churn: Churn, rounds: int) -> dict:
         mine = [r for r in records.get(life.name, []) if life.started <= r["time"] <= end + 1]
         inner += sum(r["inner_seconds"] for r in mine)
         kept += sum(r["inner_seconds"] for r in mine if canonical.get(r["round"]) == r["global_sha256"])
-        sync += sum(r["sync_seconds"] for r in mine)
+        sync += sum(_stood_still(r) for r in mine)
         if mine:
             first = min(mine, key=lambda r: r["time"])
-            startup += max(0.0, first["time"] - first["inner_seconds"] - first["sync_seconds"] - life.started)
+            startup += max(0.0, first["time"] - first["inner_seconds"] - _stood_still(first) - life.started)
         else:
             startup += end - life.started
     by_round: dict[int, set] = {}

@@ -22,7 +22,6 @@ No success on nothing: a run whose rounds all ended without moving theta (``unch
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
@@ -35,9 +34,10 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
+from composer_diloco.outer.known_peers import KNOWN_PEERS_FILE, read_known_peers, write_known_peers
 from composer_diloco.outer.swarm import NoPeerAnswered, Swarm, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
-    CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint, write_atomic,
+    CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint,
 )
 
 log = logging.getLogger(__name__)
@@ -277,11 +277,7 @@ class Coordinator:
 
     def _known_peers(self) -> list[str]:
         """Multiaddrs of the peers seen at the last round (``peers.json``), to rejoin a swarm that went on."""
-        try:
-            peers = json.loads((self.run_dir / "peers.json").read_text())
-        except (OSError, ValueError):
-            return []
-        return [str(p) for p in peers if isinstance(p, str)] if isinstance(peers, list) else []
+        return read_known_peers(self.run_dir / KNOWN_PEERS_FILE)
 
     def _lock_run_dir(self) -> None:
         """Hold ``RUN_DIR/coordinator.lock`` (an OS file lock, released when this process ends, even on SIGKILL) for
@@ -331,7 +327,7 @@ class Coordinator:
             known = {p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != PEER_NAME}
         else:
             known = set(maddrs) | set(self._known_peers())
-        write_atomic(self.run_dir / "peers.json", json.dumps(sorted(known)))
+        write_known_peers(self.run_dir / KNOWN_PEERS_FILE, known)
 
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""

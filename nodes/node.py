@@ -31,6 +31,7 @@ from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wa
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
+from composer_diloco.outer.known_peers import KNOWN_PEERS_FILE, read_known_peers, write_known_peers
 from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
@@ -296,7 +297,8 @@ class Node:
         self.stop.add_cleanup(lock.release)
 
     def _start_dht(self, secret: bytes | None):
-        """The node's DHT peer, bootstrapped from any of its ``--peer``s. While none answers (a coordinator
+        """The node's DHT peer, bootstrapped from any of its ``--peer``s or of the peers its last life on the same
+        ``--peer`` line saw (``<run-dir>/<name>/peers.json``, `_remember_peers`). While none answers (a coordinator
         restarting, a job script that started the nodes first) it re-dials every few seconds for ``--join-timeout``
         seconds, saying at WARNING what it waits for, then raises the last `SwarmError` ("no peer answered ...").
         A refused run secret looks the same from here, so it waits too before that one-line error.
@@ -306,18 +308,34 @@ class Node:
         while a live peer reachable from the ``--peer``s holds it (`IdentityInUse`)."""
         o = self.options
         deadline = time.monotonic() + o.join_timeout_s
+        # the peers this node saw in its last life on the same --peer line: a restart while that peer (the
+        # coordinator) is down joins through them (`composer_diloco.outer.known_peers`)
+        seen = [m for m in read_known_peers(self.own_dir / KNOWN_PEERS_FILE, started_on=o.peers) if m not in o.peers]
+        if seen:
+            log.info("also dialing the %d peer(s) this node saw in its last life (%s)", len(seen),
+                     self.own_dir / KNOWN_PEERS_FILE)
         while True:
             try:
-                return start_dht(initial_peers=o.peers, listen=o.listen, announce=o.announce or None, secret=secret,
-                                 identity_path=str(self.own_dir / IDENTITY_FILE),
+                return start_dht(initial_peers=[*o.peers, *seen], listen=o.listen, announce=o.announce or None,
+                                 secret=secret, identity_path=str(self.own_dir / IDENTITY_FILE),
                                  identity_is_new=self._new_identity)
             except NoPeerAnswered:
                 left = deadline - time.monotonic()
                 if left < 1.0 or self.stop.event.is_set():
                     raise
-                log.warning("no peer answered at --peer %s: dialing again for %.0f more s (--join-timeout)",
-                            " ".join(o.peers), left)
+                log.warning("no peer answered at --peer %s%s: dialing again for %.0f more s (--join-timeout)",
+                            " ".join(o.peers), f" nor at the {len(seen)} peer(s) of its last life" if seen else "",
+                            left)
                 self.stop.event.wait(min(JOIN_REDIAL_S, left))
+
+    def _remember_peers(self) -> None:
+        """Keep the live peers' multiaddrs in ``<run-dir>/<name>/peers.json`` (`_start_dht` of a restart dials them);
+        a failed write costs only that (a WARNING)."""
+        maddrs = [p.maddr for p in self.swarm.live_peers() if p.maddr and p.name != self.options.name]
+        try:
+            write_known_peers(self.own_dir / KNOWN_PEERS_FILE, maddrs, started_on=self.options.peers)
+        except OSError as e:
+            log.warning("could not keep the peers seen in %s: %s", self.own_dir / KNOWN_PEERS_FILE, e)
 
     def plan_memory(self, config: RunConfig):
         """Compute this node's memory plan for ``config`` (`composer_diloco.policy.memory_plan`), pick the micro-batch
@@ -533,6 +551,7 @@ class Node:
         if fold is not None:
             record["fold"] = fold
         self.metrics.write(record)
+        self._remember_peers()
         log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, blocked %.1f s, "
                  "%d peers, %s%s", result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"],
                  inner_seconds, result.sync_seconds, phase["blocked_seconds"], result.peers, result.status,

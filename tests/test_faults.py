@@ -110,7 +110,8 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
     """Also (issue 37): restarted with the same command, the coordinator has the same peer ID (its key is in the run
     dir), so the ``peer:`` line it printed first still works: a node started on it after the restart joins; and
     the live nodes, absent from its ``peers.json`` (whose one entry is dead), find it by re-dialing that line: it
-    reloads their round from them, and none of them steps alone after the restart."""
+    reloads their round from them, and none of them steps alone after the restart. A node restarted while the
+    coordinator is down joins through the peer it trained with in its last life."""
     rounds = 7
     hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
@@ -150,6 +151,13 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         # the nodes pause (alive, heartbeating) until the restarted coordinator has taken their state: however
         # slow the machine, the run cannot end before it is back
         hold.touch()
+        # a node restarted while the coordinator is down, on the same line (the only --peer its job script knows, now
+        # dead) joins through the peers of its last life (run_dir/node-1/peers.json): node-0
+        run.kill("node-1")
+        run.start_node("node-1", env=held, peer=first_line)
+        run.wait_until(lambda: run.log("node-1").count("global model of round") >= 2, 120,
+                       "node-1, restarted while the coordinator is down, to load theta through node-0")
+        assert "also dialing the 1 peer(s) this node saw in its last life" in run.log("node-1"), run.log_tail("node-1")
         # the issue-37 case: the only peer the restarted coordinator knows of is dead, so the live nodes, never in
         # its peers.json now, must find it themselves (they re-dial their --peer, the same line: the same key)
         (run_dir / "peers.json").write_text(json.dumps([DEAD_PEER]))
