@@ -290,16 +290,8 @@ class Swarm:
     def joining_peers(self) -> list[PeerRecord]:
         """Nodes setting up to join (`announce_joining`) whose record has not expired, as records of the round they
         mean to join (``t`` = their record's last renewal)."""
-        found = self.dht.get(f"{self.run}.joining", latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        out = []
-        for name, item in found.value.items():
-            v = getattr(item, "value", None)
-            if isinstance(v, dict) and {"round", "t"} <= v.keys():
-                out.append(PeerRecord(str(name), "node", int(v["round"]), float(v["t"]), float(v["t"]),
-                                      str(v.get("maddr", ""))))
-        return out
+        return [PeerRecord(name, "node", int(v["round"]), float(v["t"]), float(v["t"]), str(v.get("maddr", "")))
+                for name, v in self._records("joining", {"round", "t"}).items()]
 
     # -- heartbeats ---------------------------------------------------------------------------------------
     def start_heartbeat(self, period_s: float, ttl_s: float) -> None:
@@ -388,18 +380,22 @@ class Swarm:
 
     def live_peers(self) -> list[PeerRecord]:
         """Peers whose heartbeat has not expired."""
-        found = self.dht.get(f"{self.run}.peers", latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
         out = []
-        for name, item in found.value.items():
-            v = getattr(item, "value", None)
-            if isinstance(v, dict) and {"role", "round", "t"} <= v.keys():
-                lineage = {int(r): str(h) for r, h in v.get("lineage", []) if isinstance(h, str)}
-                out.append(PeerRecord(str(name), str(v["role"]), int(v["round"]), float(v["t"]),
-                                      float(v.get("since", v["t"])), str(v.get("maddr", "")),
-                                      str(v.get("sha", "")), bool(v.get("settled", True)), lineage))
+        for name, v in self._records("peers", {"role", "round", "t"}).items():
+            lineage = {int(r): str(h) for r, h in v.get("lineage", []) if isinstance(h, str)}
+            out.append(PeerRecord(name, str(v["role"]), int(v["round"]), float(v["t"]), float(v.get("since", v["t"])),
+                                  str(v.get("maddr", "")), str(v.get("sha", "")), bool(v.get("settled", True)),
+                                  lineage))
         return out
+
+    def _records(self, key: str, required: set[str]) -> dict[str, dict]:
+        """The unexpired subkey records of ``{run}.{key}`` (subkey = peer name -> its dict value), those holding the
+        ``required`` fields: what `live_peers`, `joining_peers` and `ready_peers` read."""
+        found = self.dht.get(f"{self.run}.{key}", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(name): item.value for name, item in found.value.items()
+                if isinstance(getattr(item, "value", None), dict) and required <= item.value.keys()}
 
     # -- the round barrier --------------------------------------------------------------------------------
     def announce_ready(self, round_: int, weight: float) -> None:
@@ -410,10 +406,8 @@ class Swarm:
         )
 
     def ready_peers(self, round_: int) -> dict[str, dict]:
-        found = self.dht.get(f"{self.run}.ready.{round_}", latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        return {str(k): v.value for k, v in found.value.items() if isinstance(getattr(v, "value", None), dict)}
+        """Peers that announced ``round_`` ready (`announce_ready`): name -> ``{"t", "weight", "role"}``."""
+        return self._records(f"ready.{round_}", set())
 
     def wait_for_round(self, round_: int, *, slack_s: float, matchmaking_s: float,
                        stop: threading.Event | None = None, poll_s: float = 0.25) -> tuple[float, list[str]] | None:
