@@ -1,6 +1,6 @@
 """bf16 where it is safe (`composer_diloco.policy.precision`): frozen linear weights stored in bf16 compute
-bit-identical outputs under autocast; a ``--dtype bf16`` node (CPU autocast here, rehearsing a GPU) trains next to an
-fp32 node in one run, the peers agreeing on theta every round."""
+bit-identical outputs under autocast. A ``--dtype bf16`` node training next to an fp32 node in one run is in
+test_lora.py's LoRA run (one run for both: the suite's time)."""
 
 import copy
 from pathlib import Path
@@ -14,7 +14,6 @@ from composer_diloco.policy.lora import apply_lora, base_sha256
 from composer_diloco.policy.precision import autocast_forward, bf16_linear_params, frozen_linears_to_bf16, is_autocast
 
 ROOT = Path(__file__).resolve().parents[1]
-LORA = ROOT / "configs" / "lora.toml"
 SMOKE = ROOT / "configs" / "smoke.toml"
 
 
@@ -116,26 +115,3 @@ def test_full_fine_tuning_dpo_reference_copy_is_bf16_under_autocast(model):
     channel.after_outer_step()
     for ref, cur in zip(reference.parameters(), policy.parameters(), strict=True):
         assert torch.equal(ref, cur.to(ref.dtype))
-
-
-@pytest.mark.timeout(600)
-def test_bf16_and_fp32_nodes_train_one_lora_run(run_dir):
-    """Coordinator + a ``--dtype bf16`` node (CPU autocast) + an fp32 node on configs/lora.toml: the bf16 node keeps
-    its base's linear weights in bf16 (the base hash, taken before the cast, matches the run's), every process exits
-    0 and the peers agree on theta every round."""
-    from local_run import LocalRun, assert_agree
-
-    cfg = load_config(LORA)
-    run = LocalRun(run_dir, LORA)
-    try:
-        run.start_coordinator()
-        run.start_node("node-bf16", "--dtype", "bf16")
-        run.start_node("node-fp32", "--dtype", "fp32")
-        for name in ("node-bf16", "node-fp32", "coordinator"):
-            assert run.wait_exit(name, timeout_s=400) == 0, run.all_tails()
-    finally:
-        run.stop()
-    assert_agree(run.records(), range(cfg.rounds))
-    log = run.log("node-bf16")
-    assert "training on cpu, bf16" in log and "training on cpu, fp32" in run.log("node-fp32")
-    assert "frozen linear weights stored in bf16" in log, log[-3000:]

@@ -187,7 +187,10 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     """Coordinator + 2 nodes on configs/lora.toml: every peer agrees each round, the all-reduce carries the adapters
     only, the base is untouched, the adapters learn; a node whose base differs is refused at join with one line
     naming both hashes; the coordinator resumes from the LoRA checkpoint for one more round with a new node; the
-    checkpoint is a PEFT adapter folder that loads with PeftModel.from_pretrained and merges (merge-lora)."""
+    checkpoint is a PEFT adapter folder that loads with PeftModel.from_pretrained and merges (merge-lora).
+
+    node-b runs ``--dtype bf16`` (CPU autocast) beside node-a's fp32 (one run for both: the suite's time): it keeps its
+    base's linear weights in bf16 (the base hash, taken before the cast, matches the run's) and agrees every round."""
     import subprocess
     import sys
 
@@ -210,8 +213,8 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
         run.start_coordinator()
         bad = run.start_node("node-bad", "--run-dir", str(bad_dir),  # the later --run-dir wins
                              env={"COMPOSER_DILOCO_CACHE": str(bad_cache)})
-        run.start_node("node-a")  # beside the refused one: its refusal must not disturb the run
-        run.start_node("node-b")
+        run.start_node("node-a", "--dtype", "fp32")  # beside the refused one: its refusal must not disturb the run
+        run.start_node("node-b", "--dtype", "bf16")
         assert run.wait_exit("node-bad", timeout_s=180) == 1
         last = run.log_tail("node-bad", 1)
         assert f"base_sha256 {run_base} in the run" in last, last
@@ -224,6 +227,8 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     records = run.records()
     assert "node-bad" not in records
     shas = assert_agree(records, range(cfg.rounds))
+    assert "training on cpu, fp32" in run.log("node-a") and "training on cpu, bf16" in run.log("node-b")
+    assert "frozen linear weights stored in bf16" in run.log("node-b"), run.log_tail("node-b")
     for name in ("node-a", "node-b"):
         sent = [r["bytes_sent"] for r in records[name]]
         assert len(sent) == cfg.rounds and all(0 < b < full_bytes / 10 for b in sent), (sent, full_bytes)
