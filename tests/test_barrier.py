@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from composer_diloco.outer.swarm import Swarm, start_dht, visible_multiaddr
+from composer_diloco.outer.swarm import PeerRecord, Swarm, joins_round, start_dht, visible_multiaddr
 
 PERIOD_S, TTL_S, SLACK_S = 1.0, 60.0, 60.0
 
@@ -103,3 +103,16 @@ def test_the_barrier_waits_for_a_node_still_setting_up_to_join_its_round():
     finally:
         c.close()
         _close(a, b)
+
+
+def test_a_round_is_joinable_for_its_grace_after_its_first_node_entered_it():
+    """`joins_round`, the one rule of `Swarm.announce_joining` and `recovery.join_at_round_boundary`: the age of a
+    round is that of its first node in it; the coordinator's record and other rounds' nodes do not count."""
+    peers = [PeerRecord("coordinator", "coordinator", 3, t=100.0, since=10.0),
+             PeerRecord("a", "node", 3, t=100.0, since=95.0), PeerRecord("b", "node", 3, t=100.0, since=97.0),
+             PeerRecord("c", "node", 2, t=100.0, since=50.0)]
+    assert joins_round(peers, 3, join_grace_s=5.0, now=100.0)  # a entered 5 s ago: within the grace
+    assert not joins_round(peers, 3, join_grace_s=4.9, now=100.0)
+    assert joins_round(peers, 4, join_grace_s=0.0, now=100.0)  # no node in round 4 yet
+    assert not joins_round(peers, 2, join_grace_s=10.0, now=100.0)
+    assert joins_round([], 0, join_grace_s=0.0, now=0.0)

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
-from composer_diloco.outer.swarm import PeerRecord, first_divergence
+from composer_diloco.outer.swarm import PeerRecord, first_divergence, joins_round
 
 if TYPE_CHECKING:
     from composer_diloco.outer.peer import DiLoCoPeer, SyncResult, SyncStatus, _RoundClock
@@ -340,8 +340,8 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     the next round's state, so that a late joiner never holds the others up for long. Had the others already
     passed the barrier when it arrives anyway, `DiLoCoPeer.sync` takes their state (`recover`).
 
-    A peer that announced at the start of its set-up which round it joins (`Swarm.announce_joining`, by the same
-    rule) joins that round however long its set-up took: the others wait for it at that round's barrier.
+    Whether the round is still joinable is `swarm.joins_round`. A peer that announced at the start of its set-up
+    which round it joins (`Swarm.announce_joining`, by the same rule) joins that round however long its set-up took: the others wait for it at that round's barrier.
 
     Args:
         join_grace_s: seconds a round may have been underway for this peer to still join it.
@@ -363,13 +363,9 @@ def join_at_round_boundary(peer: DiLoCoPeer, *, join_grace_s: float, timeout_s: 
     r = peer.round
     if r == intended:
         return newest  # the barrier of round r waits for us: we said so when our set-up began
-    training = [p for p in peer.swarm.live_peers() if p.role == "node" and p.name != me and p.round == r]
-    if not training:
-        return newest
-    age = get_dht_time() - min(p.since for p in training)
-    if age <= join_grace_s:
+    if joins_round([p for p in peer.swarm.live_peers() if p.name != me], r, join_grace_s, get_dht_time()):
         return newest  # the others wait for us at the barrier
-    log.info("round %d has been underway for %.0f s: joining at the next round boundary", r, age)
+    log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r, join_grace_s)
     while not stop.is_set():
         live = [p for p in peer.swarm.live_peers() if p.name != me]
         if any(p.round > r for p in live) or not any(p.role == "node" and p.round == r for p in live):

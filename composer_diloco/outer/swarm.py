@@ -192,6 +192,22 @@ class PeerRecord:
         return self.maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in self.maddr else ""
 
 
+def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:
+    """Whether a node setting up now still joins ``round_`` (else it waits for the next round boundary).
+
+    It does when no node is training ``round_`` yet, or when the first of them entered it at most ``join_grace_s``
+    seconds ago (DHT time, `PeerRecord.since`): the others then wait for it at that round's barrier. The one rule
+    `Swarm.announce_joining` (at the start of a node's set-up) and `recovery.join_at_round_boundary` (at its end,
+    for a node that announced nothing) apply.
+
+    Args:
+        peers: the live peers' heartbeats (this node's own excluded).
+        round_: the round in question; now: DHT time (`hivemind.utils.timed_storage.get_dht_time`), seconds.
+    """
+    training = [p.since for p in peers if p.role == "node" and p.round == round_]
+    return not training or now - min(training) <= join_grace_s
+
+
 def first_divergence(ours: dict[int, str], theirs: dict[int, str]) -> int | None:
     """The first round both hash tables hold where the hashes differ (compared on their common prefix), else None.
 
@@ -247,9 +263,8 @@ class Swarm:
         others passed round 0's barrier before the late one's first heartbeat). Like torchft's Lighthouse, which
         waits its ``join_timeout`` for replicas that asked to join, the barrier now waits for a joiner that said so.
 
-        The round this node means to join is decided here, once, by the rule `recovery.join_at_round_boundary`
-        applies: the swarm's newest round if it has been underway for at most ``join_grace_s`` seconds, else the
-        next one. A record ``{run}.joining`` (subkey = this peer's name: round, multiaddr, time) is renewed every
+        The round this node means to join is decided here, once, by `joins_round`: the swarm's newest round if it
+        has been underway for at most ``join_grace_s`` seconds, else the next one. A record ``{run}.joining`` (subkey = this peer's name: round, multiaddr, time) is renewed every
         ``period_s`` seconds with a ``ttl_s`` expiry until `start_heartbeat`, so a joiner that dies is waited for
         at most ``ttl_s`` (or less: its dial fails, `_ping_the_late`).
 
@@ -258,9 +273,7 @@ class Swarm:
         """
         peers = [p for p in self.live_peers() if p.name != self.name]
         newest = max((p.round for p in peers), default=0)
-        training = [p for p in peers if p.role == "node" and p.round == newest]
-        age = get_dht_time() - min(p.since for p in training) if training else 0.0
-        intended = newest if age <= join_grace_s else newest + 1
+        intended = newest if joins_round(peers, newest, join_grace_s, get_dht_time()) else newest + 1
         try:
             maddr = visible_multiaddr(self.dht)
         except SwarmError:
@@ -520,4 +533,4 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeou
 
 
 __all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "check_addresses", "fetch_run_config",
-           "first_divergence", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
+           "first_divergence", "joins_round", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
