@@ -395,6 +395,23 @@ class SparseCodecConfig(_Section):
     )
 
 
+class ReportConfig(_Section):
+    """Where every peer also sends its per-round metrics (`composer_diloco.report`): each peer is one run of the
+    tracker, named after it, in one group (the run's name) of one project; the names are ``metrics.jsonl``'s, nested
+    ones joined with ``/`` (``inner_phase_seconds/generation``), the step is the round. Off unless ``to`` names one."""
+
+    to: list[Literal["trackio", "wandb"]] = Field(
+        default_factory=list,
+        description="Trackers: trackio (HF's local-first tracker: `pip install -e \".[trackio]\"`, its store is "
+                    "$TRACKIO_DIR or ~/.cache/huggingface/trackio, its dashboard `trackio show`) and/or wandb "
+                    "(`pip install wandb`; WANDB_MODE=offline needs no account). Empty: report nowhere.",
+    )
+    project: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,96}$",
+        description="The tracker's project; None: the run's name (run_name).",
+    )
+
+
 class RunConfig(_Section):
     """Everything that must be the same on every peer of a run."""
 
@@ -433,6 +450,7 @@ class RunConfig(_Section):
     hints: dict[str, str] = Field(
         default_factory=dict, description="Hint templates by error kind, overriding/extending the defaults."
     )
+    report: ReportConfig = ReportConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -475,7 +493,7 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
         ``[sparse_codec]``), with ``outer.overlap`` off, without ``env.max_tool_reply_tokens``, or with the
-        ``network.state_*`` settings at their defaults, has no such key, so its JSON and `digest` are those of a config
+        ``network.state_*`` settings at their defaults, or without ``[report]``, has no such key, so its JSON and `digest` are those of a config
         written before it existed."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
@@ -488,6 +506,8 @@ class RunConfig(_Section):
         for key in _STATE_TRANSFER_KEYS:  # the state transfer's settings at their defaults: likewise
             if data["network"].get(key) == NetworkConfig.model_fields[key].default:
                 data["network"].pop(key, None)
+        if data["report"] == ReportConfig().model_dump(mode="json"):  # reporting nowhere: likewise
+            data.pop("report")
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -51,14 +51,18 @@ def table_columns() -> tuple[Column, ...]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path`` (created with its folder), flushed and fsynced per line."""
+    """Appends one JSON object per line to ``path`` (created with its folder), flushed and fsynced per line; and,
+    once ``reporter`` is set (`composer_diloco.report.Reporter`, from the run config's ``[report]``), logs the same
+    line to the run's trackers."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.reporter = None
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one JSON line (keys sorted), flushed and fsynced.
+    def write(self, record: dict[str, Any], peers: list | None = None) -> None:
+        """Append ``record`` as one JSON line (keys sorted), flushed and fsynced; then report it (with ``peers``,
+        the live peers' heartbeats, for the coordinator's table of them: `Reporter.log_round`).
 
         Raises:
             OSError: the file cannot be written; TypeError: a value is not JSON-serializable.
@@ -68,6 +72,8 @@ class MetricsWriter:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.reporter is not None:
+            self.reporter.log_round(record, peers)
 
 
 def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:

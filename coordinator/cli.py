@@ -42,12 +42,14 @@ def _check(config: Path | None, rounds: int | None, model: str | None, secret_fi
     from composer_diloco.outer.secret import SecretError, load_secret
     from composer_diloco.policy.errors import PolicyLoadError
     from composer_diloco.policy.model_name import check_model_name
+    from composer_diloco.report import check_trackers
 
     try:
         cfg = load_config(config, rounds=rounds, model=model)
         if cfg.model is not None:
             check_model_name(cfg.model)
         check_listen_and_announce(listen, announce or [])
+        check_trackers(cfg)
         return cfg, load_secret(secret_file)
     except (ConfigError, SecretError, PolicyLoadError, AddressError) as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
@@ -160,6 +162,54 @@ def simulate(
                      rollout=rollout, dtype=dtype, verbose=verbose,
                      eval_episodes=eval_episodes if eval_episodes is not None else (256 if cfg.model is None else 0))
     raise typer.Exit(run_simulation(sim, cfg.rounds))
+
+
+@app.command()
+def status(
+    peer: Annotated[list[str], typer.Option("--peer", help="Multiaddr of a peer of the run: the coordinator's `peer:` "
+                                                           "line (repeatable).")],
+    secret_file: SecretFileOpt = None,
+    run_name: Annotated[Optional[str], typer.Option("--run-name", help="Which run (default: the only one on the "
+                                                                       "DHT).")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Redraw every 2 s until Ctrl-C.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to reach a peer and read the run "
+                                                                      "config before giving up.")] = 15.0,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Print the swarm as the coordinator sees it: each live peer (device, precision, round, phase, last round's
+    seconds and samples, heartbeat age), the nodes setting up, the run's round, the last round's agreement and who
+    was dropped or screened out. A read-only DHT client: it never counts as a node.
+
+    Exits 1 with one line when --peer is not a multiaddr, when no peer answers within --timeout, or in a closed run
+    without its secret (or with a wrong one)."""
+    from composer_diloco.outer.address_form import AddressError, check_address_form
+    from composer_diloco.outer.secret import SecretError, load_secret
+
+    try:  # before the heavy imports
+        for text in peer:
+            check_address_form("--peer", text, peer_id=True)
+        secret = load_secret(secret_file)
+    except (AddressError, SecretError) as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1) from None
+    import signal
+
+    from composer_diloco.reaper import watch_this_process
+    from coordinator.status import StatusClient, StatusError, run_status
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.ERROR, format="%(name)s: %(message)s")
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # hivemind's own lines (a failed bootstrap's warning) only with --verbose
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.CRITICAL)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill ends it as Ctrl-C does: the DHT shut down
+    watch_this_process()  # the DHT client's process and p2pd die with us, even on SIGKILL
+    client = StatusClient(list(peer), secret=secret, run_name=run_name, timeout_s=timeout)
+    try:
+        run_status(client, watch=watch)
+    except StatusError as e:
+        typer.echo(f"composer-coordinator: error: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

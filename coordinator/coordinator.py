@@ -33,12 +33,14 @@ from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
+from composer_diloco.report import Reporter, check_trackers
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
 from composer_diloco.outer.known_peers import KNOWN_PEERS_FILE, read_known_peers, write_known_peers
 from composer_diloco.outer.swarm import NoPeerAnswered, Swarm, publish_config, start_dht, visible_multiaddr
 from composer_diloco.checkpoint import (
     CheckpointError, latest_checkpoint, read_outer_state, restore_outer_state, save_checkpoint,
 )
+from coordinator.status import round_facts
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +190,7 @@ class Coordinator:
         from composer_diloco.policy.context_length import check_context_length
 
         config = self.config
+        check_trackers(config)  # a [report] tracker that is not installed fails before the model and the network
         if config.tasks.path is not None:  # a [tasks] dataset that cannot serve the nodes fails before the model
             from composer_diloco.rollout.tasks import TaskSet
 
@@ -225,6 +228,9 @@ class Coordinator:
             gc.collect()  # the checkpoint's memory-mapped outer.pt is let go now, not at some later GC cycle
             newer_live_state = self._reload_from_live_nodes()
         publish_config(self.dht, config)
+        self.metrics.reporter = Reporter(config, peer=PEER_NAME, role="coordinator")
+        self.stop.add_cleanup(self.metrics.reporter.finish)
+        self.swarm.set_info(device="cpu", precision="fp32", phase="sync")  # `composer-coordinator status`
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
         if checkpoint is None or newer_live_state:  # a resumed run's starting point is already a checkpoint
             self._save()
@@ -366,6 +372,7 @@ class Coordinator:
                 f"DPO pair); the checkpoints hold the starting theta")
             log.error("%s", self.unchanged_error)
         if self.idle_error is None:
+            self.swarm.set_info(phase="done")  # `composer-coordinator status`
             self._linger()
         return peer.round - first
 
@@ -375,13 +382,15 @@ class Coordinator:
             result = peer.sync(None, 0.0, stop=self.stop.event)
             if result is None:
                 break
+            live = self.swarm.live_peers()  # for the tracker's table and for `composer-coordinator status`
             self.metrics.write({
                 "round": result.round, "peer": PEER_NAME, "role": "coordinator", "peers": result.peers,
                 "samples": 0, "weight_total": result.weight_total, "sync_seconds": round(result.sync_seconds, 3),
                 "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
                 "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
                 "outer_phase_seconds": result.phase_seconds, "time": time.time(),
-            })
+            }, peers=live)
+            self.swarm.set_info(publish=True, **round_facts(result, live, self.swarm.info.get("group", [])))
             log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
                      result.weight_total, result.global_sha256[:12])
             self._write_known_peers()

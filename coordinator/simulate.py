@@ -382,4 +382,24 @@ def evaluate_run(run_dir: Path, episodes: int, seed: int = 12345) -> list[str]:
     except Exception as e:  # noqa: BLE001 (the run itself succeeded: say why the evaluation did not)
         return [f"eval: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     rounds = int(final_state["round"])
+    if config.report.to:
+        report_evaluation(config, comparisons, rounds)
     return [f"eval: {c.describe('warm start', f'round {rounds}')}" for c in comparisons]
+
+
+def report_evaluation(config, comparisons, rounds: int) -> None:
+    """Send the fixed evaluation to the run's trackers (``[report]``) as a run of its own, ``evaluation``, in the
+    run's group: ``eval/<greedy|sampled>/before``, ``.../after``, ``.../diff``, ``.../diff_se`` (mean rewards) at
+    step ``rounds``."""
+    from composer_diloco.report import Reporter
+
+    values = {}
+    for c in comparisons:
+        how = "greedy" if c.temperature == 0 else "sampled"
+        values.update({f"eval/{how}/before": c.before, f"eval/{how}/after": c.after, f"eval/{how}/diff": c.diff,
+                       f"eval/{how}/diff_se": c.diff_se, f"eval/{how}/episodes": c.n_episodes})
+    reporter = Reporter(config, peer="evaluation", role="evaluation")
+    try:
+        reporter.log_summary(values, step=rounds)
+    finally:
+        reporter.finish()

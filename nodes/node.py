@@ -30,6 +30,7 @@ from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
+from composer_diloco.report import Reporter
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
 from composer_diloco.outer.known_peers import KNOWN_PEERS_FILE, read_known_peers, write_known_peers
 from composer_diloco.rollout.mcp import detect_env_protocol
@@ -180,6 +181,9 @@ class Node:
                             f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
+        self.metrics.reporter = Reporter(config, peer=o.name, role="node",
+                                         extra={"placement": self.placement.describe()})
+        self.stop.add_cleanup(self.metrics.reporter.finish)
         # a node's own env server (no --env-url) is spawned now: its process's imports (~4 s on a 2-core machine)
         # overlap the memory plan, the task file and the model skeleton instead of following them; an error below
         # stops it (the stop's cleanup), and its own failure is raised where it is waited for
@@ -189,6 +193,7 @@ class Node:
             self.stop.add_cleanup(own_server.stop)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=o.peers)
+        self.swarm.set_info(device=self.placement.name, precision=self.placement.dtype, phase="joining")  # status
         net = config.network
         # the barrier of the round this node joins waits for it from now on, not only from its first heartbeat
         intended = self.swarm.announce_joining(net.heartbeat_s, net.heartbeat_ttl_s, net.join_grace_s)
@@ -448,6 +453,7 @@ class Node:
             if peer.round == before and not self.stop.event.is_set():
                 raise NodeError(f"round {peer.round}: training on after a heal ended no round")
         if peer.round >= config.rounds and not self.stop.event.is_set():
+            self.swarm.set_info(phase="done")  # `composer-coordinator status`
             # a peer still finishing the last round may need our state (`recovery.serve_until_settled`)
             recovery.serve_until_settled(peer, self.stop.event, config.network.averaging_timeout_s + 5.0)
             self._keep_final_model()
@@ -471,6 +477,7 @@ class Node:
         """Start the clocks of an inner phase: ``inner_seconds`` and its parts (`PhaseClock`) count from now."""
         self.clock.take()
         self._round_started = time.monotonic()
+        self.swarm.set_info(phase="inner")  # rollouts and training (`composer-coordinator status`)
 
     def out_of_time(self) -> bool:
         """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""
@@ -487,6 +494,7 @@ class Node:
         """
         parts = self.clock.take()
         entered = time.monotonic()
+        self.swarm.set_info(phase="sync")  # `composer-coordinator status`
         inner_seconds = entered - self._round_started
         stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
         samples = stats.samples
@@ -551,6 +559,8 @@ class Node:
         if fold is not None:
             record["fold"] = fold
         self.metrics.write(record)
+        self.swarm.set_info(last_round=result.round, inner_seconds=record["inner_seconds"],  # status
+                            sync_seconds=record["sync_seconds"], samples=record["samples"])
         self._remember_peers()
         log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, blocked %.1f s, "
                  "%d peers, %s%s", result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"],

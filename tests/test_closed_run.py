@@ -294,10 +294,20 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         start = time.monotonic()
         rogues = {"no-secret": rogue_node("no-secret", None), "wrong-secret": rogue_node("wrong-secret", WRONG)}
         procs += rogues.values()
+        # meanwhile `composer-coordinator status` without / with a wrong secret / with the secret (tests/test_status.py)
+        readers = {label: subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--timeout",
+                                            "30"], env=env_with(secret), stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+                   for label, secret in (("no-secret", None), ("wrong-secret", WRONG), ("secret", SECRET))}
+        procs += readers.values()
         rogue_results = {}
         for label, p in rogues.items():
             _, err = p.communicate(timeout=180)
             rogue_results[label] = (p.returncode, err, time.monotonic() - start)
+        status_results = {label: subprocess.CompletedProcess([], 0, *p.communicate(timeout=120))
+                          for label, p in readers.items()}
+        for label, p in readers.items():
+            status_results[label].returncode = p.returncode
         assert coordinator.poll() is None, (logs / "coordinator.log").read_text()[-3000:]
 
         joiner = subprocess.Popen([sys.executable, str(OUTSIDER), "join-loop", "--peer", peer, "--prefix", prefix],
@@ -381,6 +391,15 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         line = error_line(subprocess.CompletedProcess([], code, "", err))
         assert code == 1 and "secret" in line and "no peer answered" in line, (label, err)
         assert seconds < 120, (label, seconds)
+
+    # the status command: refused with one line naming the secret, unless it holds it
+    for label in ("no-secret", "wrong-secret"):
+        r = status_results[label]
+        assert r.returncode == 1 and "secret" in error_line(r) and r.stdout == "", (label, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (label, r.stderr)
+    r = status_results["secret"]
+    assert r.returncode == 0 and "run 'composer': in round 0 of" in r.stdout, r.stdout + r.stderr
+    assert " ".join("coordinator coordinator cpu fp32 0 sync".split()) in " ".join(r.stdout.split()), r.stdout
 
     # the run went on undisturbed, the flood too: every round, coordinator + node in every group, the same bytes
     metrics = read_metrics(run_dir)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -42,19 +43,41 @@ def assert_phases_add_up(metrics: dict, channels: set[str]) -> None:
                                                      inner["generation"]) <= 1e-3 * r["generated_tokens_per_s"], (name, r)
 
 
-def simulate(run_dir: Path, *extra: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+def simulate(run_dir: Path, *extra: str, timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "coordinator", "simulate", "--run-dir", str(run_dir), *extra],
-        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env,
     )
+
+
+REPORT_PROJECT = "main-run"
+REPORT = f"""
+[report]
+to = ["trackio"]
+project = "{REPORT_PROJECT}"
+"""
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory, warm_cache):
+    """The main job's run, shared by this module's checks of it (the suite's time): `simulate` on smoke.toml plus a
+    ``[report]`` to trackio (its store in a temporary ``TRACKIO_DIR``). Returns ``(run_dir, trackio_dir, result,
+    processes left behind)``."""
+    tmp = tmp_path_factory.mktemp("main-run")
+    config = tmp / "smoke-report.toml"
+    config.write_text(SMOKE.read_text() + REPORT)
+    before = run_processes_snapshot()
+    result = simulate(tmp / "run", "--nodes", "2", "--config", str(config), "--eval-episodes", "24",
+                      env={**os.environ, "TRACKIO_DIR": str(tmp / "trackio")})
+    time.sleep(1.0)
+    return tmp / "run", tmp / "trackio", result, run_processes_snapshot() - before
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_coordinator_and_two_nodes_agree_every_round(run_dir):
+def test_coordinator_and_two_nodes_agree_every_round(main_run):
     """Issue 2 and 3's main check: 3 peers agree on theta every round, theta moves, all channels train."""
-    before = run_processes_snapshot()
-    result = simulate(run_dir, "--nodes", "2", "--config", str(SMOKE), "--eval-episodes", "24")
+    run_dir, _, result, left_behind = main_run
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert re.search(r"^\s+1\s+3\s", result.stdout, re.M), result.stdout  # table row: round 1, 3 peers
     # under the table: the warm start (round 0) against the final model on 24 held-out tasks, sampled and greedy
@@ -96,13 +119,84 @@ def test_coordinator_and_two_nodes_agree_every_round(run_dir):
     assert read_outer_state(final)["global_sha256"] == shas[-1]
 
     # nothing left behind: no new p2pd / env server / peer process, the coordinator's port is free again
-    time.sleep(1.0)
-    assert run_processes_snapshot() - before == set()
+    assert left_behind == set()
     coordinator_log = (run_dir / "logs" / "coordinator.log").read_text()
     assert "Traceback" not in coordinator_log, coordinator_log[-2000:]
     peer_line = re.search(r"/tcp/(\d+)/p2p/", result.stderr)
     if peer_line:
         assert port_is_free(int(peer_line.group(1)))
+
+
+def _trackio_logs(trackio_dir: Path, project: str) -> dict[str, list[dict]]:
+    """Every run's logged rows in trackio's local store, by run name (read in a child process: trackio fixes its
+    store's folder at import, from ``TRACKIO_DIR``)."""
+    code = ("import json, sys; from trackio import SQLiteStorage as S; p = sys.argv[1]; "
+            "print(json.dumps({r: S.get_logs(p, r) for r in S.get_runs(p)}, default=str))")
+    proc = subprocess.run([sys.executable, "-c", code, project], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRACKIO_DIR": str(trackio_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.multiprocess
+def test_every_peer_s_rounds_are_in_trackio_with_the_values_of_its_metrics_file(main_run):
+    """``[report] to = ["trackio"]`` (issue 39): one trackio run per peer, each round at step = round with the numbers
+    of the peer's metrics.jsonl line under the same names; the coordinator's table of each round's peers (with what
+    their heartbeats said: device, phase, last round's seconds); `simulate`'s fixed evaluation in a run of its own."""
+    from composer_diloco.report import PEERS_TABLE_COLUMNS, flatten
+
+    run_dir, trackio_dir, result, _ = main_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    logs = _trackio_logs(trackio_dir, REPORT_PROJECT)
+    assert set(logs) == {*metrics, "evaluation"}, sorted(logs)
+    for peer, records in metrics.items():
+        by_step: dict[int, dict] = {}
+        for row in logs[peer]:
+            by_step.setdefault(int(row["step"]), {}).update(row)
+        assert sorted(by_step) == [r["round"] for r in records], (peer, sorted(by_step))
+        for record in records:
+            expected = flatten(record)
+            logged = {k: by_step[record["round"]].get(k) for k in expected}
+            assert len(expected) > 10 and logged == pytest.approx(expected), (peer, record, logged)
+    tables = [row["peers_table"]["_value"] for row in logs["coordinator"] if "peers_table" in row]
+    assert len(tables) == len(metrics["coordinator"]), logs["coordinator"]
+    last = {row["peer"]: row for row in tables[-1]}
+    assert set(last) == set(metrics) and set(last["node-0"]) == set(PEERS_TABLE_COLUMNS), tables[-1]
+    assert last["node-0"]["device"] == "cpu" and last["node-0"]["samples"] == metrics["node-0"][-1]["samples"]
+    evaluation = {k: v for row in logs["evaluation"] for k, v in row.items() if k.startswith("eval/")}
+    greedy = re.search(r"^eval: greedy: warm start ([\d.]+) -> round 2 ([\d.]+)", result.stdout, re.M)
+    assert evaluation["eval/greedy/before"] == pytest.approx(float(greedy[1]), abs=1e-3), evaluation
+    assert evaluation["eval/greedy/after"] == pytest.approx(float(greedy[2]), abs=1e-3), evaluation
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get install chromium; .ci/run "
+                                             "installs it)")
+def test_the_dashboard_shows_every_node_and_the_peers_table_in_a_real_browser(main_run, tmp_path):
+    """trackio's dashboard of the main run, served by ``trackio show`` and loaded by headless Chromium
+    (``bench/dashboard.py shoot``): the metrics page (its DOM once the scripts ran) names every peer's run and has the
+    rounds' charts; the tables page has the peers table of every round, each peer in it; both screenshots exist."""
+    run_dir, trackio_dir, _, _ = main_run
+    shot = subprocess.run([sys.executable, str(ROOT / "bench" / "dashboard.py"), "shoot", "--trackio-dir",
+                           str(trackio_dir), "--project", REPORT_PROJECT, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert shot.returncode == 0, shot.stderr[-3000:]
+    pages = {page: (tmp_path / f"{page}.html").read_text() for page in ("metrics", "tables")}
+    for page in pages:
+        assert (tmp_path / f"{page}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", page
+    metrics = read_metrics(run_dir)
+    for name in ("node-0", "node-1", "coordinator", "evaluation"):
+        assert f">{name}<" in pages["metrics"], f"no run {name} on the dashboard: {tmp_path / 'metrics.html'}"
+    for chart in ("mean_reward", "sync_seconds", "inner_phase_seconds/generation"):
+        assert f'data-metric="{chart}"' in pages["metrics"], f"no chart {chart}: {tmp_path / 'metrics.html'}"
+    rounds = len(metrics["coordinator"])
+    assert pages["tables"].count(">peers_table<") == rounds, f"not {rounds} peers tables: {tmp_path / 'tables.html'}"
+    assert pages["tables"].count(">node-0<") >= rounds, tmp_path / "tables.html"
 
 
 @pytest.mark.multiprocess

@@ -71,6 +71,8 @@ class SyncResult:
         status: a `SyncStatus` ("averaged", "alone", "resynced", "skipped" or "unsettled"; the string is what
             metrics record).
         rejected: names of the peers whose pseudo-gradient was dropped this round (`screening.screen`).
+        rejected_reasons: name -> why its pseudo-gradient was dropped (one line each), for those of ``rejected``.
+        members: names of the all-reduce group's peers, this one included ([] when no group formed).
         phase_seconds: ``sync_seconds`` by part, in the order they ran (`OUTER_PHASES`; a part that took no time is
             left out).
     """
@@ -85,6 +87,8 @@ class SyncResult:
     status: SyncStatus
     rejected: list[str] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    rejected_reasons: dict[str, str] = field(default_factory=dict)
+    members: list[str] = field(default_factory=list)
 
 
 OUTER_PHASES = {
@@ -132,6 +136,7 @@ class _Reduced:
         weight_total: summed weights (samples) of the averaged contributions.
         rejected: names of the members whose contribution the all-reduce dropped.
         missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle`).
+        reasons: name -> why its contribution was dropped, for those of ``rejected``.
 
     Delta itself (fp32 CPU, the layout of theta) stays where the all-reduce left it, in the averager's buffers; with
     ``weight_total`` 0 every contribution was dropped and there is none.
@@ -141,6 +146,7 @@ class _Reduced:
     weight_total: float
     rejected: list[str]
     missed: int
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -520,7 +526,8 @@ class DiLoCoPeer:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
             return recovery.recover(self, model, r, clock)
         result = self._finish(model, clock, peers=len(reduced.members),        # 5. load theta into the policy
-                              weight_total=reduced.weight_total, status=status, rejected=reduced.rejected)
+                              weight_total=reduced.weight_total, status=status, rejected=reduced.rejected,
+                              reasons=reduced.reasons, members=reduced.members)
         if status == "averaged" and len(reduced.members) < len(partners) + 1 and \
                 recovery.join_authority_after_split(self, r, reduced.members):  # matchmaking split the round
             return self._finish(model, clock, peers=0, status="resynced")
@@ -652,7 +659,8 @@ class DiLoCoPeer:
         if weight_total <= 0 and not rejected:
             raise RoundFailed("the all-reduce group holds no weight")
         return _Reduced(members=[str(g.get("name")) for g in group], weight_total=weight_total, rejected=rejected,
-                        missed=int(self.averager.failed_size.value))
+                        missed=int(self.averager.failed_size.value),
+                        reasons={c.rejection.name: c.rejection.reason for c in members if c.rejection is not None})
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
@@ -681,7 +689,8 @@ class DiLoCoPeer:
         return "averaged"
 
     def _finish(self, model: nn.Module | None, clock: _RoundClock, *, peers: int, status: SyncStatus,
-                weight_total: float = 0.0, rejected: list[str] | None = None) -> SyncResult:
+                weight_total: float = 0.0, rejected: list[str] | None = None, reasons: dict[str, str] | None = None,
+                members: list[str] | None = None) -> SyncResult:
         """Step 5: load theta into ``model``, publish the new round and theta's hash, and report the round."""
         clock.lap("recovery")  # what ran since the last part counted: a failed round's way back, or nothing
         if model is not None:
@@ -696,6 +705,7 @@ class DiLoCoPeer:
             wait_seconds=clock.waited, bytes_sent=int(self.averager.bytes_sent.value - clock.bytes_before),
             global_sha256=sha, status=status, rejected=list(rejected or []),
             phase_seconds={k: round(v, 4) for k, v in clock.phases.items() if v >= 5e-5},
+            rejected_reasons=dict(reasons or {}), members=list(members or []),
         )
 
     def shutdown(self) -> None:

@@ -5,7 +5,9 @@ Keys (all but the first under the run name, so two runs can share a DHT):
     ``{run}.peers`` / peer      ``{"role", "round", "since", "sha", "settled", "lineage", "maddr", "t"}``: who
                                 is alive, the round it trains toward and since when (DHT time), theta's SHA-256
                                 at the start of that round and whether it is final, the hashes of its last
-                                `LINEAGE_ROUNDS` rounds (to tell two replicas that parted), where to dial it
+                                `LINEAGE_ROUNDS` rounds (to tell two replicas that parted), where to dial it; and
+                                ``"info"``, what the peer tells a reader of the swarm (`Swarm.set_info`: device,
+                                phase, last round's seconds; `coordinator.status` shows them)
     ``{run}.ready.{r}`` / peer  ``{"t", "weight"}``: the peer finished its inner phase of round r (the coordinator: it
                                 reached round r's barrier)
 
@@ -79,14 +81,15 @@ def check_addresses(listen: str | None, announce: list[str]) -> None:
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
               secret: bytes | None = None, identity_path: str | None = None,
-              identity_is_new: bool = False) -> hivemind.DHT:
+              identity_is_new: bool = False, client_mode: bool = False) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
     ``secret`` closes the run: every DHT RPC is signed and checked with it, bound to the connection's peer IDs
     (`composer_diloco.outer.auth.ClosedDHT`). ``identity_path``: the private key file that fixes the peer ID
     (`composer_diloco.outer.identity`); None: a new peer ID every start. ``identity_is_new``: the key was made by
     this start, so no other peer can hold it: hivemind's check that it is free (a temporary p2pd dialing the initial
-    peers, ~0.5 s) is skipped.
+    peers, ~0.5 s) is skipped. ``client_mode``: a read-only client (hivemind's ``client_mode``): it serves no DHT
+    request, stores no one's records and enters no peer's routing table (`coordinator.status`).
 
     Raises:
         SwarmError: the daemon did not start, no initial peer answered (or all refused our run secret), or the
@@ -95,6 +98,8 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
     if announce:
         kwargs["announce_maddrs"] = announce
+    if client_mode:
+        kwargs["client_mode"] = True
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
         if identity_is_new:
@@ -174,7 +179,8 @@ class PeerRecord:
     ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
     ``round`` came from an incomplete all-reduce and may still be replaced by a group member's, or while it lost
     the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.outer.peer`); ``lineage`` = round ->
-    the first 16 hex digits of theta's SHA-256 at its start, for the peer's last settled rounds."""
+    the first 16 hex digits of theta's SHA-256 at its start, for the peer's last settled rounds; ``info`` = the
+    fields it set with `Swarm.set_info` ({} from a peer that sets none, or predates them)."""
 
     name: str
     role: str  # "coordinator" | "node"
@@ -185,6 +191,7 @@ class PeerRecord:
     sha: str = ""
     settled: bool = True
     lineage: dict[int, str] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> str:
@@ -244,6 +251,7 @@ class Swarm:
         self.sha = ""
         self.settled = True
         self.history: dict[int, str] = {}  # round -> SHA-256 of theta at its start, for the settled rounds seen here
+        self.info: dict[str, Any] = {}  # what every heartbeat tells readers of the swarm (`set_info`)
         self._maddr = ""
         self._ttl_s: float | None = None
         self._period_s: float | None = None
@@ -280,7 +288,7 @@ class Swarm:
             maddr = ""
 
         def store() -> Any:
-            value = {"round": intended, "maddr": maddr, "t": get_dht_time()}
+            value = {"round": intended, "maddr": maddr, "t": get_dht_time(), "info": dict(self.info)}
             return self.dht.store(f"{self.run}.joining", value, get_dht_time() + ttl_s, subkey=self.name,
                                   return_future=True)
 
@@ -302,8 +310,9 @@ class Swarm:
 
     def joining_peers(self) -> list[PeerRecord]:
         """Nodes setting up to join (`announce_joining`) whose record has not expired, as records of the round they
-        mean to join (``t`` = their record's last renewal)."""
-        return [PeerRecord(name, "node", int(v["round"]), float(v["t"]), float(v["t"]), str(v.get("maddr", "")))
+        mean to join (``t`` = their record's last renewal; ``info``: what they had set by then, `set_info`)."""
+        return [PeerRecord(name, "node", int(v["round"]), float(v["t"]), float(v["t"]), str(v.get("maddr", "")),
+                           info=dict(v["info"]) if isinstance(v.get("info"), dict) else {})
                 for name, v in self._records("joining", {"round", "t"}).items()]
 
     # -- heartbeats ---------------------------------------------------------------------------------------
@@ -383,11 +392,32 @@ class Swarm:
             except Exception as e:
                 log.debug("heartbeat failed: %r", e)
 
+    def set_info(self, publish: bool = False, **fields: Any) -> None:
+        """Add or replace fields of this peer's ``info``, which rides in every heartbeat from the next one on
+        (`PeerRecord.info`; `coordinator.status` shows it): e.g. ``device``, ``precision``, ``phase``, the last
+        round's ``inner_seconds`` / ``sync_seconds`` / ``samples``. A field set to None is removed. The next beat
+        (every ``heartbeat_s`` seconds) carries them; ``publish``: store a heartbeat now as well (without waiting
+        for the store), once the heartbeat has started.
+
+        Values must be what the DHT's msgpack serializer takes (str, int, float, bool, None, and lists or
+        str-keyed dicts of them); that is checked by the store, not here."""
+        for key, value in fields.items():
+            if value is None:
+                self.info.pop(key, None)
+            else:
+                self.info[key] = value
+        if publish and self._ttl_s is not None:
+            try:
+                self._store_heartbeat(self._ttl_s, wait=False)
+            except Exception as e:  # a missed heartbeat is harmless; the next one retries
+                log.debug("heartbeat failed: %r", e)
+
     def _store_heartbeat(self, ttl_s: float, *, wait: bool = True) -> Any:
         """Store this peer's record, valid ``ttl_s`` seconds. ``wait=False`` returns the store's future at once."""
         lineage = [[r, self.history[r][:_LINEAGE_HEX]] for r in sorted(self.history)[-LINEAGE_ROUNDS:]]
         value = {"role": self.role, "round": self.round, "since": self.round_since, "sha": self.sha,
-                 "settled": self.settled, "lineage": lineage, "maddr": self._maddr, "t": get_dht_time()}
+                 "settled": self.settled, "lineage": lineage, "maddr": self._maddr, "t": get_dht_time(),
+                 "info": dict(self.info)}
         return self.dht.store(f"{self.run}.peers", value, get_dht_time() + ttl_s, subkey=self.name,
                               return_future=not wait)
 
@@ -396,9 +426,10 @@ class Swarm:
         out = []
         for name, v in self._records("peers", {"role", "round", "t"}).items():
             lineage = {int(r): str(h) for r, h in v.get("lineage", []) if isinstance(h, str)}
+            info = v.get("info")
             out.append(PeerRecord(name, str(v["role"]), int(v["round"]), float(v["t"]), float(v.get("since", v["t"])),
                                   str(v.get("maddr", "")), str(v.get("sha", "")), bool(v.get("settled", True)),
-                                  lineage))
+                                  lineage, dict(info) if isinstance(info, dict) else {}))
         return out
 
     def _records(self, key: str, required: set[str]) -> dict[str, dict]:
