@@ -70,12 +70,13 @@ PEERS_TABLE_COLUMNS = ["round", "peer", "role", "device", "phase", "peer_round",
 
 def peers_table(round_: int, peers: list[Any]) -> list[list[Any]]:
     """Rows of ``peers_table`` for round ``round_``: one per live peer (`composer_diloco.outer.swarm.PeerRecord`),
-    in `PEERS_TABLE_COLUMNS`' order; values a heartbeat does not carry are ""."""
+    in `PEERS_TABLE_COLUMNS`' order; values a heartbeat does not carry are None (a column keeps one type: wandb
+    refuses a table that mixes them)."""
     rows = []
     for p in sorted(peers, key=lambda p: (p.role != "coordinator", p.name)):
         info = getattr(p, "info", None) or {}
-        rows.append([round_, p.name, p.role, info.get("device", ""), info.get("phase", ""), p.round,
-                     info.get("inner_seconds", ""), info.get("sync_seconds", ""), info.get("samples", "")])
+        rows.append([round_, p.name, p.role, info.get("device"), info.get("phase"), p.round,
+                     info.get("inner_seconds"), info.get("sync_seconds"), info.get("samples")])
     return rows
 
 
@@ -120,9 +121,9 @@ class Reporter:
         values: dict[str, Any] = flatten(record)
         for name, module in list(self._runs.items()):
             row = dict(values)
-            if peers is not None:
-                row["peers_table"] = module.Table(columns=PEERS_TABLE_COLUMNS, data=peers_table(step, peers))
             try:
+                if peers is not None:
+                    row["peers_table"] = module.Table(columns=PEERS_TABLE_COLUMNS, data=peers_table(step, peers))
                 module.log(row, step=step)
             except Exception as e:  # noqa: BLE001 (a tracker is a side channel: never the run's end)
                 log.warning("reporting to %s failed, no more reports there: %s", name, e)

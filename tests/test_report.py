@@ -34,6 +34,7 @@ def test_peers_table_has_a_row_per_live_peer_coordinator_first():
     assert [r[1] for r in rows] == ["coordinator", "node-0", "node-1"]
     assert all(len(r) == len(PEERS_TABLE_COLUMNS) and r[0] == 4 for r in rows)
     assert rows[1][PEERS_TABLE_COLUMNS.index("peer_round")] == 3
+    assert rows[0][PEERS_TABLE_COLUMNS.index("inner_s")] is None  # not "": wandb refuses a column of mixed types
 
 
 def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch):
