@@ -4,14 +4,17 @@ Each peer of a run (the coordinator and every node, each in its own process) is 
 the peer (``node-0``, ``coordinator``), grouped under the run's name in one project, so the tracker's dashboard
 shows the nodes' curves side by side. Every line a peer appends to its ``metrics.jsonl`` (`MetricsWriter`) is
 logged with the round as the step and the same names, nested objects flattened with ``/``
-(``inner_phase_seconds/generation``); strings and lists (``status``, ``rejected``) stay in ``metrics.jsonl`` only,
-except that the coordinator also logs ``peers_table``, a table of the peers of each round (`peers_table`).
+(``inner_phase_seconds/generation``); strings and lists (``status``, ``rejected``) stay in ``metrics.jsonl`` only.
+The coordinator also logs ``peers_table``, a table of the peers of each round (`peers_table`), and, one round late
+(the heartbeats carry it by then), whether the replicas agreed after the round before:
+``replicas/previous_round_agree`` (1 or 0), ``..._thetas`` (distinct thetas), ``..._peers`` (`theta_agreement`).
 
 Trackers: trackio (Hugging Face's local-first tracker, `trackio.init` / `trackio.log` / `trackio.finish`; its
 dashboard is ``trackio show --project P``) and wandb (the same three calls; ``WANDB_MODE=offline`` works without an
 account). Both keep one run per process, which is why TRL's own ``report_to`` is not used for them: its
-``TrackioCallback`` would open a second run in the node's process and finish ours (`transformers.integrations`);
-TRL's step metrics are in the round's record already (``loss_grpo`` and each channel's loss, their per-round means).
+``TrackioCallback`` would open a second run in the node's process and finish ours (`transformers.integrations`), and
+log at steps of its own. What TRL logs each inner step reaches the peer's run instead through
+`composer_diloco.inner.trl_logs.TrlLogsToTracker`, averaged per round as ``trl/<name>``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,19 @@ def peers_table(round_: int, peers: list[Any]) -> list[list[Any]]:
     return rows
 
 
+def theta_agreement(peers: list[Any], round_: int) -> tuple[int, int]:
+    """How many live peers started ``round_`` and on how many different thetas (1: the replicas agreed after round
+    ``round_ - 1``'s outer step), from their heartbeats (`composer_diloco.outer.swarm.PeerRecord`): a peer in
+    ``round_`` carries the hash of the theta it started it on (``sha``), one past it the hashes of the rounds it
+    started since (``lineage``, 16 hex digits each). Peers that carry neither are not counted."""
+    seen = []
+    for p in peers:
+        digest = p.sha[:16] if p.round == round_ and p.sha else (getattr(p, "lineage", None) or {}).get(round_)
+        if digest:
+            seen.append(digest[:16])
+    return len(seen), len(set(seen))
+
+
 class Reporter:
     """One peer's runs in the trackers of ``config.report`` (none: every call does nothing).
 
@@ -97,6 +113,7 @@ class Reporter:
         self.peer, self.role = peer, role
         self.project = config.report.project or config.run_name
         self._runs: dict[str, Any] = {}  # tracker name -> its module, once its run is open
+        self.last_round: int | None = None  # the round of the last line logged (`TrlLogsToTracker` reads it)
         run_config = {**config.model_dump(mode="json"), "peer": peer, "role": role, **(extra or {})}
         for name in config.report.to:
             module = importlib.import_module(name)
@@ -117,8 +134,13 @@ class Reporter:
         on (its metrics.jsonl has every line)."""
         if not self._runs:
             return
-        step = int(record["round"])
+        step = self.last_round = int(record["round"])
         values: dict[str, Any] = flatten(record)
+        if peers is not None and step >= 1:  # the replicas' agreement on the theta round `step` started from
+            count, thetas = theta_agreement(peers, step)
+            if count:  # at this step: wandb takes no step that went back
+                values.update({"replicas/previous_round_peers": count, "replicas/previous_round_thetas": thetas,
+                               "replicas/previous_round_agree": int(thetas == 1)})
         for name, module in list(self._runs.items()):
             row = dict(values)
             try:
@@ -131,6 +153,14 @@ class Reporter:
 
     def log_summary(self, values: dict[str, float], step: int) -> None:
         """Log run-level numbers (the fixed evaluation) at ``step`` (the run's last round)."""
+        self._log(values, step)
+
+    def log_extra(self, values: dict[str, float], step: int) -> None:
+        """Log more numbers of round ``step`` (TRL's step metrics averaged over it: `inner.trl_logs`), at its step
+        (a step already logged: the trackers merge them)."""
+        self._log(values, step)
+
+    def _log(self, values: dict[str, float], step: int) -> None:
         for name, module in list(self._runs.items()):
             try:
                 module.log(dict(values), step=step)
@@ -154,4 +184,5 @@ def _quiet() -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(sys.stderr)
 
 
-__all__ = ["EXTRA", "PEERS_TABLE_COLUMNS", "Reporter", "check_trackers", "flatten", "peers_table"]
+__all__ = ["EXTRA", "PEERS_TABLE_COLUMNS", "Reporter", "check_trackers", "flatten", "peers_table",
+           "theta_agreement"]

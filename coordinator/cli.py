@@ -193,6 +193,7 @@ def status(
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1) from None
     import signal
+    import threading
 
     from composer_diloco.reaper import watch_this_process
     from coordinator.status import StatusClient, StatusError, run_status
@@ -202,11 +203,17 @@ def status(
 
     use_hivemind_log_handler("nowhere")  # hivemind's own lines (a failed bootstrap's warning) only with --verbose
     logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.CRITICAL)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill ends it as Ctrl-C does: the DHT shut down
+    stop = threading.Event()
+    if watch:  # Ctrl-C or a kill ends the redraws at the next tick, never inside a DHT read (a KeyboardInterrupt
+        # there left the client's shutdown hanging in CI), then the DHT shuts down
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    else:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill ends it as Ctrl-C does: the DHT shut down
     watch_this_process()  # the DHT client's process and p2pd die with us, even on SIGKILL
     client = StatusClient(list(peer), secret=secret, run_name=run_name, timeout_s=timeout)
     try:
-        run_status(client, watch=watch)
+        run_status(client, watch=watch, stop=stop)
     except StatusError as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -434,7 +434,8 @@ class Node:
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
-            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self)], tasks=self.tasks,
+            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self), *self._tracker_callbacks()],
+            tasks=self.tasks,
             task_shard=self.task_shard, clock=self.clock, rollout_engine=engine,
         )
         first = peer.round
@@ -478,6 +479,15 @@ class Node:
         self.clock.take()
         self._round_started = time.monotonic()
         self.swarm.set_info(phase="inner")  # rollouts and training (`composer-coordinator status`)
+
+    def _tracker_callbacks(self) -> list:
+        """With ``[report]``: TRL's own step metrics, averaged per round, to the trackers (after `RoundCallback`,
+        whose step ends the round)."""
+        if self.metrics.reporter is None or not self.metrics.reporter.active:
+            return []
+        from composer_diloco.inner.trl_logs import TrlLogsToTracker
+
+        return [TrlLogsToTracker(self.metrics.reporter)]
 
     def out_of_time(self) -> bool:
         """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""

@@ -141,8 +141,9 @@ def _trackio_logs(trackio_dir: Path, project: str) -> dict[str, list[dict]]:
 @pytest.mark.multiprocess
 def test_every_peer_s_rounds_are_in_trackio_with_the_values_of_its_metrics_file(main_run):
     """``[report] to = ["trackio"]`` (issue 39): one trackio run per peer, each round at step = round with the numbers
-    of the peer's metrics.jsonl line under the same names; the coordinator's table of each round's peers (with what
-    their heartbeats said: device, phase, last round's seconds); `simulate`'s fixed evaluation in a run of its own."""
+    of the peer's metrics.jsonl line under the same names, and on nodes TRL's step metrics averaged over the round
+    (``trl/...``); the coordinator's table of each round's peers (with what their heartbeats said: device, phase, last
+    round's seconds) and the replicas' agreement; `simulate`'s fixed evaluation in a run of its own."""
     from composer_diloco.report import PEERS_TABLE_COLUMNS, flatten
 
     run_dir, trackio_dir, result, _ = main_run
@@ -159,6 +160,12 @@ def test_every_peer_s_rounds_are_in_trackio_with_the_values_of_its_metrics_file(
             expected = flatten(record)
             logged = {k: by_step[record["round"]].get(k) for k in expected}
             assert len(expected) > 10 and logged == pytest.approx(expected), (peer, record, logged)
+            if peer.startswith("node"):  # TRL's own step metrics, averaged over the round (`TrlLogsToTracker`)
+                assert {"trl/loss", "trl/grad_norm", "trl/reward"} <= set(by_step[record["round"]]), \
+                    sorted(by_step[record["round"]])
+    agreed = [row for row in logs["coordinator"] if "replicas/previous_round_agree" in row]  # from round 1 on
+    assert agreed and all(r["replicas/previous_round_agree"] == 1 and r["replicas/previous_round_peers"] == 3
+                          for r in agreed), agreed
     tables = [row["peers_table"]["_value"] for row in logs["coordinator"] if "peers_table" in row]
     assert len(tables) == len(metrics["coordinator"]), logs["coordinator"]
     last = {row["peer"]: row for row in tables[-1]}

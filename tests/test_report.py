@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.config import ConfigError, RunConfig, load_config
-from composer_diloco.report import PEERS_TABLE_COLUMNS, check_trackers, flatten, peers_table
+from composer_diloco.report import PEERS_TABLE_COLUMNS, check_trackers, flatten, peers_table, theta_agreement
 from composer_diloco.outer.swarm import PeerRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +35,17 @@ def test_peers_table_has_a_row_per_live_peer_coordinator_first():
     assert all(len(r) == len(PEERS_TABLE_COLUMNS) and r[0] == 4 for r in rows)
     assert rows[1][PEERS_TABLE_COLUMNS.index("peer_round")] == 3
     assert rows[0][PEERS_TABLE_COLUMNS.index("inner_s")] is None  # not "": wandb refuses a column of mixed types
+
+
+def test_theta_agreement_reads_the_hash_of_the_round_or_the_lineage_past_it():
+    a, b = "a" * 64, "b" * 64
+    peers = [PeerRecord("coordinator", "coordinator", 5, t=1.0, sha=a),  # in round 5: its sha
+             PeerRecord("node-0", "node", 6, t=1.0, sha=b, lineage={5: a[:16], 6: b[:16]}),  # past it: its lineage
+             PeerRecord("node-1", "node", 5, t=1.0, sha="")]  # no hash yet: not counted
+    assert theta_agreement(peers, 5) == (2, 1)
+    peers.append(PeerRecord("node-2", "node", 5, t=1.0, sha=b))
+    assert theta_agreement(peers, 5) == (3, 2)
+    assert theta_agreement(peers, 9) == (0, 0)
 
 
 def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch):
