@@ -85,15 +85,12 @@ def peers_table(round_: int, peers: list[Any]) -> list[list[Any]]:
 
 def theta_agreement(peers: list[Any], round_: int) -> tuple[int, int]:
     """How many live peers started ``round_`` and on how many different thetas (1: the replicas agreed after round
-    ``round_ - 1``'s outer step), from their heartbeats (`composer_diloco.outer.swarm.PeerRecord`): a peer in
-    ``round_`` carries the hash of the theta it started it on (``sha``), one past it the hashes of the rounds it
-    started since (``lineage``, 16 hex digits each). Peers that carry neither are not counted."""
-    seen = []
-    for p in peers:
-        digest = p.sha[:16] if p.round == round_ and p.sha else (getattr(p, "lineage", None) or {}).get(round_)
-        if digest:
-            seen.append(digest[:16])
-    return len(seen), len(set(seen))
+    ``round_ - 1``'s outer step), from their heartbeats (`composer_diloco.outer.swarm.replica_thetas`, which
+    `composer-coordinator status` shows too). Peers that carry no hash for it are not counted."""
+    from composer_diloco.outer.swarm import replica_thetas  # hivemind: not on the CLI's light path (`check_trackers`)
+
+    groups = replica_thetas(peers, round_)
+    return sum(len(names) for names in groups.values()), len(groups)
 
 
 class Reporter:

@@ -10,7 +10,7 @@ What it reads: every live peer's heartbeat (`Swarm.live_peers`, with the ``info`
 `Swarm.set_info`: device, precision, phase, the last round's inner/sync seconds and samples), the nodes still setting
 up (`Swarm.joining_peers`), and the coordinator's facts about its last round (`round_facts`: the group, the peers it
 went on without and those whose pseudo-gradient screening dropped, each with the reason). Whether the replicas agree
-on the last round is judged here from the theta hashes the heartbeats carry (`agreement`).
+on the last round is judged from the theta hashes the heartbeats carry (`swarm.replica_thetas`).
 """
 
 from __future__ import annotations
@@ -113,24 +113,6 @@ class SwarmStatus:
         its first round ended."""
         c = self.coordinator
         return dict(c.info) if c is not None and "last_round" in c.info else {}
-
-
-def agreement(peers: list[PeerRecord], round_: int) -> dict[str, list[str]]:
-    """Which theta each live peer ended round ``round_ - 1`` on (the theta it started ``round_`` with), grouped by
-    hash: ``{hash prefix: [peer names]}``. One key: the replicas agree. A peer's hash is its heartbeat's ``sha``
-    when it is at ``round_`` and settled, else its ``lineage`` entry for ``round_``; peers holding neither (still
-    behind, or not settled) are left out.
-
-    Args:
-        peers: live heartbeats (`Swarm.live_peers`); round_: the run's round (>= 1), so ``round_ - 1`` ended.
-    """
-    by_hash: dict[str, list[str]] = {}
-    for p in peers:
-        sha = p.sha if p.round == round_ and p.settled and p.sha else p.lineage.get(round_, "")
-        if sha:
-            by_hash.setdefault(sha[:16], []).append(p.name)
-    # hashes of different lengths (a full SHA-256 and a lineage's 16 digits) were cut to 16 above: equal ones merge
-    return {h: sorted(names) for h, names in sorted(by_hash.items(), key=lambda kv: -len(kv[1]))}
 
 
 class StatusClient:
@@ -250,7 +232,9 @@ def summary_lines(status: SwarmStatus) -> list[str]:
     if round_ == 0:
         return lines + ["last round: none finished yet"]
     facts = status.facts
-    agree = agreement(status.peers, round_)
+    from composer_diloco.outer.swarm import replica_thetas
+
+    agree = replica_thetas(status.peers, round_)
     if not agree:
         verdict = "no live peer has published its theta for it yet"
     elif len(agree) == 1:
@@ -345,5 +329,5 @@ def run_status(client: StatusClient, *, watch: bool = False, refresh_s: float = 
         client.close()
 
 
-__all__ = ["COLUMNS", "DEFAULT_TIMEOUT_S", "REFRESH_S", "StatusClient", "StatusError", "SwarmStatus", "agreement",
+__all__ = ["COLUMNS", "DEFAULT_TIMEOUT_S", "REFRESH_S", "StatusClient", "StatusError", "SwarmStatus",
            "render", "round_facts", "run_status", "summary_lines", "table_rows"]

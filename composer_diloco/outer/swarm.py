@@ -215,6 +215,24 @@ def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: 
     return not training or now - min(training) <= join_grace_s
 
 
+def replica_thetas(peers: list[PeerRecord], round_: int) -> dict[str, list[str]]:
+    """Which theta each live peer ended round ``round_ - 1`` on (the theta it started ``round_`` with), grouped by
+    hash: ``{hash prefix: [peer names]}``. One key: the replicas agree. A peer's hash is its heartbeat's ``sha``
+    when it is at ``round_`` and settled, else its ``lineage`` entry for ``round_``; peers holding neither (still
+    behind, or not settled) are left out.
+
+    Args:
+        peers: live heartbeats (`Swarm.live_peers`); round_: the run's round (>= 1), so ``round_ - 1`` ended.
+    """
+    by_hash: dict[str, list[str]] = {}
+    for p in peers:
+        sha = p.sha if p.round == round_ and p.settled and p.sha else p.lineage.get(round_, "")
+        if sha:
+            by_hash.setdefault(sha[:16], []).append(p.name)
+    # hashes of different lengths (a full SHA-256 and a lineage's 16 digits) were cut to 16 above: equal ones merge
+    return {h: sorted(names) for h, names in sorted(by_hash.items(), key=lambda kv: -len(kv[1]))}
+
+
 def first_divergence(ours: dict[int, str], theirs: dict[int, str]) -> int | None:
     """The first round both hash tables hold where the hashes differ (compared on their common prefix), else None.
 
@@ -564,4 +582,4 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeou
 
 
 __all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "check_addresses", "fetch_run_config",
-           "first_divergence", "joins_round", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
+           "first_divergence", "joins_round", "replica_thetas", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
