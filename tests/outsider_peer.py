@@ -141,20 +141,29 @@ class Attack:
                                                         averaging_pb2.DownloadData)
             return [m async for m in stream]
 
-        try:
-            replies = await asyncio.wait_for(messages(MANIFEST_RPC, averaging_pb2.DownloadData()), RPC_TIMEOUT_S)
-            metas = [MSGPackSerializer.loads(m.metadata) for m in replies if m.metadata]
-            manifest = next((Manifest.from_wire(m["manifest"]) for m in metas if "manifest" in m), None)
-            ask = {"state_id": manifest.state_id if manifest else "0" * 64, "tensors": [0], "offset": 0,
-                   "chunk_bytes": 1 << 16}
-            chunks = await asyncio.wait_for(
-                messages(CHUNKS_RPC, averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(ask))), RPC_TIMEOUT_S)
-        except Exception as e:
-            self.record(name, False, _error(e))
+        outcomes = []
+        for _ in range(3):  # as a joiner retries: a reply that times out on a loaded box is not a refusal
+            manifest = None
+            try:
+                replies = await asyncio.wait_for(messages(MANIFEST_RPC, averaging_pb2.DownloadData()), RPC_TIMEOUT_S)
+                metas = [MSGPackSerializer.loads(m.metadata) for m in replies if m.metadata]
+                manifest = next((Manifest.from_wire(m["manifest"]) for m in metas if "manifest" in m), None)
+                ask = {"state_id": manifest.state_id if manifest else "0" * 64, "tensors": [0], "offset": 0,
+                       "chunk_bytes": 1 << 16}
+                chunks = await asyncio.wait_for(
+                    messages(CHUNKS_RPC, averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(ask))),
+                    RPC_TIMEOUT_S)
+            except Exception as e:
+                outcomes.append(_error(e))
+                continue
+            if any(m.tensor_part.buffer for m in chunks):
+                self.record(name, True, "; ".join(outcomes + ["received model state"]))
+                return
+            # an empty stream is the server's answer (a refusal), not a slow reply: no retry
+            self.record(name, False, "; ".join(outcomes + [
+                f"empty reply: no state sent{' (a manifest came)' if manifest else ''}"]))
             return
-        got = any(m.tensor_part.buffer for m in chunks)
-        self.record(name, got, "received model state" if got else
-                    f"empty reply: no state sent{' (a manifest came)' if manifest else ''}")
+        self.record(name, False, "; ".join(outcomes))
 
     async def join_group(self, p2p, name: str, servicer, prefix: str, duration_s: float,
                          until: threading.Event | None = None) -> None:

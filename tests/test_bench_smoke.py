@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+
+pytestmark = pytest.mark.bench  # not in the default run: python -m pytest -m bench
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERHEAD_ARMS = ("a_trl", "b_ours", "c_sdpo", "d_dpo", "e_both")
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+
+pytestmark = pytest.mark.bench  # not in the default run: python -m pytest -m bench
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_NETNS = os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
 
