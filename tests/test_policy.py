@@ -25,7 +25,7 @@ from composer_diloco.policy import (
 )
 from composer_diloco.policy import load as load_module
 from composer_diloco.policy import warmstart as warmstart_module
-from composer_diloco.policy.tokenizer_recipe import build_env_tokenizer
+from composer_diloco.policy.tokenizer import build_env_tokenizer
 from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.rollout.env_process import start_env_server
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task, solve
@@ -470,15 +470,38 @@ def test_evaluate_policy_rejects_bad_arguments(tok):
 # ------------------------------------------------------------------------------------------ layout and CLI
 
 
-def test_no_policy_module_names_a_concrete_env():
-    """Only the shipped tokenizer's recipe (build time) may import an env; the rest goes through the env contract."""
-    import pathlib
-    import re
+def test_an_env_package_that_ships_its_own_tokenizer_builds_it_from_its_recipe_with_no_core_edit(tmp_path, monkeypatch):
+    """A package with a ``tokenizer_recipe.py`` (the env contract) gets its ``policy_tokenizer/`` built by the CLI,
+    and the embedded default then plays it with that tokenizer; a package without a recipe is one line, exit 1."""
+    from typer.testing import CliRunner
 
-    package = pathlib.Path(policy.__file__).parent
-    offenders = [path.name for path in package.glob("*.py") if path.name != "tokenizer_recipe.py"
-                 and re.search(r"^\s*(from|import)\s+envs\b", path.read_text(), re.MULTILINE)]
-    assert offenders == []
+    from composer_diloco.policy.cli import app
+
+    pkg = tmp_path / "recipe_env"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tokenizer_recipe.py").write_text(
+        "from envs.demonstration import Demonstration\n"
+        "VOCAB_SIZE = 300\n"
+        "TOOLS = [{'type': 'function', 'function': {'name': 'shout', 'description': 'Shout a word.',\n"
+        "          'parameters': {'type': 'object', 'properties': {'word': {'type': 'string'}}}}}]\n"
+        "def domain_words():\n    return ('zebrafish', 'shout')\n"
+        "def corpus():\n"
+        "    return [Demonstration(f'Shout zebrafish {i}.', TOOLS, [('shout', {'word': 'zebrafish'})],\n"
+        "                          ['ZEBRAFISH'], [True]) for i in range(50)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert embedded_tokenizer_dir("recipe_env.server") == DEFAULT_TOKENIZER_DIR  # nothing built yet
+    result = CliRunner().invoke(app, ["build-tokenizer", "--env", "recipe_env"])
+    assert result.exit_code == 0, result.output
+    assert embedded_tokenizer_dir("recipe_env.server") == pkg / ENV_TOKENIZER_FOLDER
+    tok = load_embedded_tokenizer("recipe_env.server")
+    assert tok.convert_tokens_to_ids(["zebrafish", "shout"]) == [9, 10]  # the recipe's nouns, atomic, from id 9
+
+    (tmp_path / "bare_env").mkdir()
+    (tmp_path / "bare_env" / "__init__.py").write_text("")
+    result = CliRunner().invoke(app, ["build-tokenizer", "--env", "bare_env"])
+    assert result.exit_code == 1 and "has no tokenizer recipe" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_cli_errors_are_one_line_and_nonzero(tmp_path):

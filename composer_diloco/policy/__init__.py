@@ -4,8 +4,8 @@ Modules, in the order a run uses them:
 
 * :mod:`~composer_diloco.policy.tokenizer`: :func:`load_default_tokenizer` loads the tokenizer shipped in
   ``composer_diloco/assets/tokenizer/`` (or an env package's own ``policy_tokenizer/``: the coding env ships one);
-  :func:`build_tokenizer` builds one (the shipped ones' inputs are in
-  :mod:`~composer_diloco.policy.tokenizer_recipe`); :func:`tokenize_episode` gives ids and the assistant mask.
+  :func:`build_tokenizer` builds one (:func:`build_env_tokenizer` rebuilds a shipped one from its env package's
+  ``tokenizer_recipe.py``); :func:`tokenize_episode` gives ids and the assistant mask.
 * :mod:`~composer_diloco.policy.tiny_model`: :func:`tiny_model_config` / :func:`build_tiny_model`, a
   ~0.9M-parameter ``Qwen3ForCausalLM``.
 * :mod:`~composer_diloco.policy.warmstart`: :func:`warm_start`, a short SFT pass with TRL's ``SFTTrainer`` on the run
@@ -21,7 +21,7 @@ Modules, in the order a run uses them:
   the env package in process (greedy or sampled); ``bench/coding_eval.py`` and the CLI both use it.
 * :mod:`~composer_diloco.policy.cli`: ``python -m composer_diloco.policy {build-tokenizer,warm-start,evaluate}``.
 
-No module here names a concrete env except :mod:`~composer_diloco.policy.tokenizer_recipe` (build time only).
+No module here names a concrete env: what an env brings comes through ``composer_diloco.rollout.env_package``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _EXPORTS = {
     "tiny_model_config": "tiny_model",
     "DEFAULT_TOKENIZER_DIR": "tokenizer",
     "ENV_TOKENIZER_FOLDER": "tokenizer",
+    "build_env_tokenizer": "tokenizer",
     "build_tokenizer": "tokenizer",
     "load_default_tokenizer": "tokenizer",
     "tokenize_episode": "tokenizer",
@@ -60,6 +61,7 @@ __all__ = [
     "ENV_TOKENIZER_FOLDER",
     "PolicyLoadError",
     "build_tiny_model",
+    "build_env_tokenizer",
     "build_tokenizer",
     "embedded_tokenizer_dir",
     "env_demonstrations",
@@ -89,6 +91,7 @@ if TYPE_CHECKING:
     from composer_diloco.policy.tokenizer import (
         DEFAULT_TOKENIZER_DIR,
         ENV_TOKENIZER_FOLDER,
+        build_env_tokenizer,
         build_tokenizer,
         load_default_tokenizer,
         tokenize_episode,

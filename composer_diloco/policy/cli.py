@@ -55,13 +55,14 @@ def _fail(exc: BaseException) -> typer.Exit:
 
 @app.command("build-tokenizer")
 def build_tokenizer_command(
-    env: Annotated[str, typer.Option(help="The env package whose shipped tokenizer to rebuild: envs.tool_env (the "
-                                          "project's, composer_diloco/assets/tokenizer) or envs.coding_env (its "
+    env: Annotated[str, typer.Option(help="The env package whose shipped tokenizer to rebuild from its "
+                                          "tokenizer_recipe.py: envs.tool_env (the project's, "
+                                          "composer_diloco/assets/tokenizer) or envs.coding_env (its "
                                           "policy_tokenizer/).")] = "envs.tool_env",
     out: Annotated[Path | None, typer.Option(help="Output directory (default: over the shipped files).")] = None,
 ) -> None:
-    """Rebuild a shipped tokenizer from its env's corpus (see composer_diloco.policy.tokenizer_recipe)."""
-    from composer_diloco.policy.tokenizer_recipe import build_env_tokenizer
+    """Rebuild a shipped tokenizer from its env package's tokenizer_recipe.py (the env contract)."""
+    from composer_diloco.policy.tokenizer import build_env_tokenizer
 
     try:
         tok = build_env_tokenizer(env, out)

@@ -6,7 +6,7 @@ recognises it (``supports_tool_calling``, ``add_response_schema``, ``get_trainin
 ship its own, built the same way from its own episodes, in a ``policy_tokenizer/`` folder (`ENV_TOKENIZER_FOLDER`):
 the embedded default playing that env uses it (``composer_diloco.policy.load.embedded_tokenizer_dir``).
 :func:`build_tokenizer` is the generic builder (any demonstrations, any domain words);
-:mod:`composer_diloco.policy.tokenizer_recipe` holds the inputs the shipped files were built from.
+Each env package's ``tokenizer_recipe.py`` holds the inputs its shipped files were built from (`build_env_tokenizer`).
 
 Text format (the "no-think" Qwen3 form): every assistant turn is exactly
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>`` after the generation prompt
@@ -34,6 +34,7 @@ from composer_diloco.rollout.chat import episode_messages
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
     "ENV_TOKENIZER_FOLDER",
+    "build_env_tokenizer",
     "EOS_TOKEN",
     "MARKUP_TOKENS",
     "PAD_TOKEN",
@@ -119,7 +120,7 @@ def build_tokenizer(
     Method: a byte-level BPE (``tokenizers.models.BPE`` + ``ByteLevel``, as GPT-2/Qwen) trained with a
     target vocabulary of ``vocab_size`` on the demonstrations rendered with TRL's Qwen3 chat template and each
     one's tools; it stops early once no pair occurs twice (the shipped one: about 880 entries from 2000 tool_env
-    episodes, see :mod:`composer_diloco.policy.tokenizer_recipe`). The pre-tokenizer only isolates digits (one
+    episodes, see ``envs/tool_env/tokenizer_recipe.py``). The pre-tokenizer only isolates digits (one
     token per digit, so numbers compose and are copied digit by digit), so merges run across words: the fixed text
     of the prompt (the tool schemas block) and of a call (``\\n{"name": "``, ``", "arguments": {"item": "``) become
     a handful of long tokens, and a tool_env episode is about 120 tokens instead of about 700 with word-level
@@ -237,3 +238,29 @@ def tokenize_episode(
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     mask = [int(any(b <= lo and hi <= e for b, e in spans)) for lo, hi in enc["offset_mapping"]]
     return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
+
+
+def build_env_tokenizer(env: str, out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """Rebuild the shipped tokenizer of ``env`` from its package's tokenizer recipe (the env contract's
+    ``P/tokenizer_recipe.py``: `composer_diloco.rollout.env_package.load_tokenizer_recipe`) with `build_tokenizer`;
+    byte-identical to the shipped files when the installed TRL's ``qwen3.jinja`` and the env's episodes are unchanged.
+
+    Args:
+        env: ``[env] server_module`` or its package, e.g. ``"envs.coding_env"``.
+        out_dir: where to write; default: over the shipped files (the package's ``policy_tokenizer/``, or the
+            project's `DEFAULT_TOKENIZER_DIR` for a recipe that builds the project's tokenizer).
+    Returns:
+        The tokenizer.
+    Raises:
+        composer_diloco.rollout.env_package.EnvPackageError: the env has no (valid) recipe.
+        FileNotFoundError: the installed TRL does not ship ``qwen3.jinja``.
+    """
+    import importlib
+
+    from composer_diloco.rollout.env_package import load_tokenizer_recipe
+
+    recipe = load_tokenizer_recipe(env)
+    if out_dir is None:
+        package_dir = Path(importlib.import_module(recipe.package).__file__).resolve().parent
+        out_dir = DEFAULT_TOKENIZER_DIR if recipe.builds_the_project_tokenizer else package_dir / ENV_TOKENIZER_FOLDER
+    return build_tokenizer(out_dir, recipe.corpus(), recipe.domain_words(), vocab_size=recipe.vocab_size)

@@ -49,6 +49,12 @@ built by ``composer_diloco.policy.tokenizer.build_tokenizer`` from the package's
 default plays ``P`` with; without it, the project's (`composer_diloco.policy.load.embedded_tokenizer_dir`). Found
 by path, without importing the package.
 
+**A tokenizer recipe, optional**, in ``P/tokenizer_recipe.py``: ``corpus() -> [Demonstration, ...]`` and
+``domain_words() -> (str, ...)``, with ``VOCAB_SIZE`` (int, default 1000) and ``BUILDS_THE_PROJECT_TOKENIZER`` (bool,
+default False: the recipe builds ``P/policy_tokenizer/``; True: the project's ``composer_diloco/assets/tokenizer/``,
+which tool_env's recipe builds). ``python -m composer_diloco.policy build-tokenizer --env P`` rebuilds it
+(`load_tokenizer_recipe`, `composer_diloco.policy.tokenizer.build_env_tokenizer`); no run path imports it.
+
 **Evaluation in process, optional**: `EnvPackage.local_session` plays the one ``Environment`` subclass that
 ``P/server/__init__.py`` exports (built with no arguments) in this process, through the same protocol fields, for
 evaluating a policy on the env without a server.
@@ -144,6 +150,55 @@ def _optional_module(name: str, package: str) -> ModuleType | None:
         if exc.name not in (name, package, package.split(".")[0]):
             raise  # the module exists but one of its own imports failed: that is a real error
         return None
+
+
+@dataclass(frozen=True)
+class TokenizerRecipe:
+    """An env package's tokenizer recipe (``P/tokenizer_recipe.py``, see the module docstring).
+
+    Attributes:
+        package: the package's import name.
+        corpus: the episodes the BPE is trained on (``envs.demonstration.Demonstration`` or any object with
+            ``question``, ``tools``, ``calls``, ``replies``).
+        domain_words: the nouns that become atomic tokens, in id order.
+        vocab_size: the BPE's target vocabulary (tokens).
+        builds_the_project_tokenizer: True when the recipe builds the project's shipped tokenizer rather than the
+            package's own ``policy_tokenizer/``.
+    """
+
+    package: str
+    corpus: Callable[[], list[Any]]
+    domain_words: Callable[[], tuple[str, ...]]
+    vocab_size: int = 1000
+    builds_the_project_tokenizer: bool = False
+
+
+def load_tokenizer_recipe(env: str) -> TokenizerRecipe:
+    """The tokenizer recipe of ``env``'s package (``P/tokenizer_recipe.py``).
+
+    Args:
+        env: ``[env] server_module`` or its package, e.g. ``"envs.coding_env"``.
+    Raises:
+        EnvPackageError: the package is not importable, has no ``tokenizer_recipe.py``, or the module's ``corpus`` /
+            ``domain_words`` are not functions or ``VOCAB_SIZE`` is not a positive int (naming the entry and value).
+        ImportError: ``tokenizer_recipe.py`` exists but one of its own imports fails.
+    """
+    package = package_of(env)
+    if _optional_module(package, package) is None:
+        raise EnvPackageError(f"env {env!r}: package {package!r} is not importable")
+    module = _optional_module(f"{package}.tokenizer_recipe", package)
+    if module is None:
+        raise EnvPackageError(f"env {env!r} has no tokenizer recipe: expected {package}.tokenizer_recipe with "
+                              "corpus() and domain_words()")
+    for name in ("corpus", "domain_words"):
+        if not callable(getattr(module, name, None)):
+            raise EnvPackageError(f"{package}.tokenizer_recipe.{name} is {getattr(module, name, None)!r:.80}: "
+                                  "expected a function")
+    vocab_size = getattr(module, "VOCAB_SIZE", 1000)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise EnvPackageError(f"{package}.tokenizer_recipe.VOCAB_SIZE is {vocab_size!r}: expected a positive int")
+    return TokenizerRecipe(package, module.corpus, module.domain_words, vocab_size,
+                           bool(getattr(module, "BUILDS_THE_PROJECT_TOKENIZER", False)))
 
 
 def load_env_package(server_module: str) -> EnvPackage:
