@@ -126,7 +126,6 @@ class _StandInTrainer:
 
 
 def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int):
-    from composer_diloco.outer import recovery
     from nodes.node import Node
 
     class StandInNode(Node):
@@ -159,7 +158,7 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int
                     break
             self.end_training(self.model)
             if peer.round >= config.rounds and not self.stop.event.is_set():
-                recovery.serve_until_settled(peer, self.stop.event, config.network.averaging_timeout_s + 5.0)
+                peer.serve_until_settled(self.stop.event, config.network.averaging_timeout_s + 5.0)
             return peer.round - first
 
     return StandInNode

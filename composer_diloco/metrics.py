@@ -96,7 +96,7 @@ def round_table(metrics: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
     ``episodes_env_error`` (summed over the nodes) are in every row but not in the table.
 
     ``sha_agree`` compares each peer's last record of the round: a peer whose theta left the run's lineage and was
-    healed (`composer_diloco.outer.recovery.heal_split`, a later "resynced" record of the same round) counts with
+    healed (`composer_diloco.outer.recovery.split_check`, a later "resynced" record of the same round) counts with
     the theta it ended the round on. ``healed`` lists those peers (their pseudo-gradients of the round were dropped);
     it is not a column."""
     from composer_diloco.channels.base import registered_channels

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer_diloco.config import RunConfig, config_diff
-from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
@@ -399,10 +398,10 @@ class Coordinator:
                 log.info("checkpoint %s", path)
 
     def _linger(self) -> None:
-        """At the run's end: a node whose last all-reduce failed takes our state (`recovery.recover`), one whose
-        theta is unsettled may take it (`recovery.settle`): stay while a live node is behind or unsettled, at most
-        ``network.averaging_timeout_s`` + 5 s (`recovery.serve_until_settled`)."""
-        recovery.serve_until_settled(self.peer, self.stop.event, self.config.network.averaging_timeout_s + 5.0)
+        """At the run's end: a node whose last all-reduce failed takes our state (`recovery.after_failed_round`),
+        one whose theta is unsettled may take it (`recovery.settle_pick`): stay while a live node is behind or
+        unsettled, at most ``network.averaging_timeout_s`` + 5 s (`DiLoCoPeer.serve_until_settled`)."""
+        self.peer.serve_until_settled(self.stop.event, self.config.network.averaging_timeout_s + 5.0)
 
     def close(self) -> None:
         """Stop heartbeats, the averager and the DHT (idempotent)."""

@@ -25,7 +25,6 @@ from transformers import TrainerCallback
 
 from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff
-from composer_diloco.outer import recovery
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
@@ -408,7 +407,7 @@ class Node:
         """Train until the run's last round; returns the number of rounds this node took part in.
 
         At the run's end the node stays up (its averager serving its state) while a live peer still finishes the last
-        round, at most ``network.averaging_timeout_s`` + 5 s (`recovery.serve_until_settled`).
+        round, at most ``network.averaging_timeout_s`` + 5 s (`DiLoCoPeer.serve_until_settled`).
 
         Raises:
             TrainedOnNothing: the run ended and no episode of any of this node's rounds had a parsed tool call
@@ -444,7 +443,7 @@ class Node:
             self.memory_peak.reset()
         self.trainer.train()
         while peer.round < config.rounds and not self.stop.event.is_set():
-            # a heal took this node back to an earlier round (`recovery.heal_split`): its inner steps ran out before
+            # a heal took this node back to an earlier round (`DiLoCoPeer._heal_split`): its inner steps ran out before
             # the run's last round. Train the rounds left; TRL reuses the optimizer, so AdamW's moments carry on.
             log.info("round %d: %d rounds left after going back to the run's theta: training on", peer.round,
                      config.rounds - peer.round)
@@ -455,8 +454,8 @@ class Node:
                 raise NodeError(f"round {peer.round}: training on after a heal ended no round")
         if peer.round >= config.rounds and not self.stop.event.is_set():
             self.swarm.set_info(phase="done")  # `composer-coordinator status`
-            # a peer still finishing the last round may need our state (`recovery.serve_until_settled`)
-            recovery.serve_until_settled(peer, self.stop.event, config.network.averaging_timeout_s + 5.0)
+            # a peer still finishing the last round may need our state (`DiLoCoPeer.serve_until_settled`)
+            peer.serve_until_settled(self.stop.event, config.network.averaging_timeout_s + 5.0)
             self._keep_final_model()
             self.tool_calls.check()
         return peer.round - first

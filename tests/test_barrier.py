@@ -106,7 +106,7 @@ def test_the_barrier_waits_for_a_node_still_setting_up_to_join_its_round():
 
 
 def test_a_round_is_joinable_for_its_grace_after_its_first_node_entered_it():
-    """`joins_round`, the one rule of `Swarm.announce_joining` and `recovery.join_at_round_boundary`: the age of a
+    """`joins_round`, the one rule of `Swarm.announce_joining` and `DiLoCoPeer.join_at_round_boundary`: the age of a
     round is that of its first node in it; the coordinator's record and other rounds' nodes do not count."""
     peers = [PeerRecord("coordinator", "coordinator", 3, t=100.0, since=10.0),
              PeerRecord("a", "node", 3, t=100.0, since=95.0), PeerRecord("b", "node", 3, t=100.0, since=97.0),

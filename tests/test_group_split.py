@@ -4,10 +4,10 @@ Four real peers (their own DHTs and averagers, the real barrier and all-reduce).
 made to look for their group under other group bits, as two groups that formed apart in one window would, so
 {node-a, node-b} and {node-c, node-d} each average on their own and theta forks. node-c and node-d, whose groups were
 smaller than the four peers their barrier found and lacked the authority (node-a, the lowest name), take node-a's
-theta as soon as it is published (`recovery.join_authority_after_split`): every peer ends round 0 on one theta.
-Before that fix, the fork lived a whole round (healed at the next sync, `heal_split`). In round 1 the authority
-itself finds no group while the three others average: it takes their theta (`recovery.recover`) rather than step
-alone, and they keep it. Round 2 averages all four.
+theta as soon as it is published (`recovery.after_group_split`): every peer ends round 0 on one theta.
+Before that fix, the fork lived a whole round (healed at the next sync, `recovery.split_check`). In round 1 the
+authority itself finds no group while the three others average: it takes their theta (`recovery.after_failed_round`)
+rather than step alone, and they keep it. Round 2 averages all four.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def test_node_leaving_after_its_last_round_leaves_one_theta(run_dir, tmp_path):
 def test_peers_settling_the_last_round_find_the_others_still_up(run_dir, tmp_path):
     """node-1 dies in the last round's all-reduce after returning its averaged parts to one peer only, so the
     coordinator and node-0 leave it with different averages: the one that missed a part takes the other's theta
-    (`recovery.settle`), which has finished the run by then and stays up until that is done
-    (`recovery.serve_until_settled`). The last round's version of test_faults' lost reducer; it does not fail
+    (`recovery.settle_pick`), which has finished the run by then and stays up until that is done
+    (`DiLoCoPeer.serve_until_settled`). The last round's version of test_faults' lost reducer; it does not fail
     without the node's wait at the run's end: the dead node's heartbeat, alive for its TTL at an earlier round,
     holds the coordinator's wait (and the node's) open long enough anyway."""
     run = LocalRun(run_dir, write_config(tmp_path / "two-rounds.toml", ONE_ROUND.replace("rounds = 1", "rounds = 2")))

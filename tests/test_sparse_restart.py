@@ -57,7 +57,7 @@ def test_restarted_node_takes_back_its_error_feedback_and_replicas_agree(run_dir
 @pytest.mark.timeout(600)
 def test_node_killed_in_the_all_gather_survivors_agree(run_dir, tmp_path):
     """node-1 is SIGKILLed right after its message went to the first of the two others: one survivor may hold a mean
-    with it and the other one without; `recovery.settle` brings them back to one theta, and the run finishes."""
+    with it and the other one without; `recovery.settle_pick` brings them back to one theta, and the run finishes."""
     run = LocalRun(run_dir, write_config(tmp_path / "sparse.toml", CONFIG.format(rounds=3)))
     try:
         run.start_coordinator()

@@ -4,7 +4,7 @@ node-1 runs in its own network namespace, joined to the host (coordinator, node-
 host's end down cuts it off completely, as a lost link between two machines would. While cut off, node-1 sees
 nobody and steps alone, so its theta leaves the run's; the coordinator and node-0 go on averaging. When the link is
 back, the peers find each other again (`Swarm` re-dials peers whose heartbeats expired) and node-1, whose theta at
-the coordinator's round differs, takes the coordinator's state (`recovery.heal_split`). The run ends with every
+the coordinator's round differs, takes the coordinator's state (`recovery.split_check`). The run ends with every
 replica on one theta. Needs root (network namespaces); skipped elsewhere.
 """
 

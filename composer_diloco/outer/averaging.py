@@ -40,7 +40,7 @@ round: that grows with N, where the butterfly's ``2 (n - 1) / n x vector`` does 
 - a contributor whose message has not started arriving within ``sender_timeout``, stalls between pieces for as
   long, or whose connection closes before all its bytes came, is missing for this peer (one whose bytes all came
   counts, even if it died before its end of stream): the mean is formed without it and ``failed_size`` is set to the vector's size, so
-  that `composer_diloco.outer.recovery.settle` brings this peer to a member that received every message;
+  that `composer_diloco.outer.recovery.settle_pick` brings this peer to a member that received every message;
 - a member that does not acknowledge our message only costs that member our contribution (it counts it missing);
 - screened-out members and members of weight 0 (the coordinator) send nothing, and every member leaves them out.
 """

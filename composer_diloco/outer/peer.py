@@ -12,8 +12,10 @@ halves instead: `DiLoCoPeer.hand_off` (the pseudo-gradient, in the trainer's thr
 rest, in a background thread, theta never loaded into the policy); `composer_diloco.outer.overlap` folds theta in.
 
 Failure behaviour: a step that leaves this peer without an average it can apply raises `RoundFailed`, handled in
-one place, `composer_diloco.outer.recovery.recover` (take the state of a peer past the round, or step alone by a
-rule every peer applies alike); the module docstring of `composer_diloco.outer.recovery` lists each case. A peer
+one place, by `composer_diloco.outer.recovery.after_failed_round` (take the state of a peer past the round, or step
+alone by a rule every peer applies alike); the module docstring of `composer_diloco.outer.recovery` lists each case.
+Recovery decides, this peer acts: the rules there are functions of the heartbeats that return a decision, carried out
+by the methods of the section "carrying out recovery's decisions" below. A peer
 stopped at the barrier (shutdown) returns None. State sharing (`DiLoCoPeer.load_state_from_peers`, through
 `composer_diloco.outer.state_transfer`) raises `ArchitectureMismatch` when a peer's model differs; every other download
 failure returns False, its reason in `DiLoCoPeer.last_download_error`, and leaves theta as it was.
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from composer_diloco import faults
@@ -44,7 +47,7 @@ from composer_diloco.outer.sparse import ErrorFeedback
 from composer_diloco.outer.state_transfer import (
     DEFAULT_CHUNK_BYTES, DownloadReport, Manifest, StateTransfer, StateTransferError,
 )
-from composer_diloco.outer.swarm import PeerRecord, Swarm
+from composer_diloco.outer.swarm import PeerRecord, Swarm, first_divergence, joins_round
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ SyncStatus = Literal["averaged", "alone", "resynced", "skipped", "unsettled"]
 """How a round ended for a peer: "averaged" (outer step on the group's mean), "alone" (on its own pseudo-gradient),
 "resynced" (state downloaded from a peer after a failure), "skipped" (every contribution dropped: theta
 unchanged) or "unsettled" (the all-reduce missed elements and no member with another theta sent it: this peer's
-theta differs from theirs, `recovery.settle`)."""
+theta differs from theirs, `recovery.settle_pick`)."""
 
 
 @dataclass
@@ -92,7 +95,7 @@ class SyncResult:
 
 
 OUTER_PHASES = {
-    "heal_check": "do the replicas of the run agree (`recovery.heal_split`)",
+    "heal_check": "do the replicas of the run agree (`recovery.split_check`)",
     "pseudo_gradient": "Delta_i = theta - theta_i into the averager's buffers (and the sparse codec's message)",
     "barrier": "announce ready and wait for the round's peers",
     "all_reduce": "hivemind's all-reduce of the pseudo-gradients",
@@ -135,7 +138,7 @@ class _Reduced:
         members: names of the group's peers (this one included).
         weight_total: summed weights (samples) of the averaged contributions.
         rejected: names of the members whose contribution the all-reduce dropped.
-        missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle`).
+        missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle_pick`).
         reasons: name -> why its contribution was dropped, for those of ``rejected``.
 
     Delta itself (fp32 CPU, the layout of theta) stays where the all-reduce left it, in the averager's buffers; with
@@ -243,7 +246,7 @@ class DiLoCoPeer:
         self.config, self.swarm = config, swarm
         self.round = start_round
         self.holds_theta = holds_theta
-        self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`heal_split`)
+        self.diverged_seen: set[tuple[str, int]] = set()  # (peer, round) already reported diverged (`_heal_split`)
         self._partnered_round = start_round - 1  # the last round whose barrier found partners (`_barrier`)
         self._lock = threading.Lock()  # guards theta and the outer state: writers, and every chunk a peer downloads
         self.last_download: DownloadReport | None = None
@@ -416,13 +419,6 @@ class DiLoCoPeer:
         order = sorted((p for p in priority if p != mine), key=lambda p: (-priority[p], random.random()))
         return [(p, names.get(p, p[:16])) for p in order]
 
-    def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event,
-                               intended: int | None = None) -> int:
-        """Bring a joining peer to the round the swarm is in (`recovery.join_at_round_boundary`, which documents
-        the arguments). Returns the newest round a live peer was in. Raises ArchitectureMismatch."""
-        return recovery.join_at_round_boundary(self, join_grace_s=join_grace_s, timeout_s=timeout_s, stop=stop,
-                                               intended=intended)
-
     # -- one round ------------------------------------------------------------------------------------
     def sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None = None) -> SyncResult | None:
         """End the current round: average pseudo-gradients, take the outer step, load theta into ``model``.
@@ -433,7 +429,7 @@ class DiLoCoPeer:
             stop: set to abandon the barrier wait (shutdown); returns None then.
         Returns:
             A `SyncResult`, or None when stopped. A failed round is not an error: it ends "resynced" or "alone"
-            (`recovery.recover`; the failure cases are in `composer_diloco.outer.recovery`'s docstring).
+            (`_recover`; the failure cases are in `composer_diloco.outer.recovery`'s docstring).
         Raises:
             ArchitectureMismatch: a peer whose state this peer must take has another model.
         """
@@ -487,7 +483,7 @@ class DiLoCoPeer:
             ArchitectureMismatch: a peer whose state this peer must take has another model.
         """
         r, clock = handoff.round, handoff.clock
-        result = recovery.heal_split(self, None, r, clock)
+        result = self._heal_split(None, r, clock)
         clock.lap("heal_check")
         if result is None:
             result = self._reduce_and_step(None, r, handoff.weight, handoff.norm, clock, stop)
@@ -497,7 +493,7 @@ class DiLoCoPeer:
     def _sync(self, model: nn.Module | None, weight: float, stop: threading.Event | None) -> SyncResult | None:
         r = self.round
         clock = _RoundClock(start=time.monotonic(), bytes_before=self.averager.bytes_sent.value)
-        healed = recovery.heal_split(self, model, r, clock)  # 0. replicas that disagree take the run's theta
+        healed = self._heal_split(model, r, clock)  # 0. replicas that disagree take the run's theta
         if healed is not None:
             return healed
         clock.lap("heal_check")
@@ -516,7 +512,7 @@ class DiLoCoPeer:
             scheduled_time, partners = barrier
             clock.lap("barrier")
             if not partners:  # we are the whole swarm: theta moves by our own pseudo-gradient
-                return recovery.step_alone(self, model, r, clock)
+                return self._step_alone(model, r, clock)
             reduced = self._all_reduce(r, weight, norm, scheduled_time,       # 3. Delta = sum_i w_i Delta_i / sum w
                                        group_size=len(partners) + 1)
             clock.lap("all_reduce")
@@ -524,12 +520,12 @@ class DiLoCoPeer:
             clock.lap("outer_step")
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
-            return recovery.recover(self, model, r, clock)
+            return self._recover(model, r, clock)
         result = self._finish(model, clock, peers=len(reduced.members),        # 5. load theta into the policy
                               weight_total=reduced.weight_total, status=status, rejected=reduced.rejected,
                               reasons=reduced.reasons, members=reduced.members)
         if status == "averaged" and len(reduced.members) < len(partners) + 1 and \
-                recovery.join_authority_after_split(self, r, reduced.members):  # matchmaking split the round
+                self._join_authority_after_split(r, reduced.members):  # matchmaking split the round
             return self._finish(model, clock, peers=0, status="resynced")
         return result
 
@@ -664,7 +660,7 @@ class DiLoCoPeer:
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
-        with the group (`recovery.settle`). Every contribution dropped: theta unchanged ("skipped").
+        with the group (`_settle`). Every contribution dropped: theta unchanged ("skipped").
 
         Raises:
             RoundFailed: Delta holds NaN/Inf (the outer step refused it; theta and round unchanged).
@@ -685,7 +681,7 @@ class DiLoCoPeer:
         except ValueError as e:
             raise RoundFailed(str(e)) from e
         if reduced.missed:
-            return recovery.settle(self, set(reduced.members), r, reduced.missed)
+            return self._settle(set(reduced.members), r, reduced.missed)
         return "averaged"
 
     def _finish(self, model: nn.Module | None, clock: _RoundClock, *, peers: int, status: SyncStatus,
@@ -707,6 +703,236 @@ class DiLoCoPeer:
             phase_seconds={k: round(v, 4) for k, v in clock.phases.items() if v >= 5e-5},
             rejected_reasons=dict(reasons or {}), members=list(members or []),
         )
+
+    # -- carrying out recovery's decisions (`composer_diloco.outer.recovery` decides) ------------------------------
+    def _others(self) -> list[PeerRecord]:
+        """The live peers' heartbeats, this peer's left out."""
+        return [p for p in self.swarm.live_peers() if p.name != self.swarm.name]
+
+    def _recover(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
+        """Round ``r`` ended without an average for this peer: poll `recovery.after_failed_round` every 0.25 s and
+        carry it out, at most ``allreduce_timeout_s`` (the others may be in a long all-reduce); then step alone.
+
+        Returns:
+            The round's `SyncResult`: "resynced" (a peer's state was loaded, ``peers`` 0), else as `_step_alone`.
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me, timeout_s = self.swarm.name, self.allreduce_timeout_s
+        deadline = time.monotonic() + timeout_s
+        # unsettled while waiting for a state, so that a member settling its own theta does not wait for us
+        self.swarm.set_round(r, sha=self.swarm.sha, settled=False)
+        while time.monotonic() < deadline:
+            decision = recovery.after_failed_round(self.swarm.role, me, r, self._others(),
+                                                   late=time.monotonic() > deadline - timeout_s / 3)
+            if isinstance(decision, recovery.StepAlone):
+                break
+            if isinstance(decision, recovery.Resync) and self._load_from_first(decision):
+                return self._finish(model, clock, peers=0, status="resynced")
+            time.sleep(0.25)
+        log.warning("%s round %d: no peer ahead of us; applying our own pseudo-gradient", me, r)
+        return self._step_alone(model, r, clock)
+
+    def _step_alone(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult:
+        """Apply this peer's own pseudo-gradient (what the averager's buffers hold) and end round ``r``.
+
+        Returns:
+            A `SyncResult` with ``peers`` 1 and status "alone", or "skipped" when that pseudo-gradient is non-finite
+            (theta unchanged; the round ends all the same).
+        """
+        status: SyncStatus = "alone"
+        with self._lock, self.averager.get_tensors() as own:  # the buffers are the step's gradient (no copy)
+            try:
+                self.global_model.outer_step(own)
+            except ValueError as e:  # our own pseudo-gradient is non-finite: keep theta
+                log.error("%s round %d: %s; theta unchanged", self.swarm.name, r, e)
+                status = "skipped"
+            self.round = r + 1
+        return self._finish(model, clock, peers=1, status=status)
+
+    def _heal_split(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult | None:
+        """Before round ``r``'s sync: carry out `recovery.split_check` (take the authority's state if this peer's
+        theta left the run's lineage; as the authority, log each peer found diverged once per peer and round).
+
+        Returns:
+            None when nothing was healed (the sync goes on; also when the authority did not answer: tried again at
+            the next sync), else the round's `SyncResult` with status "resynced".
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me = self.swarm.name
+        decision = recovery.split_check(self.swarm.role, me, self.swarm.history, self._others())
+        if isinstance(decision, recovery.Proceed):
+            for name, at, theirs, ours in decision.diverged:  # we are the authority: they take our theta
+                if (name, at) not in self.diverged_seen:
+                    self.diverged_seen.add((name, at))
+                    log.warning("%s round %d: replicas disagree: %s's theta at round %d is %s, ours was %s (a "
+                                "partition, or peers that stepped alone); it takes our state at its next sync", me, r,
+                                name, at, theirs[:12], ours[:12])
+            return None
+        if not self._load_from_first(decision):
+            return None
+        return self._finish(model, clock, peers=0, status="resynced")
+
+    def _join_authority_after_split(self, r: int, members: list[str]) -> bool:
+        """Right after round ``r``'s outer step in a group smaller than the barrier's peers: poll
+        `recovery.after_group_split` every 0.25 s, at most ``allreduce_timeout_s``, and carry it out. This peer's own
+        theta of round ``r + 1`` is already published (settled), so an authority that found no group at all takes it
+        (`_recover`) instead of stepping alone, and then holds the same theta.
+
+        Returns:
+            True when the authority's state was loaded (the caller ends the round "resynced"); False when nothing was
+            to heal, or the authority did not answer in time (`_heal_split` tries again at the next sync).
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me, ours, waited_for = self.swarm.name, self.global_model.sha256(), "the authority"
+        deadline = time.monotonic() + self.allreduce_timeout_s
+        while time.monotonic() < deadline:
+            decision = recovery.after_group_split(self.swarm.role, me, r, members, ours, self._others())
+            if isinstance(decision, recovery.Proceed):
+                return False
+            if isinstance(decision, recovery.Resync):
+                log.warning("%s round %d: matchmaking split the round: this peer averaged with %s only, and %s (the "
+                            "run's authority) with others, so their thetas differ; taking its state (the "
+                            "pseudo-gradients of this peer's group are dropped for this round)", me, r,
+                            ", ".join(sorted(members)), decision.candidates[0].name)
+                return self._load_from_first(decision)
+            waited_for = decision.waiting_for or waited_for
+            time.sleep(0.25)
+        log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking "
+                    "again at the next sync", me, r, len(members), waited_for, self.allreduce_timeout_s)
+        return False
+
+    def _settle(self, members: set[str], r: int, missed: int) -> SyncStatus:
+        """After an all-reduce of round ``r`` that missed ``missed`` elements: publish theta as unsettled, poll
+        `recovery.settle_pick` every 0.1 s (its wait ends after ``allreduce_timeout_s``) and take the pick's theta.
+
+        Returns:
+            "averaged" (this peer's theta was kept or already equal), "resynced" (the pick's state was downloaded), or
+            "unsettled" (members hold another theta and none of them sent it: this peer keeps its own, which differs;
+            logged as an ERROR. Before a later round `_heal_split` brings it back; after the run's last it stays).
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me, ours = self.swarm.name, self.global_model.sha256()
+        log.warning("%s round %d: the all-reduce returned no average for %d elements (a peer was lost mid-way): "
+                    "settling theta with the group", me, r, missed)
+        self._update_priority()
+        self.swarm.set_round(r + 1, sha=ours, settled=False)
+        deadline = time.monotonic() + self.allreduce_timeout_s
+        while True:
+            decision = recovery.settle_pick(self.swarm.role, me, members, r, ours, self.swarm.live_peers(),
+                                            timed_out=time.monotonic() > deadline)
+            if isinstance(decision, recovery.Resync):
+                break
+            time.sleep(0.1)
+        if self._load_from_first(decision):
+            return "resynced"
+        if decision.candidates:  # members hold another theta and none of them sent it (gone): ours stays different
+            log.error("%s round %d: replicas disagree: none of %s sent its theta (gone?), so this peer keeps its own "
+                      "(sha256 %s), in which %d elements missed the group's average; the round is recorded as "
+                      "\"unsettled\"", me, r, ", ".join(f"{p.name} (sha256 {p.sha[:12]})" for p in decision.candidates),
+                      ours[:12], missed)
+            return "unsettled"
+        return "averaged"
+
+    def _load_from_first(self, decision: recovery.Resync) -> bool:
+        """Load the state of the first of ``decision.candidates`` that sends one (a peer that just died may still have
+        a heartbeat); False if none did. A candidate whose published hashes differ from ours at a common round is
+        another lineage (a split): that is logged, and once its state is loaded our history restarts from it. Raises
+        ArchitectureMismatch (`load_state_from_peers`)."""
+        for pick in decision.candidates:
+            theirs = recovery.lineage(pick)
+            at = first_divergence(self.swarm.history, theirs)
+            if at is not None:
+                log.error("%s: split detected: %s's theta at round %d is %s, this peer's was %s (the run was "
+                          "partitioned, or peers stepped alone): replicas must not disagree", self.swarm.name,
+                          pick.name, at, theirs[at][:12], self.swarm.history[at][:12])
+            log.warning("%s: taking the theta of %s (round %d, sha256 %s)", self.swarm.name, pick.name, pick.round,
+                        pick.sha[:12])
+            if self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=decision.min_round,
+                                          peer=pick):
+                if at is not None:
+                    self.swarm.history.clear()  # the rounds trained since the split are not the run's
+                return True
+            log.warning("%s: %s did not send its state", self.swarm.name, pick.name)
+        return False
+
+    # -- joining and leaving --------------------------------------------------------------------------------------
+    def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event,
+                               intended: int | None = None) -> int:
+        """Bring a joining peer to the round the swarm is in, right before its first inner phase.
+
+        First the newest state of any live peer past ours (a joiner whose set-up outlasted a round). Then, if that
+        round has been underway for more than ``join_grace_s`` seconds (`swarm.joins_round`), wait for the swarm to
+        finish it (`recovery.round_over`) and take the next round's state, so that a late joiner never holds the
+        others up for long. Had the others already passed the barrier when it arrives anyway, `sync` takes their
+        state (`_recover`). A peer that announced at the start of its set-up which round it joins
+        (`Swarm.announce_joining`, by the same rule) joins that round however long its set-up took: the others wait
+        for it at that round's barrier.
+
+        Args:
+            join_grace_s: seconds a round may have been underway for this peer to still join it.
+            timeout_s: seconds to wait for a peer's state per download.
+            stop: set to give up waiting (shutdown).
+            intended: the round `Swarm.announce_joining` returned (None: decide by the round's age now).
+        Returns:
+            The newest round a live peer was in: ``>= config.rounds`` means the run ended while this peer joined.
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        newest = max((p.round for p in self._others()), default=self.round)
+        if newest >= self.config.rounds:
+            return newest  # the others are leaving: nothing to join
+        if newest > self.round:
+            log.info("%s: the swarm is at round %d, past our round %d: downloading its state", self.swarm.name,
+                     newest, self.round)
+            self.load_state_from_peers(timeout_s, min_round=newest)
+        r = self.round
+        if r == intended:
+            return newest  # the barrier of round r waits for us: we said so when our set-up began
+        if joins_round(self._others(), r, join_grace_s, get_dht_time()):
+            return newest  # the others wait for us at the barrier
+        log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r,
+                 join_grace_s)
+        while not stop.is_set() and not recovery.round_over(r, self._others()):
+            time.sleep(0.5)
+        deadline = time.monotonic() + self.config.network.averaging_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self.load_state_from_peers(timeout_s, min_round=r + 1):
+                break
+            time.sleep(0.5)
+        return max(newest, self.round)
+
+    def serve_until_settled(self, stop: threading.Event, timeout_s: float) -> list[str]:
+        """At the run's end, keep this peer up, its state served, while a live peer may still need it
+        (`recovery.waiting_at_run_end`), at most ``timeout_s`` seconds or until ``stop`` is set.
+
+        A peer that exited at once could leave a peer still finishing the last round with no state to take: it would
+        keep an incomplete theta (`_settle`) or step alone (`_recover`), and the run would end with two thetas. Its
+        own all-reduce returns only once its parts are out (`composer_diloco.outer.averaging`), but a peer that missed
+        a part for another reason (a third peer lost mid-way) still takes a member's state after it.
+
+        Returns:
+            The names of the peers still waited for when it stopped (logged as a WARNING), empty when none was left.
+        """
+        def waiting() -> list[str]:
+            try:
+                return recovery.waiting_at_run_end(self.swarm.name, self.config.rounds, self.swarm.live_peers())
+            except Exception as e:  # the DHT is shutting down
+                log.debug("%s: reading heartbeats failed at the run's end: %r", self.swarm.name, e)
+                return []
+
+        deadline = time.monotonic() + timeout_s
+        left = waiting()
+        while left and not stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = waiting()
+        if left and not stop.is_set():
+            log.warning("%s at the run's end: %s had not finished round %d when this peer stopped waiting (%.0f s)",
+                        self.swarm.name, ", ".join(left), self.config.rounds - 1, timeout_s)
+        return left
 
     def shutdown(self) -> None:
         """Stop serving state and the averager process (idempotent)."""

@@ -329,7 +329,7 @@ class ErrorFeedback:
         - "dropped": screening rejected this node's contribution (NaN/Inf or a norm outlier, any status): the
           swarm refused that mass and would refuse it again, so ``e_i <- 0``;
         - "applied": ``status`` "alone": theta moved by this node's whole Delta_i, uncompressed
-          (`composer_diloco.outer.recovery.step_alone`), so e_i keeps its value from before the round;
+          (`DiLoCoPeer._step_alone`), so e_i keeps its value from before the round;
         - "kept": "resynced", "skipped", or no contribution (weight 0): nothing of Delta_i is known to have reached
           theta, so ``e_i <- beta e_i + Delta_i`` and it is sent in a later round. A round that failed after some
           peers had received m_i and the node then took their theta counts m_i twice: one message's worth, once;

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -34,13 +33,16 @@ from hivemind.utils.timed_storage import get_dht_time
 from composer_diloco.config import ConfigError, RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer.address_form import LISTEN_EXAMPLE, PEER_EXAMPLE
+from composer_diloco.outer.peer_records import (  # noqa: F401 (re-exported: what a heartbeat says)
+    PeerRecord, first_divergence, joins_round, replica_thetas,
+)
 
 log = logging.getLogger(__name__)
 
 _RECORD_TTL_S = 3600.0
 _MAX_PENDING_BEATS = 4  # heartbeat stores in flight at once (each still waiting on a slow replica)
 LINEAGE_ROUNDS = 64  # rounds of theta hashes each heartbeat carries (~2 KB): a peer cut off for fewer rounds than
-# this is told it split when it meets the run again; one further behind is only brought forward (`recovery.recover`)
+# this is told it split when it meets the run again; one further behind is only brought forward (`recovery.after_failed_round`)
 _LINEAGE_HEX = 16  # hex digits of each (64 bits: two different thetas never match by chance)
 RUNS_KEY = "composer_diloco.runs"
 
@@ -173,80 +175,6 @@ def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: floa
         time.sleep(0.5)
 
 
-@dataclass(frozen=True)
-class PeerRecord:
-    """One live peer's heartbeat: ``since`` = DHT time it entered ``round``; ``sha`` = its theta's SHA-256 then
-    ("" before its first round ends); ``maddr`` = its multiaddr; ``settled`` = False while its theta for
-    ``round`` came from an incomplete all-reduce and may still be replaced by a group member's, or while it lost
-    the all-reduce of ``round`` and waits for a peer's state (`composer_diloco.outer.peer`); ``lineage`` = round ->
-    the first 16 hex digits of theta's SHA-256 at its start, for the peer's last settled rounds; ``info`` = the
-    fields it set with `Swarm.set_info` ({} from a peer that sets none, or predates them)."""
-
-    name: str
-    role: str  # "coordinator" | "node"
-    round: int
-    t: float
-    since: float = 0.0
-    maddr: str = ""
-    sha: str = ""
-    settled: bool = True
-    lineage: dict[int, str] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def peer_id(self) -> str:
-        """The base58 PeerID of its multiaddr (``/p2p/<id>``; its DHT and averager share it), "" if unknown."""
-        return self.maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in self.maddr else ""
-
-
-def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:
-    """Whether a node setting up now still joins ``round_`` (else it waits for the next round boundary).
-
-    It does when no node is training ``round_`` yet, or when the first of them entered it at most ``join_grace_s``
-    seconds ago (DHT time, `PeerRecord.since`): the others then wait for it at that round's barrier. The one rule
-    `Swarm.announce_joining` (at the start of a node's set-up) and `recovery.join_at_round_boundary` (at its end,
-    for a node that announced nothing) apply.
-
-    Args:
-        peers: the live peers' heartbeats (this node's own excluded).
-        round_: the round in question; now: DHT time (`hivemind.utils.timed_storage.get_dht_time`), seconds.
-    """
-    training = [p.since for p in peers if p.role == "node" and p.round == round_]
-    return not training or now - min(training) <= join_grace_s
-
-
-def replica_thetas(peers: list[PeerRecord], round_: int) -> dict[str, list[str]]:
-    """Which theta each live peer ended round ``round_ - 1`` on (the theta it started ``round_`` with), grouped by
-    hash: ``{hash prefix: [peer names]}``. One key: the replicas agree. A peer's hash is its heartbeat's ``sha``
-    when it is at ``round_`` and settled, else its ``lineage`` entry for ``round_``; peers holding neither (still
-    behind, or not settled) are left out.
-
-    Args:
-        peers: live heartbeats (`Swarm.live_peers`); round_: the run's round (>= 1), so ``round_ - 1`` ended.
-    """
-    by_hash: dict[str, list[str]] = {}
-    for p in peers:
-        sha = p.sha if p.round == round_ and p.settled and p.sha else p.lineage.get(round_, "")
-        if sha:
-            by_hash.setdefault(sha[:16], []).append(p.name)
-    # hashes of different lengths (a full SHA-256 and a lineage's 16 digits) were cut to 16 above: equal ones merge
-    return {h: sorted(names) for h, names in sorted(by_hash.items(), key=lambda kv: -len(kv[1]))}
-
-
-def first_divergence(ours: dict[int, str], theirs: dict[int, str]) -> int | None:
-    """The first round both hash tables hold where the hashes differ (compared on their common prefix), else None.
-
-    Args:
-        ours, theirs: round -> SHA-256 hex of theta at the round's start (`Swarm.history`, `PeerRecord.lineage`).
-    """
-    for r in sorted(ours.keys() & theirs.keys()):
-        a, b = ours[r], theirs[r]
-        n = min(len(a), len(b))
-        if n and a[:n] != b[:n]:
-            return r
-    return None
-
-
 class Swarm:
     """This peer's records in the DHT: heartbeats and the round barrier.
 
@@ -372,7 +300,7 @@ class Swarm:
         hivemind's DHT drops a peer from its routing table when an RPC to it fails and never looks for it again, so a
         partition (a link down for longer than a heartbeat's TTL) would leave two halves of the run that each see only
         themselves, for good. A ping that is answered puts both peers back into each other's routing table (hivemind's
-        ``DHTProtocol.call_ping``), and the halves see each other's records again; `recovery.heal_split` then brings
+        ``DHTProtocol.call_ping``), and the halves see each other's records again; `recovery.split_check` then brings
         every replica back to one theta. Peers not seen for ``forget_s`` seconds are no longer dialled.
         """
         while not self._stop.wait(period_s):
@@ -582,4 +510,5 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeou
 
 
 __all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "check_addresses", "fetch_run_config",
-           "first_divergence", "joins_round", "replica_thetas", "parse_multiaddr", "publish_config", "start_dht", "visible_multiaddr"]
+           "first_divergence", "joins_round", "parse_multiaddr", "publish_config", "replica_thetas", "start_dht",
+           "visible_multiaddr"]
