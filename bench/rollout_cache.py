@@ -1,7 +1,7 @@
 """Rollout seconds with and without the KV cache kept across turns, side by side in one process.
 
 Both arms play the same episodes with the same warm-started default policy against one tool_env server
-(`composer_diloco.rollout.episodes.play_episodes`, the code path of an inner step): ``cached`` keeps each lock-step
+(`composer_diloco.rollout.play.play_episodes`, the code path of an inner step): ``cached`` keeps each lock-step
 batch's `TurnCache`, so a turn encodes only the tool reply and the next header; ``full`` re-encodes every episode's
 whole history every turn (the rollout before the cache). The arms alternate (full, cached, cached, full, ...) with
 the torch seed reset before each call, so both see the same machine load and draw the same random numbers; each
@@ -39,6 +39,7 @@ import torch
 
 from composer_diloco.policy import load_policy
 from composer_diloco.rollout import episodes as rollout
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.sessions import open_env_sessions
@@ -209,7 +210,7 @@ def main() -> None:
                 rollout.generate_turns = full if arm == "full" else real
                 torch.manual_seed(1000 + rep)
                 t0 = time.perf_counter()
-                played[arm] = rollout.play_episodes(model, tok, sessions, keys, tool_suffix_ids=suffix,
+                played[arm] = play_episodes(model, tok, sessions, keys, tool_suffix_ids=suffix,
                                                     max_tool_calls=args.max_tool_calls, max_turn_tokens=40,
                                                     max_seq_len=1024, temperature=1.0)
                 seconds[arm].append(time.perf_counter() - t0)

@@ -78,7 +78,7 @@ def main() -> None:
     from composer_diloco.policy import load_policy
     from composer_diloco.rollout.env_process import start_env_server
     from composer_diloco.rollout.episode_tokens import tool_suffix_ids
-    from composer_diloco.rollout.episodes import play_episodes
+    from composer_diloco.rollout.play import play_episodes
     from composer_diloco.rollout.sessions import open_env_sessions
     from composer_diloco.timing import PhaseClock, cuda_sync_for
 

@@ -43,7 +43,7 @@ class EnvConfig(_Section):
     max_tool_reply_tokens: int | None = Field(
         None, ge=1, le=65536,
         description="Tokens of a tool reply the policy sees: a longer reply is cut to its first this many tokens and "
-                    "' ...' (composer_diloco.rollout.episodes.play_episodes). None: not cut; an episode ends where a "
+                    "' ...' (composer_diloco.rollout.play.play_episodes). None: not cut; an episode ends where a "
                     "reply and the next turn would pass max_seq_len. Set, it also bounds the rows the memory plan "
                     "plans (composer_diloco.policy.memory_plan.row_bound).",
     )

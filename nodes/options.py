@@ -23,7 +23,7 @@ ROLLOUT_ENGINES = {
     "batched": "lock-step batches, one transformers generate() per assistant turn, KV kept across turns",
     "continuous": "transformers continuous batching: a turn that ends goes to its env while the others decode",
 }
-"""The engines ``--rollout`` can pick (`composer_diloco.rollout.episodes.play_episodes`); ``auto``:
+"""The engines ``--rollout`` can pick (`composer_diloco.rollout.play.play_episodes`); ``auto``:
 `resolve_rollout_engine`."""
 ROLLOUTS = ("auto", *ROLLOUT_ENGINES)
 

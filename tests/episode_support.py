@@ -37,7 +37,7 @@ def tool_call_ids(tokenizer: Any, name: str, arguments: dict[str, Any]) -> list[
 
 def scripted_episode(tokenizer: Any, *, seed: int, episode_id: str, question: str, tools: list[dict[str, Any]],
                      steps: list[tuple[str, str, str | None, dict[str, Any]]], reward: float = 0.0) -> Episode:
-    """An `Episode` with the token ids `composer_diloco.rollout.episodes.play_episodes` would produce had the policy
+    """An `Episode` with the token ids `composer_diloco.rollout.play.play_episodes` would produce had the policy
     written ``steps``.
 
     Args:

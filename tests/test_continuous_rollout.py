@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.sessions import open_env_sessions
@@ -27,7 +29,7 @@ def _play(model, tok, url, keys, *, engine, temperature, sessions=None, max_turn
     opened = open_env_sessions([url], sessions or len(keys), max_tool_calls=6)
     try:
         torch.manual_seed(7)
-        return rollout.play_episodes(model, tok, opened, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
+        return play_episodes(model, tok, opened, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
                                      max_tool_calls=6, max_turn_tokens=max_turn_tokens, max_seq_len=1024,
                                      temperature=temperature, engine=engine, clock=clock)
     finally:

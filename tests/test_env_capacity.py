@@ -15,6 +15,8 @@ import subprocess
 import pytest
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import find_free_port
 from composer_diloco.rollout.episodes import EnvSession
 from composer_diloco.rollout.mcp import McpEnvSession
@@ -112,7 +114,7 @@ def test_episodes_play_in_waves_and_an_env_failure_ends_only_its_episode(monkeyp
         assert len(sessions) == 2
         monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
         try:
-            episodes = rollout.play_episodes(None, tok, sessions, keys, tool_suffix_ids=_tool_suffix(tok),
+            episodes = play_episodes(None, tok, sessions, keys, tool_suffix_ids=_tool_suffix(tok),
                                              max_tool_calls=3, max_turn_tokens=64, max_seq_len=2048, temperature=1.0)
         finally:
             for s in sessions:

@@ -13,6 +13,7 @@ import pytest
 from composer_diloco.channels.dpo_pairs import replay_to
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout import episodes as rollout
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_package import EnvPackageError, load_env_package
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
@@ -130,7 +131,7 @@ def test_scripted_policy_plays_the_echo_env_through_the_core(echo_url, tok, monk
             return ids, [[-0.5] * len(x) for x in ids]
 
         monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
-        episodes = rollout.play_episodes(None, tok, sessions, keys, tool_suffix_ids=lambda m: tool_suffix_ids(tok, m),
+        episodes = play_episodes(None, tok, sessions, keys, tool_suffix_ids=lambda m: tool_suffix_ids(tok, m),
                                          max_tool_calls=3, max_turn_tokens=64, max_seq_len=4096, temperature=1.0)
         assert [(ep.end_reason, ep.reward) for ep in episodes] == [("done", 1.0)] * 3
         first = [t for t in episodes[0].turns if t.role == "tool"]
@@ -152,7 +153,7 @@ def test_tiny_policy_plays_the_echo_env(echo_url, tok):
     keys = [(SEED, f"t{i}") for i in range(2)]
     sessions = open_env_sessions([echo_url], len(keys), max_tool_calls=2)
     try:
-        episodes = rollout.play_episodes(model, tok, sessions, keys, tool_suffix_ids=lambda m: tool_suffix_ids(tok, m),
+        episodes = play_episodes(model, tok, sessions, keys, tool_suffix_ids=lambda m: tool_suffix_ids(tok, m),
                                          max_tool_calls=2, max_turn_tokens=16, max_seq_len=1024, temperature=1.0)
     finally:
         for s in sessions:

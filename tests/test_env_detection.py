@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import find_free_port
 from composer_diloco.rollout.episodes import EnvProtocolError, OpenEnvSession
 from composer_diloco.rollout.mcp import (
@@ -87,7 +89,7 @@ def test_an_mcp_app_with_a_calltoolaction_subclass_is_detected_and_played(base, 
         assert isinstance(session, McpEnvSession) and tuple(session.tool_names) == PRICE_TOOLS
         monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
         suffix = itertools.repeat(tok("\n", add_special_tokens=False)["input_ids"])
-        (ep,) = rollout.play_episodes(None, tok, [session], [(5, "s")], tool_suffix_ids=lambda _: next(suffix),
+        (ep,) = play_episodes(None, tok, [session], [(5, "s")], tool_suffix_ids=lambda _: next(suffix),
                                       max_tool_calls=3, max_turn_tokens=64, max_seq_len=4096, temperature=1.0)
     finally:
         session.close()

@@ -23,6 +23,8 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import find_free_port, start_env_server
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from composer_diloco.rollout.mcp import (
@@ -229,7 +231,7 @@ def test_tiny_policy_plays_episodes_against_the_server(mcp_url, tok):
     keys = [(SEED, f"p{i}") for i in range(4)]
     sessions = open_env_sessions([mcp_url], len(keys), max_tool_calls=3)
     try:
-        episodes = rollout.play_episodes(model, tok, sessions, keys, tool_suffix_ids=_tool_suffix(tok),
+        episodes = play_episodes(model, tok, sessions, keys, tool_suffix_ids=_tool_suffix(tok),
                                          max_tool_calls=3, max_turn_tokens=24, max_seq_len=1024, temperature=1.0)
     finally:
         for s in sessions:
@@ -266,7 +268,7 @@ def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, m
     s = McpEnvSession(mcp_url, max_tool_calls=len(script))
     try:
         monkeypatch.setattr(rollout, "generate_turns", scripted_generate)
-        (ep,) = rollout.play_episodes(None, tok, [s], [(SEED, "s")], tool_suffix_ids=_tool_suffix(tok),
+        (ep,) = play_episodes(None, tok, [s], [(SEED, "s")], tool_suffix_ids=_tool_suffix(tok),
                                       max_tool_calls=len(script), max_turn_tokens=64, max_seq_len=4096,
                                       temperature=1.0)
         assert (ep.end_reason, ep.reward) == ("done", 1.0)

@@ -1,5 +1,5 @@
 """Trace-replay DPO pairs (`composer_diloco.channels.dpo_pairs`): the pure pairing rules, then replay and scoring against a
-real tool-environment server process, on episodes played by `rollout.play_episodes` with a scripted stand-in for
+real tool-environment server process, on episodes played by `play_episodes` with a scripted stand-in for
 the sampler (so their token layout is exactly the rollout's)."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, message_ids, turn_spans
@@ -257,7 +259,7 @@ def _turn_ids(tok, name: str, args: dict) -> list[int]:
 
 
 def _play_scripted(tok, url: str, keys, scripts, monkeypatch) -> list[Episode]:
-    """Play episodes through `rollout.play_episodes` against the server; the sampler emits the scripted calls.
+    """Play episodes through `play_episodes` against the server; the sampler emits the scripted calls.
 
     Tool replies are rendered with TRL's own ``GRPOTrainer._get_tool_suffix_ids`` (what the trainer passes in).
     """
@@ -278,7 +280,7 @@ def _play_scripted(tok, url: str, keys, scripts, monkeypatch) -> list[Episode]:
     try:
         with monkeypatch.context() as m:
             m.setattr(rollout, "generate_turns", scripted_generate)
-            episodes = rollout.play_episodes(
+            episodes = play_episodes(
                 None, tok, sessions, keys, tool_suffix_ids=lambda msgs: GRPOTrainer._get_tool_suffix_ids(trl_self,
                                                                                                          msgs),
                 max_tool_calls=MAX_TOOL_CALLS, max_turn_tokens=64, max_seq_len=4096, temperature=1.0,

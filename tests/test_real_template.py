@@ -66,7 +66,7 @@ def test_llama31_episodes_parse_calls_and_mask_tool_replies(llama_dir, tmp_path)
     from composer_diloco.policy import load_policy
     from composer_diloco.rollout.env_process import start_env_server
     from composer_diloco.rollout.episode_tokens import tool_suffix_ids
-    from composer_diloco.rollout.episodes import play_episodes
+    from composer_diloco.rollout.play import play_episodes
     from composer_diloco.rollout.sessions import open_env_sessions
 
     model, tokenizer = load_policy(str(llama_dir), seed=0, warmstart_steps=0)

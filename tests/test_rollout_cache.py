@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from composer_diloco.rollout import episodes as rollout
+
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.sessions import open_env_sessions
@@ -24,7 +26,7 @@ def _play(model, tok, sessions, keys, *, cached: bool, seed: int):
     with pytest.MonkeyPatch.context() as m:
         if not cached:
             m.setattr(rollout, "generate_turns", uncached)
-        return rollout.play_episodes(model, tok, sessions, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
+        return play_episodes(model, tok, sessions, keys, tool_suffix_ids=functools.partial(tool_suffix_ids, tok),
                                      max_tool_calls=6, max_turn_tokens=40, max_seq_len=1024, temperature=1.0)
 
 

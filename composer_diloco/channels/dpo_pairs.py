@@ -167,7 +167,7 @@ def collect_pairs(
     Args:
         model: the policy (causal LM); sampling runs on its device, without gradients.
         tokenizer: its tokenizer (the one the episodes were played with).
-        episodes: played episodes (`composer_diloco.rollout.episodes.play_episodes`).
+        episodes: played episodes (`composer_diloco.rollout.play.play_episodes`).
         session: an environment session of the episodes' environment, used serially for every replay.
         hints: hint registry for the ``"policy+hint"`` source; None turns that source off.
         teachers: ``{name: TeacherFn}`` (`make_teachers`), in the order their candidates are added; None = none.

@@ -40,7 +40,8 @@ from composer_diloco.channels.sdpo_hints import HintRegistry
 from composer_diloco.config import RunConfig
 from composer_diloco.inner.step import RoundStats, StepBatch, StepLosses
 from composer_diloco.rollout.env_package import EnvPackage, load_env_package
-from composer_diloco.rollout.episodes import EnvSession, play_episodes
+from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.tasks import TaskSet, TaskShard, task_episode_id
 from composer_diloco.timing import PhaseClock
 
@@ -160,7 +161,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         tasks: the ``[tasks]`` dataset (`TaskSet`), whose rows the episodes play; None: the env's reset gives the task.
         task_shard: this node's part of ``tasks`` (``--task-shard``), or None (see `TaskSet.order`).
         clock: the node's `PhaseClock` (`INNER_PHASES` names what each phase counts); None: a clock of its own.
-        rollout_engine: how episodes decode (`composer_diloco.rollout.episodes.play_episodes`'s ``engine``).
+        rollout_engine: how episodes decode (`composer_diloco.rollout.play.play_episodes`'s ``engine``).
 
     Raises:
         ValueError: no sessions, or ``steps_per_generation != gradient_accumulation_steps`` or

@@ -10,7 +10,7 @@ eos), parses it with ``composer_diloco.rollout.chat.parse_tool_call`` and sends 
 when the env says done (its reward is the episode's), at a turn with no parsable call (a format failure, reward 0),
 or after ``max_calls`` calls (the env is given the same budget).
 
-Why not ``composer_diloco.rollout.episodes.play_episodes``: that is the training rollout (token-carrying, always
+Why not ``composer_diloco.rollout.play.play_episodes``: that is the training rollout (token-carrying, always
 sampled, ends a turn cut before eos); this one decodes greedily too and re-renders each turn, as the measured
 figures in README.md and :mod:`composer_diloco.policy.warmstart` were taken.
 """

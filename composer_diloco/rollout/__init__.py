@@ -1,6 +1,7 @@
 """Rollouts: multi-turn tool episodes played against OpenEnv servers.
 
-- `episodes`: `Episode`, `Turn`, the `EnvSession` protocol and `play_episodes`;
+- `episodes`: `Episode`, `Turn`, the `EnvSession` protocol, the turn rules and the sampler;
+- `play`: `play_episodes`, a step's episodes with the batched engine or `continuous`'s;
 - `mcp`: sessions of OpenEnv MCP tool servers, and telling them from typed envs;
 - `sessions`: a node's sessions over its env URLs, within each server's capacity;
 - `tasks`: tasks from a dataset (``[tasks]``, TRL's ``reset(**row)``) and their split between nodes;

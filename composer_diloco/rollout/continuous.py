@@ -1,6 +1,6 @@
 """The continuous rollout engine: multi-turn episodes decoded by transformers' continuous batching.
 
-`composer_diloco.rollout.episodes.play_episodes` with ``engine="continuous"``. Every assistant turn of every episode
+`composer_diloco.rollout.play.play_episodes` with ``engine="continuous"``. Every assistant turn of every episode
 is one request to a transformers ``ContinuousBatchingManager`` (``model.continuous_batching_context_manager``: paged
 KV cache, a scheduler that adds and drops requests between decode steps; the engine TRL drives with
 ``use_transformers_continuous_batching``). When a turn ends, its episode goes to its env in a worker thread while the

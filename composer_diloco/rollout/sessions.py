@@ -6,7 +6,7 @@ sessions active`` (``CAPACITY_REACHED``). OpenEnv has no endpoint that tells the
 way a client meets it: `open_env_sessions` opens sessions on each URL, round-robin, until it has one per episode of an
 inner step, the per-URL cap (``--env-sessions`` / ``[env] sessions_per_url``) is reached, or the server refuses one.
 A server that refuses the first session is an error (`EnvCapacityError`, with the fix); a server that holds fewer
-sessions than a step has episodes is logged, and `composer_diloco.rollout.episodes.play_episodes` plays the step's
+sessions than a step has episodes is logged, and `composer_diloco.rollout.play.play_episodes` plays the step's
 episodes in waves of the sessions it has (the rest wait).
 
 Each URL's protocol is decided once (`composer_diloco.rollout.mcp.detect_env_protocol`), and the first session of each
