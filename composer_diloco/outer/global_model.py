@@ -25,13 +25,10 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from composer_diloco.config import OuterOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +92,21 @@ def nesterov_sgd(*, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = Tru
     return make_factory("sgd", lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
-def optimizer_factory(outer: OuterOptimizer) -> OptimizerFactory:
+class OuterSection(Protocol):
+    """What `optimizer_factory` reads of a run config's ``[outer]`` section (`composer_diloco.config.OuterOptimizer`,
+    named here by its fields only, so that this module and the config do not import each other)."""
+
+    optimizer: str
+    lr: float | None
+    momentum: float | None
+    nesterov: bool | None
+    kwargs: dict[str, Any]
+
+    @property
+    def is_sgd(self) -> bool: ...
+
+
+def optimizer_factory(outer: OuterSection) -> OptimizerFactory:
     """The outer optimizer a run config's ``[outer]`` section selects (SGD's ``momentum``/``nesterov`` included).
 
     Raises:
