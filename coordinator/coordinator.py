@@ -382,13 +382,8 @@ class Coordinator:
             if result is None:
                 break
             live = self.swarm.live_peers()  # for the tracker's table and for `composer-coordinator status`
-            self.metrics.write({
-                "round": result.round, "peer": PEER_NAME, "role": "coordinator", "peers": result.peers,
-                "samples": 0, "weight_total": result.weight_total, "sync_seconds": round(result.sync_seconds, 3),
-                "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
-                "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
-                "outer_phase_seconds": result.phase_seconds, "time": time.time(),
-            }, peers=live)
+            self.metrics.write({**result.record(PEER_NAME, "coordinator"), "samples": 0,
+                                "weight_total": result.weight_total, "time": time.time()}, peers=live)
             self.swarm.set_info(publish=True, **round_facts(result, live, self.swarm.info.get("group", [])))
             log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
                      result.weight_total, result.global_sha256[:12])

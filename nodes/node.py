@@ -556,14 +556,10 @@ class Node:
         for line in warnings:
             log.warning("%s round %d: %s", self.options.name, result.round, line)
         record = {
-            "round": result.round, "peer": self.options.name, "role": "node", "peers": result.peers,
-            **stats.record(), "inner_steps": phase["inner_steps"],
-            "inner_seconds": round(inner_seconds, 3), "sync_seconds": round(result.sync_seconds, 3),
-            "blocked_seconds": round(phase["blocked_seconds"], 3),
-            "wait_seconds": round(result.wait_seconds, 3), "bytes_sent": result.bytes_sent,
-            "global_sha256": result.global_sha256, "status": result.status, "rejected": result.rejected,
+            **result.record(self.options.name, "node"), **stats.record(), "inner_steps": phase["inner_steps"],
+            "inner_seconds": round(inner_seconds, 3), "blocked_seconds": round(phase["blocked_seconds"], 3),
             "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(), **memory,
-            **phase_record(phase["inner_phase_seconds"], result.phase_seconds, stats.generated_tokens),
+            **phase_record(phase["inner_phase_seconds"], stats.generated_tokens),
         }
         if fold is not None:
             record["fold"] = fold
@@ -608,15 +604,13 @@ class Node:
 _PHASE_ORDER = {name: i for i, name in enumerate(INNER_PHASES)}  # a round's order; a phase not listed goes last
 
 
-def phase_record(inner: dict[str, float], outer: dict[str, float], generated_tokens: int) -> dict:
-    """The metrics line's timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`; they add
-    up to ``inner_seconds``), ``outer_phase_seconds`` (the sync by part, `OUTER_PHASES`; they add up to
-    ``sync_seconds``), ``generated_tokens`` and ``generated_tokens_per_s`` (per second of the ``generation`` part;
-    0.0 when there was none). Seconds, rounded to 4 decimals."""
+def phase_record(inner: dict[str, float], generated_tokens: int) -> dict:
+    """The metrics line's inner-phase timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`;
+    they add up to ``inner_seconds``; seconds, rounded to 4 decimals) and ``generated_tokens_per_s`` (per second of
+    the ``generation`` part; 0.0 when there was none). The sync's parts are `SyncResult.record`'s."""
     generation = inner.get("generation", 0.0)
     return {
         "inner_phase_seconds": {k: round(inner[k], 4) for k in sorted(inner, key=lambda k: _PHASE_ORDER.get(k, 99))},
-        "outer_phase_seconds": dict(outer),
         "generated_tokens_per_s": round(generated_tokens / generation, 1) if generation > 0 else 0.0,
     }
 

@@ -93,6 +93,15 @@ class SyncResult:
     rejected_reasons: dict[str, str] = field(default_factory=dict)
     members: list[str] = field(default_factory=list)
 
+    def record(self, peer: str, role: str) -> dict:
+        """The round's keys of a metrics line, the same for a node and the coordinator (each adds its own):
+        ``round``, ``peer``, ``role``, ``peers``, ``sync_seconds`` and ``wait_seconds`` (seconds, 3 decimals),
+        ``bytes_sent``, ``global_sha256``, ``status``, ``rejected`` and ``outer_phase_seconds`` (`OUTER_PHASES`)."""
+        return {"round": self.round, "peer": peer, "role": role, "peers": self.peers,
+                "sync_seconds": round(self.sync_seconds, 3), "wait_seconds": round(self.wait_seconds, 3),
+                "bytes_sent": self.bytes_sent, "global_sha256": self.global_sha256, "status": self.status,
+                "rejected": list(self.rejected), "outer_phase_seconds": dict(self.phase_seconds)}
+
 
 OUTER_PHASES = {
     "heal_check": "do the replicas of the run agree (`recovery.split_check`)",
