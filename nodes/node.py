@@ -18,8 +18,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import TrainerCallback
 
 
@@ -43,7 +45,7 @@ from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import INNER_PHASES, ComposerGRPOTrainer, grpo_args
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
-from nodes.options import ROLLOUT_ENGINES, NodeOptions, resolve_rollout_engine
+from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
 
 log = logging.getLogger(__name__)
 
@@ -150,23 +152,38 @@ class Node:
             SwarmError / NodeError / ConfigError / EnvServerError / PolicyLoadError / UnsupportedEnvServer /
             McpProtocolError / EnvProtocolError / DeviceMemoryError, each with a one-line message.
         """
+        checked, protocols = self._check_before_network()  # 1. this node's choices and its --env-url servers
+        own_server, intended = self._enter_run(checked)       # 2. DHT, run config, own env server, joining record
+        opening = self._plan_and_open_sessions(checked, protocols)  # 3. memory plan, tasks, --env-url sessions
+        model = self._build_peer(checked, own_server, opening)      # 4. model skeleton, own env's sessions, peer
+        self._load_global_model(model, checked, intended)     # 5. theta from a peer, the swarm's round, heartbeat
+
+    def _check_before_network(self) -> tuple[CheckedOptions, dict[str, str]]:
+        """Join, phase 1: what is cheap to check, before any network: this node's own choices (device, dtype, batch,
+        addresses, identity key), the memory plan of a ``--config`` it agreed to, and every ``--env-url`` (reachable,
+        and an MCP tool server or a typed tool-call env). Returns the checked options and each URL's protocol."""
         o = self.options
-        # this node's own choices first: a bad --device/--dtype/--batch-size/--grad-accum fails before any network
         checked = o.check()  # the command line ran it too, before the heavy imports: milliseconds
-        expected, secret = checked.expected_config, checked.secret  # secret None: an open run
         self.placement = Placement.resolve(o.device, o.dtype)
         self.rollout_engine = resolve_rollout_engine(o.rollout, bf16=self.placement.bf16)
         for peer_addr in o.peers:
             parse_multiaddr(peer_addr)
         check_addresses(o.listen, o.announce)
         load_or_create_identity(self.own_dir / IDENTITY_FILE, create=False)  # a bad key: one line, no network
-        if expected is not None:  # the config this node agreed to: its memory plan can refuse before any network
-            self.plan_memory(expected)
-        # every --env-url before the DHT: reachable, and an MCP tool server (with tools) or a typed tool-call env
+        if checked.expected_config is not None:  # the config this node agreed to: refused before any network
+            self.plan_memory(checked.expected_config)
         protocols = {}
         for url in o.env_urls:
             wait_for_env(url, timeout_s=o.join_timeout_s)
             protocols[url] = detect_env_protocol(url).protocol
+        return checked, protocols
+
+    def _enter_run(self, checked: CheckedOptions) -> tuple[Any, int]:
+        """Join, phase 2: take this node's folder and identity, start the DHT, read the run config (refused when it
+        differs from ``--config``), spawn this node's own env server (its imports overlap what follows), and announce
+        the round this node joins (`Swarm.announce_joining`). Returns the launched server (None with ``--env-url``) and
+        that round."""
+        o, expected, secret = self.options, checked.expected_config, checked.secret  # secret None: an open run
         self._lock_own_dir()  # from here on <run-dir>/<name> is this process's, its identity too
         self._new_identity = not (self.own_dir / IDENTITY_FILE).exists()
         peer_id = load_or_create_identity(self.own_dir / IDENTITY_FILE)
@@ -197,26 +214,33 @@ class Node:
         # the barrier of the round this node joins waits for it from now on, not only from its first heartbeat
         intended = self.swarm.announce_joining(net.heartbeat_s, net.heartbeat_ttl_s, net.join_grace_s)
         log.info("joining at round %d", intended)
+        return own_server, intended
 
+    def _plan_and_open_sessions(self, checked: CheckedOptions, protocols: dict[str, str]) -> dict[str, Any]:
+        """Join, phase 3: the memory plan (sets ``self.batch``), the task file, and the ``--env-url`` sessions: one
+        reset per URL with the run's ``reset_kwargs`` (known only now) checks that each env gives task text and tools,
+        so a bad env costs seconds, not the model download. Returns the session options (`open_env_sessions`'s
+        keywords), for this node's own env server's sessions in phase 4."""
+        o, config = self.options, self.config
         self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
-        if self.memory_plan is None:  # before the averager, the env sessions, the model and the download
-            self.plan_memory(config)
-
-        # --env-url sessions before the model: one reset per URL with the run's reset_kwargs (known only now) checks
-        # that each env gives task text and tools, so a bad env costs seconds, not the model download. A node's own env
-        # server (started above) opens its sessions after the model skeleton, before the global model is downloaded.
         self.tasks = TaskSet.load(config.tasks)  # a bad [tasks] dataset fails here, before any env or model
         self.task_shard = shard = checked.shard
         first_row = self.tasks.order(1, seed=config.seed, shard=shard, peer_name=o.name)[0] if self.tasks else 0
         if self.tasks is not None and shard is not None:
             log.info("tasks: shard %s of %d rows", shard, len(self.tasks))
-        urls = list(o.env_urls)
         opening = dict(max_tool_calls=config.env.max_tool_calls, reset_kwargs=config.env.reset_kwargs,
                        per_url=o.env_sessions or config.env.sessions_per_url, tasks=self.tasks, check_row=first_row)
-        n_sessions = self.batch.episodes_per_step
-        if urls:  # round-robin over the URLs; each URL's protocol was detected above
-            self.sessions = open_env_sessions(urls, n_sessions, protocols=protocols, **opening)
+        if o.env_urls:  # round-robin over the URLs; each URL's protocol was detected in phase 1
+            self.sessions = open_env_sessions(list(o.env_urls), self.batch.episodes_per_step, protocols=protocols,
+                                              **opening)
+        return opening
+
+    def _build_peer(self, checked: CheckedOptions, own_server: Any, opening: dict[str, Any]) -> nn.Module:
+        """Join, phase 4: the policy's skeleton, this node's own env server's sessions (after the skeleton, before the
+        download), and the `DiLoCoPeer` (serving no state before the download; with ``[outer] overlap`` its
+        background sync). Returns the skeleton."""
+        config = self.config
         model, self.tokenizer = _policy_skeleton(config)
         # a full-fine-tuning --model: what this node loaded is the run's base, theta's round-0 value (checked against
         # the run's at the download, and at round 0 nothing else travels)
@@ -224,8 +248,7 @@ class Node:
         if own_server is not None:
             server = own_server.wait(config.env.connect_timeout_s)  # EnvServerError as `start_env_server` raises it
             self.env_servers.append(server)
-            self.sessions = open_env_sessions([server.url], n_sessions, **opening)
-        # serves no state before the download
+            self.sessions = open_env_sessions([server.url], self.batch.episodes_per_step, **opening)
         self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)
         self.peer.chunk_bytes = checked.state_chunk_bytes
         self.stop.add_cleanup(self.peer.shutdown)
@@ -234,15 +257,19 @@ class Node:
 
             self.overlap = OverlappedSync(self.peer, self.stop.event)
             self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
-        # the global model: a peer's manifest within --join-timeout, then only the tensors this node does not hold,
-        # in chunks, within --join-deadline (default: the bytes at the run's state_min_rate_mb_s)
+        return model
+
+    def _load_global_model(self, model: nn.Module, checked: CheckedOptions, intended: int) -> None:
+        """Join, phase 5: the global model (a peer's manifest within ``--join-timeout``, then only the tensors this
+        node does not hold, in chunks, within ``--join-deadline``), the swarm's round (building the model and loading
+        the state take seconds: the swarm may have moved on), theta into the placed policy, the first heartbeat."""
+        o, config = self.options, self.config
         if not self.peer.load_state_from_peers(timeout_s=o.join_timeout_s, deadline_s=checked.join_deadline_s):
             raise NodeError(f"no peer of run {config.run_name!r} sent the global model: "
                             f"{self.peer.last_download_error}")
-
-        # building the model and loading the state take seconds: the swarm may have moved on meanwhile
         self.swarm_round = self.peer.join_at_round_boundary(
-            join_grace_s=net.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event, intended=intended)
+            join_grace_s=config.network.join_grace_s, timeout_s=o.join_timeout_s, stop=self.stop.event,
+            intended=intended)
         self.peer.global_model.load_into(model)
         self._restore_codec_state()
         self.model = self.placement.place(model)

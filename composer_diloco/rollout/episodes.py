@@ -333,7 +333,6 @@ class LocalEnvSession(EnvSession):
             log.debug("closing local env session %s: %r", self.url, e)
 
 
-@torch.no_grad()
 @dataclass
 class TurnRules:
     """What happens between two assistant turns of an episode, the same for every rollout engine: record the

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from composer_diloco.rollout.continuous import play_continuous
@@ -17,6 +18,7 @@ from composer_diloco.timing import PhaseClock
 __all__ = ["play_episodes"]
 
 
+@torch.no_grad()
 def play_episodes(
     model: nn.Module,
     tokenizer: Any,
