@@ -1,4 +1,5 @@
-"""Collator speed: our one-pass SDPO site finder against the prefix re-tokenizing approach, on the same traces.
+"""SDPO site finding speed (`composer_diloco.channels.sdpo_sites.SiteFinder`, what the SDPO channel runs each step):
+our one-pass finder against the prefix re-tokenizing approach, on the same traces.
 
 The baseline is the approach of the seed collator (`../shared/seeds/000_*`): to find where message i's tokens
 lie, render and tokenize messages[:i] and messages[:i+1] with the chat template and take the difference; that is
@@ -18,7 +19,7 @@ import statistics
 import time
 
 from composer_diloco.channels.dpo_pairs import render_tool_call
-from composer_diloco.inner.collator import CollatorStats, ComposerCollator
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.policy import load_default_tokenizer
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.episodes import Episode, Turn
@@ -58,7 +59,7 @@ def played_episode(tok, seed: int, question: str, steps) -> Episode:
     return ep
 
 
-def prefix_retokenize_sites(collator: ComposerCollator, turns: list[Turn], tools: list[dict]) -> list[tuple]:
+def prefix_retokenize_sites(collator: SiteFinder, turns: list[Turn], tools: list[dict]) -> list[tuple]:
     """The baseline: per-message token spans by re-tokenizing every prefix, then the same sites."""
     tok = collator.tokenizer
     messages = [{"role": t.role, "content": t.content} for t in turns]
@@ -79,8 +80,8 @@ def prefix_retokenize_sites(collator: ComposerCollator, turns: list[Turn], tools
     return sites
 
 
-def ours_sites(collator: ComposerCollator, turns: list[Turn], tools: list[dict]) -> list[tuple]:
-    _, sites = collator.sites_from_trace(turns, tools, CollatorStats())
+def ours_sites(collator: SiteFinder, turns: list[Turn], tools: list[dict]) -> list[tuple]:
+    _, sites = collator.sites_from_trace(turns, tools, SdpoStats())
     return [(s.turn, s.student_idx[0], s.student_idx[-1] + 1) for s in sites]
 
 
@@ -100,7 +101,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tok = load_default_tokenizer()
-    collator = ComposerCollator(tok, max_length=1 << 16)
+    collator = SiteFinder(tok, max_length=1 << 16)
     rows = []
     for n in args.turns:
         traces = [make_trace(tok, seed, n) for seed in range(args.traces)]
@@ -110,9 +111,11 @@ def main() -> None:
         episodes = [played_episode(tok, s, task.question, steps) for s, (task, steps, _) in enumerate(traces)]
         t_base = timed(lambda: [prefix_retokenize_sites(collator, tr, TOOL_SCHEMAS) for _, _, tr in traces],
                        args.repeats)
-        t_trace = timed(lambda: [collator.sites_from_trace(tr, TOOL_SCHEMAS, CollatorStats()) for _, _, tr in traces],
+        t_trace = timed(lambda: [collator.sites_from_trace(tr, TOOL_SCHEMAS, SdpoStats()) for _, _, tr in traces],
                         args.repeats)
-        t_episode = timed(lambda: collator(episodes), args.repeats)
+        t_episode = timed(lambda: collator.tensors([site for ep in episodes  # the channel's build, verification off
+                                                    for site in collator.sites_from_episode(ep, SdpoStats())]),
+                          args.repeats)
         row = {"turns": n, "traces": args.traces, "error_sites_per_trace": sum(1 for k in range(n) if k % 4 == 0),
                "prefix_retokenize_s": round(t_base, 4), "ours_raw_trace_s": round(t_trace, 4),
                "ours_episode_s": round(t_episode, 4), "speedup_raw_trace": round(t_base / t_trace, 1),

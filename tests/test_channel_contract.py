@@ -166,7 +166,7 @@ def test_round_stats_record_keeps_the_metrics_keys_of_before():
     """The keys `Node.end_round` wrote by hand before the channels were modules, with the same values."""
     from composer_diloco.channels.dpo import DpoStats
     from composer_diloco.channels.dpo_pairing import PairStats
-    from composer_diloco.inner.collator import SdpoStats
+    from composer_diloco.channels.sdpo_sites import SdpoStats
     from composer_diloco.inner.step import RoundStats, StepLosses
 
     channels = registered_channels()

@@ -1,4 +1,5 @@
-"""The collator: SDPO alignment at error sites (episodes and raw traces, two chat templates), DPO tensors."""
+"""The channels' rows: SDPO sites and their alignment (episodes and raw traces, two chat templates:
+`channels.sdpo_sites`), DPO rows with the reference log-probs (`channels.dpo_rows`)."""
 
 from dataclasses import dataclass
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 from trl.chat_template_utils import get_training_chat_template
 
-from composer_diloco.inner.collator import CollatorStats, ComposerCollator
+from composer_diloco.channels.dpo import DpoStats
+from composer_diloco.channels.dpo_rows import dpo_rows
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
@@ -46,6 +49,12 @@ def failing_steps(tok, task, n_errors: int, n_turns: int):
     return steps
 
 
+def episode_sites(finder: SiteFinder, episodes) -> tuple[list, SdpoStats]:
+    """The sites of ``episodes`` as the SDPO channel finds them, and their counts."""
+    stats = SdpoStats()
+    return [site for ep in episodes for site in finder.sites_from_episode(ep, stats)], stats
+
+
 def check_sites(collator, sites, turns_text):
     for site in sites:
         s, t = torch.tensor(site.student_ids), torch.tensor(site.teacher_ids)
@@ -66,14 +75,15 @@ def test_episode_sites_align_and_cover_only_the_recovery(qwen_tok):
     task = make_task(0, "c1")
     steps = failing_steps(qwen_tok, task, n_errors=2, n_turns=6)
     ep = scripted_episode(qwen_tok, seed=0, episode_id="c1", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
-    collator = ComposerCollator(qwen_tok)
-    batch = collator([ep])
-    assert batch.stats.sdpo_sites == 2 and batch.num_sdpo == 2
+    collator = SiteFinder(qwen_tok)
+    sites, stats = episode_sites(collator, [ep])
+    assert stats.sdpo_sites == 2 and len(sites) == 2
     texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
-    check_sites(collator, batch.sites, texts)
-    tensors = batch.tensors
+    check_sites(collator, sites, texts)
+    tensors = collator.tensors(sites)
+    assert tensors["sdpo_student_ids"].shape[0] == 2
     # masks and index tensors say the same thing; hint tokens carry no loss
-    for row, site in enumerate(batch.sites):
+    for row, site in enumerate(sites):
         assert tensors["sdpo_student_mask"][row].nonzero().flatten().tolist() == site.student_idx
         assert tensors["sdpo_teacher_mask"][row].nonzero().flatten().tolist() == site.teacher_idx
         hint_ids = site.teacher_ids[len(site.teacher_ids) - len(site.student_ids):]
@@ -81,7 +91,7 @@ def test_episode_sites_align_and_cover_only_the_recovery(qwen_tok):
             collator.tokenizer.decode(site.teacher_ids).count("unknown item") >= 1 and hint_ids
     # the student is a prefix of the very ids the GRPO channel trains on
     full = ep.prompt_ids + ep.completion_ids
-    for site in batch.sites:
+    for site in sites:
         assert full[: len(site.student_ids)] == site.student_ids
 
 
@@ -93,8 +103,8 @@ def test_raw_traces_under_two_chat_templates(template, qwen_tok, llama_tok):
     turns = [Turn("user", task.question)]
     for text, reply, kind, meta in steps:
         turns += [Turn("assistant", text), Turn("tool", reply, None, kind, meta)]
-    collator = ComposerCollator(tok, max_length=8192)
-    stats = CollatorStats()
+    collator = SiteFinder(tok, max_length=8192)
+    stats = SdpoStats()
     ids, sites = collator.sites_from_trace(turns, TOOL_SCHEMAS, stats)
     assert len(sites) == 1 and stats.sdpo_sites == 1
     check_sites(collator, sites, {k: t.content for k, t in enumerate(turns)})
@@ -117,8 +127,8 @@ def test_raw_trace_empty_recovery_is_skipped_and_counted(template, recovery, qwe
     """An empty or whitespace-only recovery turn is no site: counted in sdpo_skipped_empty_recovery, not an error
     (it used to raise 'chat template: no assistant header before turn 3')."""
     tok = qwen_tok if template == "qwen" else llama_tok
-    stats = CollatorStats()
-    ids, sites = ComposerCollator(tok, max_length=8192).sites_from_trace(
+    stats = SdpoStats()
+    ids, sites = SiteFinder(tok, max_length=8192).sites_from_trace(
         _trace_with_recovery(tok, make_task(1, "empty"), recovery), TOOL_SCHEMAS, stats)
     assert sites == [] and len(ids) > 0
     assert stats.sdpo_skipped_empty_recovery == 1 and stats.sdpo_sites == 0
@@ -130,9 +140,9 @@ def test_raw_trace_short_recovery_found_in_its_own_turn(template, recovery, qwen
     """A recovery text that also occurs in the template's text between the tool reply and the turn (``end`` in
     ``<|im_end|>``, ``assistant`` in the header) is located after the assistant header, in the turn itself."""
     tok = qwen_tok if template == "qwen" else llama_tok
-    collator = ComposerCollator(tok, max_length=8192)
+    collator = SiteFinder(tok, max_length=8192)
     turns = _trace_with_recovery(tok, make_task(1, "short"), recovery)
-    stats = CollatorStats()
+    stats = SdpoStats()
     ids, sites = collator.sites_from_trace(turns, TOOL_SCHEMAS, stats)
     assert len(sites) == 1 and stats.sdpo_sites == 1
     (site,) = sites
@@ -148,11 +158,11 @@ def test_32_turn_trace_with_8_error_sites(qwen_tok):
     task = make_task(2, "c3")
     steps = failing_steps(qwen_tok, task, n_errors=8, n_turns=32)
     ep = scripted_episode(qwen_tok, seed=2, episode_id="c3", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
-    collator = ComposerCollator(qwen_tok, max_length=4096)
-    batch = collator([ep])
-    assert batch.stats.sdpo_sites == 8
+    collator = SiteFinder(qwen_tok, max_length=4096)
+    sites, stats = episode_sites(collator, [ep])
+    assert stats.sdpo_sites == 8
     texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
-    check_sites(collator, batch.sites, texts)
+    check_sites(collator, sites, texts)
 
 
 def test_skips_are_counted(qwen_tok):
@@ -161,27 +171,27 @@ def test_skips_are_counted(qwen_tok):
     ep = scripted_episode(qwen_tok, seed=3, episode_id="c4", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
     no_hints = DEFAULT_HINTS.copy()
     no_hints.register("tool_not_found", "")  # an empty template turns a kind off
-    batch = ComposerCollator(qwen_tok, hints=no_hints)([ep])
-    assert batch.stats.sdpo_sites == 1 and batch.stats.sdpo_skipped_no_hint == 1
+    _, stats = episode_sites(SiteFinder(qwen_tok, hints=no_hints), [ep])
+    assert stats.sdpo_sites == 1 and stats.sdpo_skipped_no_hint == 1
     # an error on the last turn has no recovery
     last = scripted_episode(qwen_tok, seed=3, episode_id="c5", question=task.question, tools=TOOL_SCHEMAS,
                             steps=steps[:1])
-    batch = ComposerCollator(qwen_tok)([last])
-    assert batch.stats.sdpo_sites == 0 and batch.stats.sdpo_skipped_no_recovery == 1
+    _, stats = episode_sites(SiteFinder(qwen_tok), [last])
+    assert stats.sdpo_sites == 0 and stats.sdpo_skipped_no_recovery == 1
 
 
 def test_truncation_keeps_the_region_or_drops_the_site(qwen_tok):
     task = make_task(4, "c6")
     steps = failing_steps(qwen_tok, task, n_errors=8, n_turns=32)
     ep = scripted_episode(qwen_tok, seed=4, episode_id="c6", question=task.question, tools=TOOL_SCHEMAS, steps=steps)
-    full = ComposerCollator(qwen_tok, max_length=4096)([ep])
-    longest = max(len(s.teacher_ids) for s in full.sites)
-    short = ComposerCollator(qwen_tok, max_length=longest - 40)([ep])
-    assert short.stats.sdpo_sites == 8 and all(len(s.teacher_ids) <= longest - 40 for s in short.sites)
+    full, _ = episode_sites(SiteFinder(qwen_tok, max_length=4096), [ep])
+    longest = max(len(s.teacher_ids) for s in full)
+    short, stats = episode_sites(SiteFinder(qwen_tok, max_length=longest - 40), [ep])
+    assert stats.sdpo_sites == 8 and all(len(s.teacher_ids) <= longest - 40 for s in short)
     texts = {k: steps[(k - 1) // 2][0] for k in range(1, len(ep.turns), 2)}
-    check_sites(short.sites and ComposerCollator(qwen_tok), short.sites, texts)
-    tiny = ComposerCollator(qwen_tok, max_length=20)([ep])
-    assert tiny.stats.sdpo_sites == 0 and tiny.stats.sdpo_skipped_truncated == 8
+    check_sites(SiteFinder(qwen_tok), short, texts)
+    _, stats = episode_sites(SiteFinder(qwen_tok, max_length=20), [ep])
+    assert stats.sdpo_sites == 0 and stats.sdpo_skipped_truncated == 8
 
 
 @dataclass
@@ -195,16 +205,18 @@ def test_dpo_tensors_and_reference_logps(qwen_tok):
     model = build_tiny_model(qwen_tok, seed=0)
     pairs = [Pair([1, 5, 7, 9], [11, 12, qwen_tok.eos_token_id], [13, qwen_tok.eos_token_id]),
              Pair([2, 3], [14, qwen_tok.eos_token_id], [15, 16, 17, qwen_tok.eos_token_id])]
-    batch = ComposerCollator(qwen_tok)([], pairs, reference_model=model, with_sdpo=False)
-    t = batch.tensors
-    assert batch.num_dpo == 2 and batch.num_sdpo == 0
+    stats = DpoStats()
+    t = dpo_rows(pairs, model, pad_token_id=qwen_tok.pad_token_id, max_length=1024, stats=stats)
+    assert t["dpo_chosen_ids"].shape[0] == 2 and stats.dpo_pairs == 2 and stats.dpo_skipped_truncated == 0
     assert t["dpo_chosen_response_mask"][0].tolist()[:7] == [0, 0, 0, 0, 1, 1, 1]
     with torch.no_grad():
         logits = torch.log_softmax(model(input_ids=torch.tensor([[1, 5, 7, 9, 11, 12, qwen_tok.eos_token_id]])).logits, -1)
     hand = sum(logits[0, i - 1, tok].item() for i, tok in [(4, 11), (5, 12), (6, qwen_tok.eos_token_id)])
     assert abs(t["dpo_ref_chosen_logps"][0].item() - hand) < 1e-4
-    with pytest.raises(ValueError, match="reference model"):
-        ComposerCollator(qwen_tok)([], pairs)
+    # a pair whose response reaches max_length is dropped and counted; none left: no rows
+    stats = DpoStats()
+    assert dpo_rows(pairs[1:], model, pad_token_id=qwen_tok.pad_token_id, max_length=4, stats=stats) == {}
+    assert (stats.dpo_pairs, stats.dpo_skipped_truncated) == (0, 1)
 
 
 def test_tool_suffix_matches_trl(qwen_tok):

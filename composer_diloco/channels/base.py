@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from composer_diloco.rollout.env_package import EnvPackage
     from composer_diloco.rollout.episodes import Episode, EnvSession
 
-__all__ = ["ChannelContext", "ChannelMetrics", "ChannelPart", "Counts", "LossChannel", "register_channel",
+__all__ = ["ChannelContext", "ChannelMetrics", "ChannelPart", "Counts", "LossChannel", "pad_rows", "register_channel",
            "registered_channels", "unregister_channel"]
 
 
@@ -259,3 +259,14 @@ def registered_channels() -> tuple[type[LossChannel], ...]:
     builtin.sort(key=lambda c: _BUILTIN.index(c.__module__))
     return tuple(builtin + [c for c in _REGISTRY.values() if c.__module__ not in _BUILTIN])
 
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``rows`` (N >= 1 token-id lists) into ``(ids, attention_mask)``, both (N, L) long, L the longest row;
+    ids padded with ``pad_id``, the mask 1 on real tokens."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        att[i, :len(r)] = 1
+    return ids, att

@@ -32,7 +32,7 @@ from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
 from composer_diloco.channels.dpo_teachers import ProgressFn, TeacherFn, make_teachers, script_progress
 from composer_diloco.channels.losses import dpo_sigmoid_loss, sequence_logprobs
-from composer_diloco.inner.collator import ComposerCollator
+from composer_diloco.channels.dpo_rows import dpo_rows
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 DPO_KEYS = ("dpo_chosen_ids", "dpo_chosen_attention_mask", "dpo_chosen_response_mask", "dpo_rejected_ids",
             "dpo_rejected_attention_mask", "dpo_rejected_response_mask", "dpo_ref_chosen_logps",
             "dpo_ref_rejected_logps")
-"""The DPO row tensors (`composer_diloco.inner.collator.ComposerBatch` documents their shapes)."""
+"""The DPO row tensors (`composer_diloco.channels.dpo_rows.dpo_rows` documents their shapes)."""
 
 
 @dataclass
@@ -66,7 +66,7 @@ class DpoStats(Counts):
 
 def dpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
     """DPO sigmoid loss (arXiv 2305.18290, Eq. (7)) of the policy's summed response log-probs against the reference
-    log-probs the collator computed with the round's frozen global model.
+    log-probs `dpo_rows` computed with the round's frozen global model.
 
     Args:
         model: the policy being trained (causal LM: ``input_ids`` (P, L) long -> ``logits`` (P, L, V)).
@@ -125,7 +125,7 @@ class DpoChannel(LossChannel):
         reference_model: the frozen reference policy pi_ref (a copy of the policy; `after_outer_step` refreshes it),
             or with LoRA the policy with its adapters disabled (`composer_diloco.policy.lora.AdaptersDisabled`).
         session: the env session every replay uses.
-        collator: pads the pairs and computes their reference log-probs (``max_length``).
+        tokenizer: the policy's tokenizer (the pairs' sampler; its pad id pads the rows, `dpo_rows`).
         hints: the SDPO hint registry (the ``"policy+hint"`` candidates).
         teachers: ``{name: TeacherFn}`` (`make_teachers`).
         policy: the trained policy whose weights the reference copies.
@@ -139,11 +139,11 @@ class DpoChannel(LossChannel):
     stats_type = DpoStats
 
     def __init__(self, weight: float, *, config: RunConfig, reference_model: nn.Module, session: EnvSession,
-                 collator: ComposerCollator, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module,
+                 tokenizer: Any, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module,
                  progress: ProgressFn | None = None):
         super().__init__(weight)
         self.config, self.reference_model, self.session = config, reference_model, session
-        self.collator, self.hints, self.teachers, self.policy = collator, hints, teachers, policy
+        self.tokenizer, self.hints, self.teachers, self.policy = tokenizer, hints, teachers, policy
         self.progress = progress
 
     @classmethod
@@ -172,7 +172,7 @@ class DpoChannel(LossChannel):
                          frozen_linears_to_bf16(reference) / 1e6)
         return cls(cfg.loss.beta_dpo, config=cfg, reference_model=reference,
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
-                   collator=ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=cfg.max_seq_len),
+                   tokenizer=ctx.tokenizer,
                    teachers=make_teachers(cfg.preference.teachers, ctx.env),
                    progress=script_progress(ctx.env) if cfg.loss.dpo_score == "script_progress" else None)
 
@@ -181,7 +181,7 @@ class DpoChannel(LossChannel):
         reference log-probs; None when no pair survives."""
         cfg, p = self.config, self.config.preference
         pairs, pair_stats = collect_pairs(
-            model, self.collator.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
+            model, self.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
             mode=p.mode, min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
             max_sites=p.max_sites, max_turn_tokens=cfg.env.max_turn_tokens, temperature=cfg.grpo.temperature,
             progress=self.progress,
@@ -189,7 +189,8 @@ class DpoChannel(LossChannel):
         stats.pair_stats.add(pair_stats)
         if not pairs:
             return None
-        return self.collator.dpo_tensors(pairs, self.reference_model, stats) or None
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return dpo_rows(pairs, self.reference_model, pad_token_id=pad, max_length=cfg.max_seq_len, stats=stats) or None
 
     def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
         """`split_dpo`."""

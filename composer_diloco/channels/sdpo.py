@@ -28,7 +28,7 @@ from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, Chann
                                            split_rows)
 from composer_diloco.channels.losses import generalized_jsd
 from composer_diloco.channels.sdpo_verify import verify_sites
-from composer_diloco.inner.collator import ComposerCollator, SdpoStats
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ __all__ = ["SDPO_KEYS", "SdpoChannel", "sdpo_loss", "split_sdpo"]
 SDPO_KEYS = ("sdpo_student_ids", "sdpo_student_attention_mask", "sdpo_teacher_ids", "sdpo_teacher_attention_mask",
              "student_response_idx", "teacher_response_idx", "student_response_valid", "teacher_response_valid",
              "sdpo_student_mask", "sdpo_teacher_mask")
-"""The SDPO row tensors (`composer_diloco.inner.collator.ComposerBatch` documents their shapes)."""
+"""The SDPO row tensors (`composer_diloco.channels.sdpo_sites.SiteFinder.tensors` documents their shapes)."""
 
 
 def sdpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
@@ -108,7 +108,7 @@ class SdpoChannel(LossChannel):
 
     Args:
         weight: alpha_sdpo > 0.
-        collator: builds the sites and their tensors (its hint registry and ``max_length``).
+        sites: finds the sites and pads their tensors (its hint registry and ``max_length``).
         loss_config: the ``[loss]`` section (the JSD settings, ``sdpo_verify_samples``).
         session: the env session the verification replays use (needed when ``sdpo_verify_samples`` > 0).
         config: the run config (``env.max_turn_tokens``, ``grpo.temperature`` of the verification samples).
@@ -119,12 +119,12 @@ class SdpoChannel(LossChannel):
                              count_title="sites", plot_label="SDPO loss")
     stats_type = SdpoStats
 
-    def __init__(self, weight: float, collator: ComposerCollator, loss_config: LossConfig,
+    def __init__(self, weight: float, sites: SiteFinder, loss_config: LossConfig,
                  session: EnvSession | None = None, config: RunConfig | None = None):
         super().__init__(weight)
         if loss_config.sdpo_verify_samples > 0 and (session is None or config is None):
             raise ValueError("sdpo_verify_samples > 0 needs an env session and the run config to replay sites")
-        self.collator, self.loss_config, self.session, self.config = collator, loss_config, session, config
+        self.sites, self.loss_config, self.session, self.config = sites, loss_config, session, config
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> SdpoChannel | None:
@@ -133,17 +133,17 @@ class SdpoChannel(LossChannel):
         cfg = ctx.config.loss
         if cfg.alpha_sdpo <= 0:
             return None
-        return cls(cfg.alpha_sdpo, ComposerCollator(ctx.tokenizer, hints=ctx.hints, max_length=ctx.config.max_seq_len),
+        return cls(cfg.alpha_sdpo, SiteFinder(ctx.tokenizer, hints=ctx.hints, max_length=ctx.config.max_seq_len),
                    cfg, session=ctx.sessions[0] if ctx.sessions else None, config=ctx.config)
 
     def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
         """The SDPO tensors of the step's sites (`SDPO_KEYS`), or None without a site. Without verification: no model
         call, no RNG. With ``sdpo_verify_samples`` > 0: samples from the global RNG and replays in the env
         (`verify_sites`); a site that fails moves from ``sdpo_sites`` to ``sdpo_skipped_unverified``."""
-        found = [(ep, site) for ep in episodes for site in self.collator.sites_from_episode(ep, stats)]
+        found = [(ep, site) for ep in episodes for site in self.sites.sites_from_episode(ep, stats)]
         k = self.loss_config.sdpo_verify_samples
         if found and k > 0:
-            keep = verify_sites(model, self.collator.tokenizer, found, self.session, samples=k,
+            keep = verify_sites(model, self.sites.tokenizer, found, self.session, samples=k,
                                 max_turn_tokens=self.config.env.max_turn_tokens,
                                 temperature=self.config.grpo.temperature)
             dropped = keep.count(False)
@@ -151,7 +151,7 @@ class SdpoChannel(LossChannel):
             stats.sdpo_skipped_unverified += dropped
             found = [f for f, ok in zip(found, keep) if ok]
         sites = [site for _, site in found]
-        return self.collator.sdpo_tensors(sites) if sites else None
+        return self.sites.tensors(sites) if sites else None
 
     def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
         """`split_sdpo`."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from composer_diloco.channels.dpo_pairing import Candidate
 from composer_diloco.channels.dpo_replay import ReplayError, score_candidate
-from composer_diloco.inner.collator import SdpoSite
+from composer_diloco.channels.sdpo_sites import SdpoSite
 from composer_diloco.rollout.chat import ParsedCall, parse_tool_call
 from composer_diloco.rollout.episodes import Episode, EnvSession, generate_turns
 
@@ -45,7 +45,7 @@ def site_scores(model: nn.Module, tokenizer: Any, sites: Sequence[tuple[Episode,
         model: the policy (causal LM); sampling runs on its device, without gradients, from the global RNG.
         tokenizer: its tokenizer (``eos_token_id``, ``pad_token_id``, ``decode``).
         sites: ``(episode, site)`` pairs: the played episode and one of its SDPO sites
-            (`composer_diloco.inner.collator.ComposerCollator.sites_from_episode`).
+            (`composer_diloco.channels.sdpo_sites.SiteFinder.sites_from_episode`).
         session: an env session of the episodes' env, used serially for every replay.
         samples: >= 1 turns sampled per context and site.
         max_turn_tokens: >= 1 new tokens per sampled turn; a turn without EOS by then scores 0.

@@ -3,5 +3,4 @@
 - `trainer`: TRL's `GRPOTrainer` fed by multi-turn episodes, plus the registered loss channels (the one adapter
   over TRL);
 - `step`: one step's data (`StepBatch`) and one round's statistics (`RoundStats`, the node's metrics line);
-- `collator`: played episodes or raw traces -> SDPO sites and DPO tensors.
 """

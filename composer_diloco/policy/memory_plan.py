@@ -19,7 +19,7 @@ Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
                  cache, ``2 * layers * kv_dim`` values per token of a row (bf16 under autocast, else fp32), and each
                  turn's sampling scores, ``K_SCORES`` fp32 ``(episodes, max_turn_tokens, vocab)`` tensors (the
                  scores ``generate`` returns, their stack, their log-softmax: `generate_turns`)
-    reference    DPO's reference log-probs of the step's pairs, all at once (`ComposerCollator.dpo_tensors`): the
+    reference    DPO's reference log-probs of the step's pairs, all at once (`composer_diloco.channels.dpo_rows.dpo_rows`): the
     pass         chosen rows' fp32 logits stay alive while the rejected rows' are computed, ``K_REFERENCE_LOGITS *
                  pairs * row * vocab * 4`` bytes (a quarter more under bf16: the bf16 logits before their fp32 copy)
     training     one micro-batch's forward/backward and the AdamW step (`MemoryPlan.training_peak`): gradients
@@ -489,7 +489,7 @@ def rollout_bytes(shape: ModelShape, episodes: int, seq_len: int, turn_tokens: i
 def reference_pass_bytes(shape: ModelShape, pairs: int, seq_len: int, *, bf16: bool = False,
                          response_tokens: int | None = None) -> int:
     """Bytes of DPO's reference log-probs over ``pairs`` pairs of ``seq_len``-token rows, all at once
-    (`ComposerCollator.dpo_tensors`): the chosen rows' fp32 logits, the rejected rows' fp32 logits and, under bf16,
+    (`composer_diloco.channels.dpo_rows.dpo_rows`): the chosen rows' fp32 logits, the rejected rows' fp32 logits and, under bf16,
     their bf16 logits before the copy, plus half a row of logits of the forward's own (`K_REFERENCE_LOGITS`); the
     no-grad forward's per-layer temporaries (``(4 * hidden + 3 * intermediate) * 4`` bytes a token) and
     `sequence_logprobs`' two fp32 copies of the response rows."""
@@ -1108,7 +1108,7 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
 
     gradients = sum(p.numel() * p.element_size() for p in params)
     reset_peak()
-    with torch.no_grad():  # the DPO reference log-probs, all pairs at once as `ComposerCollator.dpo_tensors` does
+    with torch.no_grad():  # the DPO reference log-probs, all pairs at once as `channels.dpo_rows.dpo_rows` does
         pair_ids, pair_mask, pair_response = rows_of(max(dpo_pairs, 1), seq_len)
         for _ in ("chosen", "rejected"):
             if lora and reference:

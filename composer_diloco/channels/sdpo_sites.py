@@ -1,44 +1,37 @@
-"""The composite-loss collator: played episodes (or raw traces) -> the tensors of the SDPO and DPO channels.
+"""SDPO's rows: the tool-error sites of played episodes (or raw traces), as student/teacher token ids with aligned
+indices, and their padded tensors (`SDPO_KEYS` of `composer_diloco.channels.sdpo`).
 
-The GRPO channel's tensors are the rollout's own token ids (``prompt_ids`` / ``completion_ids`` / ``env_mask``,
-exactly what TRL's GRPOTrainer trains on). This collator builds the other two channels *from those same ids*,
-so every SDPO position is a position the GRPO channel trains on:
-
-SDPO, hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802; the "SDPO" of TRL's
+Hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802; the "SDPO" of TRL's
 ``trl/experimental/sdpo``). A site is an assistant turn whose tool call failed, followed by a non-empty recovery
-turn, with a hint for the error (`composer_diloco.channels.sdpo_hints`). The student context is the episode up to the end of
-the recovery turn; the teacher context is the same tokens with the hint message (the chat template's rendering
-of ``{"role": "user", "content": hint}``) inserted right before the recovery turn's assistant header. Student
-and teacher are aligned by explicit indices (``student_response_idx[s, j]`` and ``teacher_response_idx[s, j]``
-hold the same token), covering the recovery turn's content tokens only: never the template's scaffolding, never
-the hint. Sites without a hint or with an empty recovery are skipped and counted.
+turn, with a hint for the error (`composer_diloco.channels.sdpo_hints`). The student context is the episode up to the
+end of the recovery turn; the teacher context is the same tokens with the hint message (the chat template's rendering
+of ``{"role": "user", "content": hint}``) inserted right before the recovery turn's assistant header. Student and
+teacher are aligned by explicit indices (``student_response_idx[s, j]`` and ``teacher_response_idx[s, j]`` hold the
+same token), covering the recovery turn's content tokens only: never the template's scaffolding, never the hint. Sites
+without a hint or with an empty recovery are skipped and counted. The ids are the episode's own, what GRPO trains on.
 
-DPO pairs (`composer_diloco.channels.dpo_pairs`): ``prompt + chosen`` and ``prompt + rejected`` with response masks, and
-the reference policy's summed log-probs of each response. The reference policy is the global model theta_r of
-the current round (frozen at the round's start): it is the anchor all peers share, so the DPO trust region
-is the same on every node and moves only with the outer step, as DPO's KL-to-reference intends.
+Cost: linear in trace length. Episodes are read through their ``env_mask`` runs (`episode_tokens`); raw traces are
+rendered once with offsets; nothing re-tokenizes a prefix (`bench/collator.py` compares with the prefix re-tokenizing
+approach of the seed collator).
 
-Cost: linear in trace length. Episodes are read through their ``env_mask`` runs (`episode_tokens`); raw traces
-are rendered once with offsets; nothing re-tokenizes a prefix (`bench/collator.py` compares with the prefix
-re-tokenizing approach of the seed collator).
-
-Truncation to ``max_length`` cuts context from the left, the same number of tokens from student and teacher, and
-never inside the hint or the SDPO region; a site whose region and hint cannot fit is dropped and counted.
+Truncation to ``max_length`` cuts context from the left, the same number of tokens from student and teacher, and never
+inside the hint or the SDPO region; a site whose region and hint cannot fit is dropped and counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from composer_diloco.channels.base import Counts
-from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
+from composer_diloco.channels.base import Counts, pad_rows
 from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
-from composer_diloco.channels.losses import sequence_logprobs
+from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.rollout.episodes import Episode, Turn
+
+__all__ = ["SdpoSite", "SdpoStats", "SiteFinder"]
 
 
 @dataclass
@@ -88,51 +81,13 @@ class SdpoStats(Counts):
     sdpo_skipped_unverified: int = 0
 
 
-@dataclass
-class CollatorStats(SdpoStats):
-    """What one `ComposerCollator` call kept and skipped: the SDPO counts plus the DPO rows (pairs kept, pairs
-    longer than ``max_length``)."""
-
-    dpo_pairs: int = 0
-    dpo_skipped_truncated: int = 0
-
-
-@dataclass
-class ComposerBatch:
-    """Tensors of the SDPO and DPO channels (keys below; a channel with no rows has no keys) and stats.
-
-    SDPO (S sites): ``sdpo_student_ids`` (S, Ls) long, ``sdpo_student_attention_mask`` (S, Ls),
-    ``sdpo_teacher_ids`` (S, Lt), ``sdpo_teacher_attention_mask`` (S, Lt), ``student_response_idx`` (S, R) long,
-    ``teacher_response_idx`` (S, R) long, ``student_response_valid`` / ``teacher_response_valid`` (S, R) bool,
-    ``sdpo_student_mask`` (S, Ls) and ``sdpo_teacher_mask`` (S, Lt) bool (the same tokens as masks).
-    DPO (P pairs): ``dpo_chosen_ids`` / ``dpo_rejected_ids`` (P, L) long, ``*_attention_mask`` (P, L),
-    ``*_response_mask`` (P, L) (1 on response tokens), ``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``
-    (P,) float32 (summed over response tokens, reference policy, no grad).
-    Padding is on the right with ``pad_token_id``.
-    """
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: CollatorStats = field(default_factory=CollatorStats)
-    sites: list[SdpoSite] = field(default_factory=list)
-
-    @property
-    def num_sdpo(self) -> int:
-        """S, the SDPO sites in ``tensors`` (0 without SDPO keys)."""
-        return 0 if "sdpo_student_ids" not in self.tensors else int(self.tensors["sdpo_student_ids"].shape[0])
-
-    @property
-    def num_dpo(self) -> int:
-        """P, the DPO pairs in ``tensors`` (0 without DPO keys)."""
-        return 0 if "dpo_chosen_ids" not in self.tensors else int(self.tensors["dpo_chosen_ids"].shape[0])
-
-
-class ComposerCollator:
-    """Builds `ComposerBatch` es. See the module docstring for the method.
+class SiteFinder:
+    """Finds SDPO sites and pads them into SDPO's tensors (the module docstring has the method).
 
     Args:
         tokenizer: a tokenizer with a chat template (fast tokenizer with offsets for raw traces).
         hints: the hint registry (error kind + metadata -> hint text).
-        max_length: maximum tokens of a student, teacher or DPO sequence.
+        max_length: maximum tokens of a student or teacher sequence.
         hint_role: role of the inserted hint message ("user" renders in every common template).
     """
 
@@ -142,7 +97,6 @@ class ComposerCollator:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.header_ids = generation_prompt_ids(tokenizer)
 
-    # -- SDPO sites -----------------------------------------------------------------------------------
     def sites_from_episode(self, episode: Episode, stats: SdpoStats) -> list[SdpoSite]:
         """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs).
 
@@ -246,37 +200,15 @@ class ComposerCollator:
         stats.sdpo_sites += 1
         return SdpoSite(episode_id, turn, tool.error_kind, hint, student, teacher, s_idx, t_idx)
 
-    # -- the batch ------------------------------------------------------------------------------------
-    def __call__(self, episodes: Sequence[Episode], pairs: Sequence[Any] = (), *,
-                 reference_model: torch.nn.Module | None = None, with_sdpo: bool = True) -> ComposerBatch:
-        """SDPO tensors from ``episodes`` (when ``with_sdpo``) and DPO tensors from ``pairs``.
-
-        Args:
-            episodes: played episodes of this step.
-            pairs: `composer_diloco.channels.dpo_pairing.PreferencePair` s (prompt_ids, chosen_ids, rejected_ids).
-            reference_model: the frozen reference policy; required when ``pairs`` is non-empty.
-            with_sdpo: False skips the SDPO channel entirely (its weight is 0).
-        Raises:
-            ValueError: pairs without a reference model.
-        """
-        batch = ComposerBatch()
-        if with_sdpo:
-            for ep in episodes:
-                batch.sites += self.sites_from_episode(ep, batch.stats)
-            if batch.sites:
-                batch.tensors.update(self.sdpo_tensors(batch.sites))
-        if pairs:
-            if reference_model is None:
-                raise ValueError("DPO pairs need a reference model for their reference log-probs")
-            batch.tensors.update(self.dpo_tensors(pairs, reference_model, batch.stats))
-        return batch
-
-    def sdpo_tensors(self, sites: Sequence[SdpoSite]) -> dict[str, torch.Tensor]:
-        """Pad S >= 1 sites into the SDPO tensors of `ComposerBatch`: ids (S, Ls) / (S, Lt) long right-padded with
-        ``pad_token_id``, attention masks, aligned response indices (S, R) long with their validity (S, R) bool, and
-        the same tokens as (S, Ls) / (S, Lt) bool masks."""
-        s_ids, s_att = _pad([s.student_ids for s in sites], self.pad_token_id)
-        t_ids, t_att = _pad([s.teacher_ids for s in sites], self.pad_token_id)
+    # -- the tensors ---------------------------------------------------------------------------------
+    def tensors(self, sites: Sequence[SdpoSite]) -> dict[str, torch.Tensor]:
+        """Pad S >= 1 sites into SDPO's tensors: ``sdpo_student_ids`` (S, Ls) long, ``sdpo_student_attention_mask``
+        (S, Ls), ``sdpo_teacher_ids`` (S, Lt), ``sdpo_teacher_attention_mask`` (S, Lt), ``student_response_idx`` /
+        ``teacher_response_idx`` (S, R) long, ``student_response_valid`` / ``teacher_response_valid`` (S, R) bool, and
+        ``sdpo_student_mask`` (S, Ls) / ``sdpo_teacher_mask`` (S, Lt) bool (the same tokens as masks). Padding is on
+        the right with ``pad_token_id``."""
+        s_ids, s_att = pad_rows([s.student_ids for s in sites], self.pad_token_id)
+        t_ids, t_att = pad_rows([s.teacher_ids for s in sites], self.pad_token_id)
         r = max(len(s.student_idx) for s in sites)
         s_idx = torch.zeros((len(sites), r), dtype=torch.long)
         t_idx = torch.zeros((len(sites), r), dtype=torch.long)
@@ -297,39 +229,6 @@ class ComposerCollator:
             "student_response_valid": valid, "teacher_response_valid": valid.clone(),
             "sdpo_student_mask": s_mask, "sdpo_teacher_mask": t_mask,
         }
-
-    @torch.no_grad()
-    def dpo_tensors(self, pairs: Sequence[Any], reference_model: torch.nn.Module,
-                    stats: CollatorStats) -> dict[str, torch.Tensor]:
-        """``prompt + chosen`` / ``prompt + rejected`` ids (P, L) long, attention and response masks (P, L), and the
-        reference policy's summed response log-probs (P,) float32 (nats, no grad, computed on its device, returned on
-        CPU). A pair whose longer response reaches ``max_length`` is dropped (``stats.dpo_skipped_truncated``); the
-        prompt is cut from the left to fit. Returns ``{}`` when no pair fits; counts kept pairs in ``stats.dpo_pairs``.
-        """
-        rows_c, rows_r = [], []
-        for p in pairs:
-            longest = max(len(p.chosen_ids), len(p.rejected_ids))
-            if longest >= self.max_length:
-                stats.dpo_skipped_truncated += 1
-                continue
-            prompt = list(p.prompt_ids)[-(self.max_length - longest):]
-            rows_c.append((prompt + list(p.chosen_ids), len(prompt)))
-            rows_r.append((prompt + list(p.rejected_ids), len(prompt)))
-        if not rows_c:
-            return {}
-        out = {}
-        device = next(reference_model.parameters()).device
-        for name, rows in (("chosen", rows_c), ("rejected", rows_r)):
-            ids, att = _pad([r[0] for r in rows], self.pad_token_id)
-            resp = torch.zeros_like(ids)
-            for row, (seq, n_prompt) in enumerate(rows):
-                resp[row, n_prompt:len(seq)] = 1
-            logits = reference_model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
-            out[f"dpo_{name}_ids"], out[f"dpo_{name}_attention_mask"] = ids, att
-            out[f"dpo_{name}_response_mask"] = resp
-            out[f"dpo_ref_{name}_logps"] = sequence_logprobs(logits, ids.to(device), resp.to(device)).cpu()
-        stats.dpo_pairs += len(rows_c)
-        return out
 
 
 def _locate_turns(text: str, turns: Sequence[Turn], header_text: str) -> tuple[list[tuple[int, int]], list[int]]:
@@ -358,17 +257,6 @@ def _locate_turns(text: str, turns: Sequence[Turn], header_text: str) -> tuple[l
         headers.append(header)
         cursor = pos + len(content)
     return char_spans, headers
-
-
-def _pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``rows`` into (N, L) long ids and an attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    att = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        att[i, :len(r)] = 1
-    return ids, att
 
 
 def _token_at_or_after(offsets: Sequence[tuple[int, int]], char: int) -> int:
