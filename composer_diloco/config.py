@@ -165,15 +165,9 @@ class InnerOptimizer(_Section):
 _SGD_NAMES = ("sgd", "torch.optim.sgd")
 _OUTER_CHOICES = ("optimizer", "lr", "momentum", "nesterov", "kwargs")  # the [outer] fields that choose the optimizer
 # The outer optimizer of a --model run whose [outer] section chooses none: DiLoCo's lr 0.7 and Nesterov momentum 0.9,
-# with the momentum moved every 4 rounds (Delayed Nesterov, arXiv 2401.09135). BENCHMARKS.md 1d: plain Nesterov
-# 0.7 / 0.9 was the one outer optimizer that did not learn in three of the four regimes run (N = 4, H = 4:
-# +0.014 +- 0.038; N = 2, H = 16: +0.008 +- 0.065; N = 2, H = 4: -0.345 +- 0.017, greedy halved); the delayed one
-# with the same values learnt with averaging in those three (+0.094 +- 0.018, +0.091 +- 0.022, +0.105 +- 0.004).
-# At N = 8, H = 4 no arm separated (plain +0.061 +- 0.027, delayed +0.048 +- 0.027, averaging +0.065 +- 0.007).
-# At H = 64 (4 outer steps) plain led averaging at N = 4 (+0.292 +- 0.010 against +0.256 +- 0.010, delayed +0.249 +-
-# 0.023) and N = 8 (+0.305 +- 0.010 against +0.256 +- 0.018, delayed +0.249 +- 0.018): runs of 4 outer steps, in
-# which the delay lets the momentum act once; no H = 64 run had the 16-32 outer steps where plain stopped learning
-# above, so the delayed one stays the default.
+# with the momentum moved every 4 rounds (Delayed Nesterov, arXiv 2401.09135). Why: BENCHMARKS.md, the summary row
+# "Which outer optimizer for RL?" and its section 1d (plain Nesterov 0.7 / 0.9 did not learn where it took 16-32 outer
+# steps, where the delayed one learnt with averaging; plain led only in runs of 4 outer steps).
 DELAYED_NESTEROV = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"
 DELAYED_NESTEROV_DEFAULT = {"optimizer": DELAYED_NESTEROV, "lr": 0.7, "kwargs": {"momentum": 0.9, "delay": 4}}
 
@@ -201,16 +195,12 @@ class OuterOptimizer(_Section):
 
     Defaults, by the run's policy (`RunConfig`; BENCHMARKS.md 1d has the evidence):
 
-    - the embedded default (``model`` unset): SGD with lr 1.0 and momentum 0.0, parameter averaging. DiLoCo's
-      0.7 / 0.9 collapsed the tiny policy in 9 of 9 runs under the old composite loss (section 1a), and with GRPO
-      alone no momentum setting beat averaging beyond noise at N = 2, 4 and 8 (section 1d).
+    - the embedded default (``model`` unset): SGD with lr 1.0 and momentum 0.0, parameter averaging (BENCHMARKS.md
+      sections 1a and 1d: nothing beat it beyond noise).
     - a ``model`` run whose ``[outer]`` section chooses nothing: Delayed Nesterov with DiLoCo's lr 0.7 and
       momentum 0.9, the momentum moved every 4 rounds (`composer_diloco.outer.delayed_nesterov`,
-      ``DELAYED_NESTEROV_DEFAULT``). Plain Nesterov 0.7 / 0.9 did not learn in three of the five regimes run (those
-      with 16-32 outer steps) and unlearnt at N = 2, H = 4 (-0.345 on the held-out evaluation); the delayed one
-      learnt with averaging in those three (at N = 8, H = 4 and N = 2, H = 64, 4-8 outer steps, no arm separated;
-      at N = 4 and 8, H = 64, 4 outer steps, plain led averaging by 2.4-2.5 se and the delayed one matched it).
-      Only the tiny policy was measured.
+      ``DELAYED_NESTEROV_DEFAULT``; BENCHMARKS.md, "Which outer optimizer for RL?" and section 1d: plain Nesterov
+      0.7 / 0.9 did not learn where it took 16-32 outer steps). Only the tiny policy was measured.
     - a section that sets SGD values: the unset ones are DiLoCo's (lr 0.7, momentum 0.9, Nesterov) for a model, 1.0
       / 0.0 for the embedded default; ``optimizer = "sgd"`` alone gives DiLoCo's SGD for a model.
 
