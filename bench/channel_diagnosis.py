@@ -8,7 +8,7 @@ SDPO (Hübotter et al., arXiv 2601.20802): a site is the assistant turn right af
 the error inserted before that turn. SDPO's premise is that the hinted teacher recovers better than the student. At
 every site, ``--samples`` continuations are sampled from the student context and as many from the teacher context
 (same RNG stream, one batch), and each is replayed in the env from the episode's ``(seed, episode_id)``
-(`composer_diloco.channels.dpo_replay.score_candidate`):
+(`composer_diloco.channels.replay.score_candidate`):
 
 - ``accepted``: the call ran without a tool error (the env's verdict on that one action);
 - ``correct``: the call is one of the env's scripted solver's calls not yet made successfully at that point (the
@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
-from composer_diloco.channels.dpo_pairing import Candidate
 from composer_diloco.channels.dpo_pairs import collect_pairs
-from composer_diloco.channels.dpo_replay import ReplayError, score_candidate
+from composer_diloco.channels.replay import Candidate, ReplayError, score_candidate
 from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call, script_progress
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config

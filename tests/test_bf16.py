@@ -91,7 +91,7 @@ def test_full_fine_tuning_dpo_reference_copy_is_bf16_under_autocast(model):
     which stays under autocast; an fp32 policy's copy stays fp32; `after_outer_step` rounds theta into it."""
     from composer_diloco.channels.base import ChannelContext
     from composer_diloco.channels.dpo import DpoChannel
-    from composer_diloco.channels.sdpo_hints import HintRegistry
+    from composer_diloco.channels.hints import HintRegistry
     from composer_diloco.rollout.env_package import load_env_package
 
     config = load_config(SMOKE)

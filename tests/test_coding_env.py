@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from composer_diloco.rollout.env_process import start_env_server
-from composer_diloco.channels.sdpo_hints import HintRegistry
+from composer_diloco.channels.hints import HintRegistry
 from envs.coding_env.demos import REASON_HINTS
 from envs.coding_env import (
     FAMILIES,

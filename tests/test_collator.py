@@ -11,7 +11,7 @@ from composer_diloco.channels.dpo import DpoStats
 from composer_diloco.channels.dpo_rows import dpo_rows
 from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
+from composer_diloco.channels.hints import DEFAULT_HINTS
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import Turn
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task

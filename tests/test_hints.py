@@ -1,4 +1,4 @@
-"""Hint text for SDPO's teacher (`composer_diloco.channels.sdpo_hints`), on metadata from the real tool environment."""
+"""Hint text for SDPO's teacher (`composer_diloco.channels.hints`), on metadata from the real tool environment."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry, render_signature
+from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry, render_signature
 from envs.tool_env.tasks import TOOL_SCHEMAS, execute, make_task
 
 TASK = make_task(0, "hints")
@@ -116,7 +116,7 @@ def test_template_fields_render_schema_compactly():
 
 def test_missing_template_key_gives_none_and_logs_at_debug(caplog):
     hints = HintRegistry.from_config({"execution_error": "{tool} failed after {retries} retries."})
-    with caplog.at_level(logging.DEBUG, logger="composer_diloco.channels.sdpo_hints"):
+    with caplog.at_level(logging.DEBUG, logger="composer_diloco.channels.hints"):
         assert hints.hint(*_fail("lookup", {"item": OUTSIDE})) is None
     assert "retries" in caplog.text
     # Positional fields and bad attribute/index access are "missing keys" too.

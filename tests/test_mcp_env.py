@@ -26,7 +26,7 @@ from composer_diloco.rollout import episodes as rollout
 
 from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.env_process import find_free_port, start_env_server
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
+from composer_diloco.channels.hints import DEFAULT_HINTS
 from composer_diloco.rollout.mcp import (
     TOOL_ERROR_KINDS,
     McpEnvSession,

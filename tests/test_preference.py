@@ -21,7 +21,7 @@ from composer_diloco.rollout.play import play_episodes
 from composer_diloco.rollout.chat import ParsedCall, episode_messages, parse_tool_call
 from composer_diloco.rollout.env_process import start_env_server
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, message_ids, turn_spans
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer, tokenize_episode
 from composer_diloco.channels.dpo_pairs import (
     TEACHERS,

@@ -11,7 +11,7 @@ from episode_support import scripted_episode, tool_call_text
 from pydantic import ValidationError
 
 from composer_diloco.channels.sdpo import SdpoChannel
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS
+from composer_diloco.channels.hints import DEFAULT_HINTS
 from composer_diloco.channels.sdpo_verify import site_scores, verify_sites
 from composer_diloco.config import LossConfig, RunConfig, load_config
 from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder

@@ -1,9 +1,12 @@
 """The loss channels of the composite inner loss beside TRL's GRPO; one channel = one module.
 
-- `base`: the contract (`LossChannel`, `register_channel`, `registered_channels`) and `Counts`;
-- `sdpo`: SDPO hint distillation at tool-error sites (arXiv 2601.20802), with `sdpo_hints` (the hint texts);
-- `dpo`: trace-replay DPO (arXiv 2305.18290), with its jobs `dpo_pairs` (collection), `dpo_replay` (replay and
-  scoring in the env), `dpo_teachers` (proposals from the env contract) and `dpo_pairing` (pure pairing rules);
+- `base`: the contract (`LossChannel`, `register_channel`, `registered_channels`), `Counts` and `pad_rows`;
+- `sdpo`: SDPO hint distillation at tool-error sites (arXiv 2601.20802), with `sdpo_sites` (sites and their rows)
+  and `sdpo_verify` (replayed verification of the hinted teacher);
+- `dpo`: trace-replay DPO (arXiv 2305.18290), with its jobs `dpo_pairs` (collection), `dpo_teachers` (proposals
+  from the env contract), `dpo_pairing` (pure pairing rules) and `dpo_rows` (padded rows, reference log-probs);
+- shared by both, naming neither: `hints` (hint texts from a tool error) and `replay` (replaying an episode in its
+  env and scoring a candidate call there);
 - `losses`: the pure tensor functions (generalized JSD, sequence log-probs, DPO).
 
 A module added here that defines a ``@register_channel`` class is picked up by every new trainer, the metrics line,

@@ -102,7 +102,7 @@ class ChannelContext:
         tokenizer: the policy's tokenizer (chat template with tool calling).
         sessions: the env sessions of the trainer (replays must not run while episodes are played).
         env: the env package of ``config.env.server_module`` (`composer_diloco.rollout.env_package`).
-        hints: the SDPO hint registry (`composer_diloco.channels.sdpo_hints.HintRegistry`), shared by channels.
+        hints: the SDPO hint registry (`composer_diloco.channels.hints.HintRegistry`), shared by channels.
     """
 
     config: RunConfig

@@ -13,31 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from composer_diloco.channels.base import Counts
-from composer_diloco.rollout.chat import ParsedCall
+from composer_diloco.channels.replay import Candidate
 
 __all__ = ["Candidate", "PairMode", "PairStats", "PreferencePair", "TurnCandidates", "build_pairs", "check_pairing"]
 
 PairMode = Literal["exhaustive", "best_vs_worst"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One candidate action at an assistant turn.
-
-    Attributes:
-        source: where it came from: ``"recorded"``, ``"policy"``, ``"policy+hint"``, or a teacher's name.
-        text: the assistant turn's text as the policy would decode it (special tokens kept, so it ends with the EOS
-            token's text when the turn ended).
-        token_ids: ``(T,)`` the turn's token ids after the assistant header, EOS included when present: the response
-            DPO scores.
-        call: the tool call parsed from ``text``. A sampled turn that hit ``max_turn_tokens`` without EOS gets
-            ``error="truncated: ..."`` even when its text parses, as the rollout never runs such a call.
-    """
-
-    source: str
-    text: str
-    token_ids: list[int]
-    call: ParsedCall
 
 
 @dataclass

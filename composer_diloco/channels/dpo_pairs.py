@@ -4,13 +4,13 @@ DPO (Rafailov et al., "Direct Preference Optimization", arXiv 2305.18290) trains
 prompt, a preferred and a dispreferred response. Here a pair lives at one assistant turn of a played episode;
 `collect_pairs` runs the four jobs, each in its own module:
 
-1. Pick comparable turns: error sites (`dpo_replay.error_sites`), assistant turns whose tool call came back with an
+1. Pick comparable turns: error sites (`replay.error_sites`), assistant turns whose tool call came back with an
    ``error_kind``.
 2. At each site gather candidate actions (`dpo_pairing.Candidate`): the recorded failed call (``"recorded"``),
    samples of the policy on the student context (``"policy"``), samples of the same policy with a hint about the
-   error inserted before the turn (``"policy+hint"``, the SDPO teacher context, `composer_diloco.channels.sdpo_hints`),
+   error inserted before the turn (``"policy+hint"``, the SDPO teacher context, `composer_diloco.channels.hints`),
    and calls proposed by teachers (`dpo_teachers`; ``"scripted"`` is the env package's scripted solver).
-3. Score each candidate by replaying the environment to the site and running it (`dpo_replay.score_candidate`): the
+3. Score each candidate by replaying the environment to the site and running it (`replay.score_candidate`): the
    score is the environment's own verdict on that one action, not a judge's opinion.
 4. Pair candidates of one turn by score (`dpo_pairing.build_pairs`). The pair's prompt is always the *student*
    context: DPO must teach the policy to take the better action without the hint.
@@ -47,7 +47,7 @@ from composer_diloco.channels.dpo_pairing import (
     build_pairs,
     check_pairing,
 )
-from composer_diloco.channels.dpo_replay import ReplayError, check_assistant_turn, error_sites, replay_to, score_candidate
+from composer_diloco.channels.replay import ReplayError, check_assistant_turn, error_sites, replay_to, score_candidate
 from composer_diloco.channels.dpo_teachers import (
     SOURCES,
     TEACHERS,
@@ -58,7 +58,7 @@ from composer_diloco.channels.dpo_teachers import (
     render_tool_call,
     scripted_teacher,
 )
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.rollout.chat import ParsedCall, parse_tool_call
 from composer_diloco.rollout.episode_tokens import TurnSpan, generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.rollout.episodes import Episode, EnvSession, generate_turns

@@ -1,7 +1,7 @@
 """The SDPO channel: hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802).
 
 A site is an assistant turn that recovers from a failed tool call; the teacher is the same policy with a hint about
-the error inserted before that turn (`composer_diloco.channels.sdpo_hints`). The channel's term is
+the error inserted before that turn (`composer_diloco.channels.hints`). The channel's term is
 ``alpha_sdpo * JSD_beta(student || stopgrad teacher)`` on the recovery turn's tokens, a mean over those tokens
 (`composer_diloco.channels.losses.generalized_jsd`; the JSD family and its beta as TRL GKD, arXiv 2306.13649).
 

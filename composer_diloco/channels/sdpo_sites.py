@@ -3,7 +3,7 @@ indices, and their padded tensors (`SDPO_KEYS` of `composer_diloco.channels.sdpo
 
 Hint distillation at tool-error sites (Hübotter et al., arXiv 2601.20802; the "SDPO" of TRL's
 ``trl/experimental/sdpo``). A site is an assistant turn whose tool call failed, followed by a non-empty recovery
-turn, with a hint for the error (`composer_diloco.channels.sdpo_hints`). The student context is the episode up to the
+turn, with a hint for the error (`composer_diloco.channels.hints`). The student context is the episode up to the
 end of the recovery turn; the teacher context is the same tokens with the hint message (the chat template's rendering
 of ``{"role": "user", "content": hint}``) inserted right before the recovery turn's assistant header. Student and
 teacher are aligned by explicit indices (``student_response_idx[s, j]`` and ``teacher_response_idx[s, j]`` hold the
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from composer_diloco.channels.base import Counts, pad_rows
-from composer_diloco.channels.sdpo_hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.rollout.episodes import Episode, Turn
 

@@ -9,7 +9,7 @@ format breaks under it.
 
 `verify_sites` checks the premise site by site, with the env as judge: at each site it samples ``samples`` recovery
 turns from the student context and as many from the teacher context (one batched generation), scores every sampled
-call by replaying the episode to the site and running the call (`composer_diloco.channels.dpo_replay.score_candidate`,
+call by replaying the episode to the site and running the call (`composer_diloco.channels.replay.score_candidate`,
 the score trace-replay DPO uses: 1 for a call that runs, the env's reward for one that ends the episode, 0 for a tool
 error or no parsable call), and keeps the site only when the teacher's mean score is above the student's.
 
@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_diloco.channels.dpo_pairing import Candidate
-from composer_diloco.channels.dpo_replay import ReplayError, score_candidate
+from composer_diloco.channels.replay import Candidate, ReplayError, score_candidate
 from composer_diloco.channels.sdpo_sites import SdpoSite
 from composer_diloco.rollout.chat import ParsedCall, parse_tool_call
 from composer_diloco.rollout.episodes import Episode, EnvSession, generate_turns
@@ -52,7 +51,7 @@ def site_scores(model: nn.Module, tokenizer: Any, sites: Sequence[tuple[Episode,
         temperature: > 0, sampling temperature.
     Returns:
         Per site, ``(student_scores, teacher_scores)``: ``samples`` floats each in [0, 1]
-        (`composer_diloco.channels.dpo_replay.score_candidate`). A site whose replay diverges from the record
+        (`composer_diloco.channels.replay.score_candidate`). A site whose replay diverges from the record
         scores 0 on both sides (logged).
     Raises:
         ValueError: ``samples`` or ``max_turn_tokens`` below 1, or ``temperature`` not > 0.

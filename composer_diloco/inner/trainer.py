@@ -36,7 +36,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from composer_diloco.channels.base import ChannelContext, LossChannel, registered_channels
-from composer_diloco.channels.sdpo_hints import HintRegistry
+from composer_diloco.channels.hints import HintRegistry
 from composer_diloco.config import RunConfig
 from composer_diloco.inner.step import RoundStats, StepBatch, StepLosses
 from composer_diloco.rollout.env_package import EnvPackage, load_env_package

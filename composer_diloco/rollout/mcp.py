@@ -94,7 +94,7 @@ TOOL_ERROR_KINDS: Mapping[str, str] = MappingProxyType({
     "timeout": "timeout",
     "transport_error": "execution_error",
 })
-"""OpenEnv ``ToolErrorType`` value -> this project's error kind (the `composer_diloco.channels.sdpo_hints` key). The four kinds
+"""OpenEnv ``ToolErrorType`` value -> this project's error kind (the `composer_diloco.channels.hints` key). The four kinds
 of the hints are OpenEnv's own names; a ``transport_error`` (the server could not reach its tool) is shown to the
 policy as an ``execution_error``. Unknown types also become ``execution_error``."""
 
@@ -158,7 +158,7 @@ def _canonical(schema: Any) -> Any:
 
 def tool_schema(tool: Any) -> dict[str, Any]:
     """An MCP tool (OpenEnv's ``Tool``: ``name``, ``description``, ``input_schema``) in OpenAI function format, the
-    format ``tokenizer.apply_chat_template(tools=...)`` renders and `composer_diloco.channels.sdpo_hints` reads.
+    format ``tokenizer.apply_chat_template(tools=...)`` renders and `composer_diloco.channels.hints` reads.
 
     The input schema is put in canonical key order (`_canonical`: type, description, properties, required, then the
     rest), without pydantic's ``title``s and FastMCP's ``additionalProperties: false`` (the server enforces it), so
@@ -322,7 +322,7 @@ class McpEnvSession(EnvSession):
         ``"execution_error"`` for a result flagged ``is_error``; None on success. ``error_meta`` holds ``tool``,
         ``message`` and ``error_type`` (OpenEnv's), plus ``available_tools`` (tool_not_found), ``expected_schema``
         (invalid_args, the tool's ``input_schema``) or ``timeout_s`` (timeout, when the message names it): the fields
-        `composer_diloco.channels.sdpo_hints` fills its hints from. ``reward`` is the observation's reward (None -> 0.0).
+        `composer_diloco.channels.hints` fills its hints from. ``reward`` is the observation's reward (None -> 0.0).
 
         Raises:
             RuntimeError: ``"Server error: ..."`` from OpenEnv's client when the server's step raised.

@@ -1,4 +1,5 @@
-"""Hint text for SDPO's teacher context, built from a failed tool call's ``error_kind`` and ``error_meta``.
+"""Hint text from a failed tool call's ``error_kind`` and ``error_meta``: SDPO's teacher context, and the
+hint-conditioned candidates of trace-replay DPO (`composer_diloco.channels.dpo_pairs`).
 
 SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802) distills the policy
 towards itself conditioned on feedback. Here the feedback is a short hint about a failed tool call: the teacher

@@ -1,4 +1,5 @@
-"""Replaying a played episode in its environment, and scoring one candidate action there (trace-replay DPO).
+"""Replaying a played episode in its environment, and scoring one candidate action there: what trace-replay DPO's
+pairs (`composer_diloco.channels.dpo_pairs`) and SDPO's verification (`composer_diloco.channels.sdpo_verify`) share.
 
 The score of a candidate is the environment's own verdict on that one action: the episode is re-run from its
 ``(seed, episode_id)`` up to the turn and the candidate's call is executed. That needs a deterministic environment;
@@ -8,11 +9,34 @@ a replay that diverges from the recorded trace raises `ReplayError`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-from composer_diloco.channels.dpo_pairing import Candidate
+from composer_diloco.rollout.chat import ParsedCall
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
-__all__ = ["ReplayError", "check_assistant_turn", "error_sites", "replay_to", "score_candidate"]
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate action at an assistant turn.
+
+    Attributes:
+        source: where it came from: ``"recorded"``, ``"policy"``, ``"policy+hint"``, or a teacher's name.
+        text: the assistant turn's text as the policy would decode it (special tokens kept, so it ends with the EOS
+            token's text when the turn ended).
+        token_ids: ``(T,)`` the turn's token ids after the assistant header, EOS included when present: the response
+            DPO scores.
+        call: the tool call parsed from ``text``. A sampled turn that hit ``max_turn_tokens`` without EOS gets
+            ``error="truncated: ..."`` even when its text parses, as the rollout never runs such a call.
+    """
+
+    source: str
+    text: str
+    token_ids: list[int]
+    call: ParsedCall
+
+
+
+__all__ = ["Candidate", "ReplayError", "check_assistant_turn", "error_sites", "replay_to", "score_candidate"]
 
 
 class ReplayError(RuntimeError):
