@@ -4,7 +4,7 @@ Plays ``--episodes`` fresh training-like episodes of the run config's env with t
 temperature, as a node's rollout does), then measures both channels at the sites they would train on:
 
 SDPO (Hübotter et al., arXiv 2601.20802): a site is the assistant turn right after a failed tool call
-(`composer_diloco.inner.collator.ComposerCollator.sites_from_episode`); the teacher is the same policy with a hint about
+(`composer_diloco.channels.sdpo_sites.SiteFinder.sites_from_episode`); the teacher is the same policy with a hint about
 the error inserted before that turn. SDPO's premise is that the hinted teacher recovers better than the student. At
 every site, ``--samples`` continuations are sampled from the student context and as many from the teacher context
 (same RNG stream, one batch), and each is replayed in the env from the episode's ``(seed, episode_id)``
@@ -47,7 +47,7 @@ from composer_diloco.channels.replay import Candidate, ReplayError, score_candid
 from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call, script_progress
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config
-from composer_diloco.inner.collator import ComposerCollator, SdpoStats
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args, play_rollout
 from composer_diloco.policy.load import load_policy
 from composer_diloco.rollout.chat import parse_tool_call
@@ -93,7 +93,7 @@ def _remaining(script, episode, turn: int) -> set[str]:
 def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, max_turn_tokens: int,
           temperature: float, max_seq_len: int) -> dict[str, Any]:
     """The SDPO half of `diagnose` (see the module docstring)."""
-    collator = ComposerCollator(tok, hints=hints, max_length=max_seq_len)
+    collator = SiteFinder(tok, hints=hints, max_length=max_seq_len)
     stats = SdpoStats()
     by_id = {ep.episode_id: ep for ep in episodes}
     sites = [site for ep in episodes for site in collator.sites_from_episode(ep, stats)]
