@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -44,8 +47,11 @@ def reap_children():
         print(f"\nreaped {len(leaked)} leaked child process(es): {names}")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def user_cache(tmp_path_factory) -> Path:
+_USER_CACHE = pytest.StashKey[Path]()
+_PREVIOUS_CACHE_ENV = pytest.StashKey["str | None"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
     """The session's per-user cache folder (``COMPOSER_DILOCO_CACHE``, inherited by every process a test starts), so
     the suite never writes to the real ``~/.cache/composer_diloco``: a session temp dir, or
     ``COMPOSER_DILOCO_TEST_WARM_DIR=DIR`` to keep it in DIR across sessions (for rerunning a few tests by hand; the
@@ -54,22 +60,63 @@ def user_cache(tmp_path_factory) -> Path:
     from composer_diloco.policy.cache import CACHE_ENV
 
     kept = os.environ.get("COMPOSER_DILOCO_TEST_WARM_DIR")
-    root = Path(kept).absolute() if kept else tmp_path_factory.mktemp("user-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root))
-        yield root
+    root = Path(kept).absolute() if kept else Path(tempfile.mkdtemp(prefix="composer-diloco-user-cache-"))
+    session.stash[_USER_CACHE] = root
+    session.stash[_PREVIOUS_CACHE_ENV] = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(root)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The embedded default's warm start (smoke.toml's, ~45 s on 2 cores), once, before the first test that uses it
+    (`warm_cache`): outside every test's time limit, so that a slow machine times no test out in its setup, and a
+    failure stops the session with one error instead of one per test that needed it."""
+    if session.config.option.collectonly or not any("warm_cache" in getattr(item, "fixturenames", ())
+                                                      for item in session.items):
+        return
+    from composer_diloco.config import load_config
+    from composer_diloco.policy import load_policy
+
+    cfg = load_config(SMOKE)
+    started = time.monotonic()
+    try:
+        load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    except Exception as exc:  # noqa: BLE001 (any failure: the session cannot run the tests that need it)
+        pytest.exit(f"the embedded default's warm start failed before the tests: {exc!r}", returncode=1)
+    session.config.get_terminal_writer().line(
+        f"warm start of the embedded default: {time.monotonic() - started:.1f} s (cached for the session)")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Put ``COMPOSER_DILOCO_CACHE`` back and delete a session temp cache."""
+    from composer_diloco.policy.cache import CACHE_ENV
+
+    if _USER_CACHE not in session.stash:
+        return
+    previous = session.stash[_PREVIOUS_CACHE_ENV]
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous
+    if not os.environ.get("COMPOSER_DILOCO_TEST_WARM_DIR"):
+        shutil.rmtree(session.stash[_USER_CACHE], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def user_cache(request: pytest.FixtureRequest) -> Path:
+    """The session's per-user cache folder (`pytest_sessionstart`)."""
+    return request.session.stash[_USER_CACHE]
 
 
 @pytest.fixture(scope="session")
 def warm_cache(user_cache) -> Path:
     """The folder of the embedded default's warm starts (``warmstart_cache_dir()``, under the session's
-    ``user_cache``), holding smoke.toml's, computed once per session (~45 s) and reused by every run test's
-    processes."""
+    ``user_cache``), holding smoke.toml's, computed before the first test (`pytest_collection_finish`) and reused by
+    every run test's processes."""
     from composer_diloco.config import load_config
     from composer_diloco.policy import load_policy, warmstart_cache_dir
 
     cfg = load_config(SMOKE)
-    load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+    load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)  # a cache hit
     return warmstart_cache_dir()
 
 
