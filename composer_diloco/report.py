@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 from composer_diloco.config import ConfigError, RunConfig
+from composer_diloco.outer.peer_records import replica_thetas
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,8 @@ def peers_table(round_: int, peers: list[Any]) -> list[list[Any]]:
 
 def theta_agreement(peers: list[Any], round_: int) -> tuple[int, int]:
     """How many live peers started ``round_`` and on how many different thetas (1: the replicas agreed after round
-    ``round_ - 1``'s outer step), from their heartbeats (`composer_diloco.outer.swarm.replica_thetas`, which
+    ``round_ - 1``'s outer step), from their heartbeats (`composer_diloco.outer.peer_records.replica_thetas`, which
     `composer-coordinator status` shows too). Peers that carry no hash for it are not counted."""
-    from composer_diloco.outer.swarm import replica_thetas  # hivemind: not on the CLI's light path (`check_trackers`)
-
     groups = replica_thetas(peers, round_)
     return sum(len(names) for names in groups.values()), len(groups)
 
@@ -148,16 +147,10 @@ class Reporter:
                 log.warning("reporting to %s failed, no more reports there: %s", name, e)
                 self._runs.pop(name)
 
-    def log_summary(self, values: dict[str, float], step: int) -> None:
-        """Log run-level numbers (the fixed evaluation) at ``step`` (the run's last round)."""
-        self._log(values, step)
-
     def log_extra(self, values: dict[str, float], step: int) -> None:
-        """Log more numbers of round ``step`` (TRL's step metrics averaged over it: `inner.trl_logs`), at its step
-        (a step already logged: the trackers merge them)."""
-        self._log(values, step)
-
-    def _log(self, values: dict[str, float], step: int) -> None:
+        """Log more numbers at round ``step``, beside its metrics line (a step already logged: the trackers merge
+        them): TRL's step metrics averaged over the round (`inner.trl_logs`), the run's fixed evaluation at its last
+        round (`coordinator.simulate`)."""
         for name, module in list(self._runs.items()):
             try:
                 module.log(dict(values), step=step)

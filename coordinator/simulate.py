@@ -400,6 +400,6 @@ def report_evaluation(config, comparisons, rounds: int) -> None:
                        f"eval/{how}/diff_se": c.diff_se, f"eval/{how}/episodes": c.n_episodes})
     reporter = Reporter(config, peer="evaluation", role="evaluation")
     try:
-        reporter.log_summary(values, step=rounds)
+        reporter.log_extra(values, step=rounds)
     finally:
         reporter.finish()

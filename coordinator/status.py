@@ -10,7 +10,7 @@ What it reads: every live peer's heartbeat (`Swarm.live_peers`, with the ``info`
 `Swarm.set_info`: device, precision, phase, the last round's inner/sync seconds and samples), the nodes still setting
 up (`Swarm.joining_peers`), and the coordinator's facts about its last round (`round_facts`: the group, the peers it
 went on without and those whose pseudo-gradient screening dropped, each with the reason). Whether the replicas agree
-on the last round is judged from the theta hashes the heartbeats carry (`swarm.replica_thetas`).
+on the last round is judged from the theta hashes the heartbeats carry (`peer_records.replica_thetas`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from composer_diloco.outer.peer_records import PeerRecord, replica_thetas
+
 if TYPE_CHECKING:  # the heavy imports (hivemind, rich) wait until a status is read or drawn
     from composer_diloco.config import RunConfig
     from composer_diloco.outer.peer import SyncResult
-    from composer_diloco.outer.swarm import PeerRecord, Swarm
+    from composer_diloco.outer.swarm import Swarm
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +234,6 @@ def summary_lines(status: SwarmStatus) -> list[str]:
     if round_ == 0:
         return lines + ["last round: none finished yet"]
     facts = status.facts
-    from composer_diloco.outer.swarm import replica_thetas
-
     agree = replica_thetas(status.peers, round_)
     if not agree:
         verdict = "no live peer has published its theta for it yet"

@@ -112,11 +112,8 @@ def warm_cache(user_cache) -> Path:
     """The folder of the embedded default's warm starts (``warmstart_cache_dir()``, under the session's
     ``user_cache``), holding smoke.toml's, computed before the first test (`pytest_collection_finish`) and reused by
     every run test's processes."""
-    from composer_diloco.config import load_config
-    from composer_diloco.policy import load_policy, warmstart_cache_dir
+    from composer_diloco.policy import warmstart_cache_dir
 
-    cfg = load_config(SMOKE)
-    load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)  # a cache hit
     return warmstart_cache_dir()
 
 

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from composer_diloco.rollout.env_package import EnvPackage
     from composer_diloco.rollout.episodes import Episode, EnvSession
 
-__all__ = ["ChannelContext", "ChannelMetrics", "ChannelPart", "Counts", "LossChannel", "pad_rows", "register_channel",
-           "registered_channels", "unregister_channel"]
+__all__ = ["ChannelContext", "ChannelMetrics", "ChannelPart", "Counts", "LossChannel", "pad_id", "pad_rows",
+           "register_channel", "registered_channels", "unregister_channel"]
 
 
 @dataclass
@@ -258,6 +258,11 @@ def registered_channels() -> tuple[type[LossChannel], ...]:
     builtin = [c for c in _REGISTRY.values() if c.__module__ in _BUILTIN]
     builtin.sort(key=lambda c: _BUILTIN.index(c.__module__))
     return tuple(builtin + [c for c in _REGISTRY.values() if c.__module__ not in _BUILTIN])
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The token id a channel pads its rows with: the tokenizer's pad token, else its EOS (as `load_policy` sets)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

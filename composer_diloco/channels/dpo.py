@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, register_channel,
-                                           split_rows)
+from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, pad_id,
+                                           register_channel, split_rows)
 from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
 from composer_diloco.channels.dpo_teachers import ProgressFn, TeacherFn, make_teachers, script_progress
@@ -189,8 +189,8 @@ class DpoChannel(LossChannel):
         stats.pair_stats.add(pair_stats)
         if not pairs:
             return None
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return dpo_rows(pairs, self.reference_model, pad_token_id=pad, max_length=cfg.max_seq_len, stats=stats) or None
+        return dpo_rows(pairs, self.reference_model, pad_token_id=pad_id(self.tokenizer), max_length=cfg.max_seq_len,
+                        stats=stats) or None
 
     def split(self, rows: dict[str, torch.Tensor], parts: int) -> list[ChannelPart]:
         """`split_dpo`."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from composer_diloco.channels.base import Counts, pad_rows
+from composer_diloco.channels.base import Counts, pad_id, pad_rows
 from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.rollout.episodes import Episode, Turn
@@ -94,7 +94,7 @@ class SiteFinder:
     def __init__(self, tokenizer: Any, *, hints: HintRegistry = DEFAULT_HINTS, max_length: int = 1024,
                  hint_role: str = "user"):
         self.tokenizer, self.hints, self.max_length, self.hint_role = tokenizer, hints, max_length, hint_role
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = pad_id(tokenizer)
         self.header_ids = generation_prompt_ids(tokenizer)
 
     def sites_from_episode(self, episode: Episode, stats: SdpoStats) -> list[SdpoSite]:

@@ -255,12 +255,10 @@ def build_env_tokenizer(env: str, out_dir: str | Path | None = None) -> PreTrain
         composer_diloco.rollout.env_package.EnvPackageError: the env has no (valid) recipe.
         FileNotFoundError: the installed TRL does not ship ``qwen3.jinja``.
     """
-    import importlib
-
     from composer_diloco.rollout.env_package import load_tokenizer_recipe
 
     recipe = load_tokenizer_recipe(env)
     if out_dir is None:
-        package_dir = Path(importlib.import_module(recipe.package).__file__).resolve().parent
-        out_dir = DEFAULT_TOKENIZER_DIR if recipe.builds_the_project_tokenizer else package_dir / ENV_TOKENIZER_FOLDER
+        own = recipe.package_dir / ENV_TOKENIZER_FOLDER
+        out_dir = DEFAULT_TOKENIZER_DIR if recipe.builds_the_project_tokenizer else own
     return build_tokenizer(out_dir, recipe.corpus(), recipe.domain_words(), vocab_size=recipe.vocab_size)

@@ -65,6 +65,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any
 
@@ -158,6 +159,7 @@ class TokenizerRecipe:
 
     Attributes:
         package: the package's import name.
+        package_dir: its folder (where its ``policy_tokenizer/`` goes).
         corpus: the episodes the BPE is trained on (``envs.demonstration.Demonstration`` or any object with
             ``question``, ``tools``, ``calls``, ``replies``).
         domain_words: the nouns that become atomic tokens, in id order.
@@ -167,6 +169,7 @@ class TokenizerRecipe:
     """
 
     package: str
+    package_dir: Path
     corpus: Callable[[], list[Any]]
     domain_words: Callable[[], tuple[str, ...]]
     vocab_size: int = 1000
@@ -197,8 +200,8 @@ def load_tokenizer_recipe(env: str) -> TokenizerRecipe:
     vocab_size = getattr(module, "VOCAB_SIZE", 1000)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise EnvPackageError(f"{package}.tokenizer_recipe.VOCAB_SIZE is {vocab_size!r}: expected a positive int")
-    return TokenizerRecipe(package, module.corpus, module.domain_words, vocab_size,
-                           bool(getattr(module, "BUILDS_THE_PROJECT_TOKENIZER", False)))
+    return TokenizerRecipe(package, Path(module.__file__).resolve().parent, module.corpus, module.domain_words,
+                           vocab_size, bool(getattr(module, "BUILDS_THE_PROJECT_TOKENIZER", False)))
 
 
 def load_env_package(server_module: str) -> EnvPackage:
