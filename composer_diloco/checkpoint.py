@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,7 @@ def save_codec_state(path: Path, state: dict[str, Any], round_: int, config_dige
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     torch.save({"round": int(round_), "config_digest": config_digest, "codec_state": state}, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -224,8 +225,10 @@ def _lora_base_sha256(model: Any) -> str | None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling, fsync, rename: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write ``text`` to ``path`` through a temporary sibling, fsync, rename: readers see old or new, never half.
+    The temporary name is this process's and this thread's, so two threads writing one file (the coordinator's
+    peers.json, from its round loop and its idle watcher) do not rename each other's file away."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(text)
     with open(tmp) as f:
         os.fsync(f.fileno())
