@@ -32,7 +32,7 @@ from pathlib import Path
 from composer_diloco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ("none", "fp16", "int8", "sparse-2bit")
+CODECS = ("none", "fp16", "int8", "sparse-2bit", "shared-blocks")
 
 
 def run_codec(codec: str, out: Path, nodes: int, rounds: int) -> dict:

@@ -19,6 +19,7 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     sparse-N4-H16        avg-N4-H16 with the sparse-2bit codec (top-k 1/64 + 2-bit values + error feedback)
     grpo-*               the outer-optimizer sweep on the shipped loss (GRPO alone), BENCHMARKS.md 1d
     grpo-sparse-N4-H16   grpo-avg-N4-H16 with the sparse-2bit codec (BENCHMARKS.md 3b)
+    grpo-blocks-N4-H16   grpo-avg-N4-H16 with the shared-blocks codec (block top-k on a shared selection, butterfly)
     coding-*             the coding env (``configs/coding.toml`` under the arm's keys: `Arm.base`), N = 4, H = 16
     nesterov-lrL-mM-N4-H{4,16}   N = 4 with outer Nesterov SGD at lr L, momentum M, chosen so that the
                          steady-state step lr / (1 - M) is 1, averaging's (DiLoCo's 0.7 / 0.9 is 7)
@@ -68,7 +69,7 @@ class Arm:
         averaging: outer lr 1 and no momentum (parameter averaging) instead of DiLoCo's Nesterov 0.7 / 0.9.
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
         overlap: ``[outer] overlap`` (the sync of round t in the background while round t+1 trains).
-        compression: the pseudo-gradient codec (the config's ``compression``: "none", "fp16", "int8", "sparse-2bit").
+        compression: the pseudo-gradient codec (the config's ``compression``: a name of `composer_diloco.outer.codecs`).
         outer: ``(lr, momentum, nesterov)`` of the outer SGD, overriding ``sync`` / ``averaging`` / DiLoCo's.
         outer_toml: the ``[outer]`` section's optimizer lines verbatim (another optimizer), overriding ``outer``.
         base: a config file (relative to the repository) under the arm's own keys, e.g. ``configs/coding.toml``
@@ -211,6 +212,8 @@ ARMS = [
     Arm("coding-dpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, alpha_sdpo=0.0),
     # the sparse codec on the shipped loss, beside grpo-avg-N4-H16 (section 1d) and sparse-N4-H16 (the old composite)
     Arm("grpo-sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit", **GRPO),
+    # the shared-blocks codec (block top-k on a shared selection, in the butterfly), beside the two above
+    Arm("grpo-blocks-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="shared-blocks", **GRPO),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
@@ -373,6 +376,8 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
                                        "grpo-delayed-lr0.7-m0.9-d4-N8-H16"]),
         "learning_sparse.png": ("The sparse-2bit codec, GRPO alone, N = 4, H = 16",
                                 ["grpo-avg-N4-H16", "grpo-sparse-N4-H16"]),
+        "learning_codecs.png": ("The two sparse codecs against none, GRPO alone, N = 4, H = 16",
+                                ["grpo-avg-N4-H16", "grpo-sparse-N4-H16", "grpo-blocks-N4-H16"]),
         "learning_coding.png": ("The coding env (its own tokenizer), N = 4, H = 16",
                                 ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16",
                                  "coding-composite-avg-N4-H16", "coding-sdpo-avg-N4-H16", "coding-dpo-avg-N4-H16",

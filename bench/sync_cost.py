@@ -141,8 +141,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
     from composer_diloco.outer.averaging import ExactAverager
     from composer_diloco.config import RunConfig
-    from composer_diloco.outer.compression import SPARSE, make_compression, make_sparse_codec
-    from composer_diloco.outer.sparse import ErrorFeedback
+    from composer_diloco.outer.codec_contract import build_codec
     from composer_diloco.outer.peer import round_group_bits
     from composer_diloco.outer.global_model import GlobalModel
     from composer_diloco.outer.swarm import start_dht, visible_multiaddr
@@ -170,29 +169,31 @@ def run_peer(args: argparse.Namespace) -> None:
                     announce=[args.announce] if args.announce else None)
     averagers: list[TimedAverager] = []
 
-    def make_averager(tensors: list[torch.Tensor], prefix: str, codec: str) -> TimedAverager:
+    def make_averager(tensors: list[torch.Tensor], prefix: str, codec: str) -> tuple[TimedAverager, Any]:
+        """The averager and the codec's node half (None for the dense codecs)."""
         # as DiLoCoPeer._make_averager, with the long timeout the slow links need
         mm = args.matchmaking_s
-        sparse = make_sparse_codec(RunConfig(compression=codec), [t.shape for t in tensors])
+        built = build_codec(RunConfig(compression=codec), [t.shape for t in tensors])
         averagers.append(TimedAverager(
             tensors, dht, prefix=prefix, start=True, min_group_size=2,
             min_matchmaking_time=mm, request_timeout=min(5.0, mm / 2),
             allreduce_timeout=args.timeout_s, next_chunk_timeout=min(10.0, args.timeout_s / 3),
-            compression=make_compression(codec), sparse_codec=sparse, declare_state_period=5.0,
+            compression=built.compression, codec=built.wire, declare_state_period=5.0,
             shutdown_timeout=5.0,
         ))
-        return averagers[-1]
+        return averagers[-1], built.node
 
-    def step(averager: TimedAverager, index: int) -> float:
+    def step(averager: TimedAverager, index: int, extra: dict | None = None) -> tuple[float, list]:
+        """One all-reduce: its seconds and the group's gathered metadata (group order)."""
         averager.set_group_bits(round_group_bits(index))
         averager.set_target_group_size(args.peers if args.group_close == "full" else None)
         t0 = time.monotonic()
-        gathered = averager.step(weight=1.0, gather={"i": args.index, "round": index, "weight": 1.0},
+        gathered = averager.step(weight=1.0, gather={"i": args.index, "round": index, "weight": 1.0, **(extra or {})},
                                  timeout=args.timeout_s, allow_retries=False,
                                  scheduled_time=get_dht_time() + args.matchmaking_s)
         if not gathered or len(gathered) != args.peers:
             raise RuntimeError(f"peer {args.index} step {index}: no group of {args.peers} ({gathered!r})")
-        return time.monotonic() - t0
+        return time.monotonic() - t0, [c.metadata for c in gathered.values()]
 
     steps = []
     try:
@@ -211,7 +212,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
         # warm-up on a tiny tensor: both p2pd daemons connected, hivemind's code paths loaded, and torch's
         # optimizer initialised (its first step() costs ~0.5 s once, which no later round pays)
-        warm = make_averager([torch.zeros(1024)], "syncbench-warm", "none")
+        warm, _ = make_averager([torch.zeros(1024)], "syncbench-warm", "none")
         t0 = time.monotonic()
         step(warm, 0)
         tiny = nn.Module()
@@ -226,8 +227,7 @@ def run_peer(args: argparse.Namespace) -> None:
         # The averager forks its process here, before theta and momentum exist: forked after them (as DiLoCoPeer
         # orders it), the first outer step would copy-on-write every page of theta and momentum (one-time, ~10x
         # the outer step's own cost on this machine), which no later round pays.
-        averager = make_averager(delta, "syncbench", args.codec)
-        feedback = ErrorFeedback(averager.sparse_codec) if args.codec == SPARSE else None
+        averager, feedback = make_averager(delta, "syncbench", args.codec)
         model = nn.Module()
         model.ps = nn.ParameterList([nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(7)))
                                      for s in shapes])
@@ -236,14 +236,18 @@ def run_peer(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for c in range(args.chunks):
                 sent_before = averager.bytes_sent.value
-                encode_s = 0.0
-                if feedback is not None:  # DiLoCoPeer._pseudo_gradient's sparse part
+                encode_s, extra = 0.0, {}
+                if feedback is not None:  # DiLoCoPeer._pseudo_gradient's codec part
                     t0 = time.monotonic()
                     with averager.get_tensors() as d:
-                        message, _ = feedback.prepare(d)
-                    averager.set_message(r * args.chunks + c, message)
+                        prepared = feedback.prepare_round(d)
+                    if prepared.message is not None:
+                        averager.set_message(r * args.chunks + c, prepared.message)
+                    extra = prepared.gather
                     encode_s = time.monotonic() - t0
-                step_s = step(averager, r * args.chunks + c)
+                step_s, group = step(averager, r * args.chunks + c, extra)
+                if feedback is not None:
+                    feedback.observe(group, set())
                 allreduce_s = averager.last_allreduce_s.value
                 t0 = time.monotonic()
                 with averager.get_tensors() as d:

@@ -9,7 +9,7 @@ base model's ``base_sha256`` (`composer_diloco.policy.lora`). It is written into
 ``checkpoints/latest`` is replaced atomically after that, so a process killed while writing leaves the previous
 checkpoint as the latest loadable one.
 
-With ``compression = "sparse-2bit"`` a node also has codec state of its own, its error-feedback buffer
+With a codec that keeps error feedback (``sparse-2bit``, ``shared-blocks``) a node also has codec state of its own, its error-feedback buffer
 (`composer_diloco.outer.sparse.ErrorFeedback`): the part of its pseudo-gradients the swarm has not received yet. It is
 not global state (the coordinator holds none), so it lives beside the node's metrics, in
 ``<run-dir>/<node>/codec_state.pt`` (`save_codec_state` every ``checkpoint_every`` rounds, read back by a node that

@@ -7,7 +7,6 @@ Every model forbids unknown keys, so a typo in a TOML file is an error that name
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import tomllib
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from composer_diloco.outer import outer_choice
 
 
 class ConfigError(ValueError):
@@ -162,31 +163,9 @@ class InnerOptimizer(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
-_SGD_NAMES = ("sgd", "torch.optim.sgd")
-_OUTER_CHOICES = ("optimizer", "lr", "momentum", "nesterov", "kwargs")  # the [outer] fields that choose the optimizer
-# The outer optimizer of a --model run whose [outer] section chooses none: DiLoCo's lr 0.7 and Nesterov momentum 0.9,
-# with the momentum moved every 4 rounds (Delayed Nesterov, arXiv 2401.09135). Why: BENCHMARKS.md, the summary row
-# "Which outer optimizer for RL?" and its section 1d (plain Nesterov 0.7 / 0.9 did not learn where it took 16-32 outer
-# steps, where the delayed one learnt with averaging; plain led only in runs of 4 outer steps).
-DELAYED_NESTEROV = "composer_diloco.outer.delayed_nesterov.DelayedNesterov"
-DELAYED_NESTEROV_DEFAULT = {"optimizer": DELAYED_NESTEROV, "lr": 0.7, "kwargs": {"momentum": 0.9, "delay": 4}}
-
-
-def check_delayed_nesterov(lr: float, momentum: float = 0.9, delay: int = 4, c: float = 1.0) -> None:
-    """The argument check of `composer_diloco.outer.delayed_nesterov.DelayedNesterov`, free of torch so that a config
-    naming it (the default of every ``--model`` run) is judged without building it. Its arguments are documented there.
-
-    Raises:
-        ValueError: an argument out of its range, in one line naming it and what was expected.
-    """
-    if not lr > 0:
-        raise ValueError(f"DelayedNesterov: lr={lr} (expected > 0)")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"DelayedNesterov: momentum={momentum} (expected 0 <= momentum < 1)")
-    if isinstance(delay, bool) or int(delay) != delay or delay < 1:
-        raise ValueError(f"DelayedNesterov: delay={delay} (expected a whole number of rounds >= 1)")
-    if not 0 <= c <= 1:
-        raise ValueError(f"DelayedNesterov: c={c} (expected 0 <= c <= 1)")
+# the outer optimizer's defaults and checks: composer_diloco.outer.outer_choice (torch-free), re-exported here
+DELAYED_NESTEROV, DELAYED_NESTEROV_DEFAULT = outer_choice.DELAYED_NESTEROV, outer_choice.DELAYED_NESTEROV_DEFAULT
+check_delayed_nesterov = outer_choice.check_delayed_nesterov
 
 
 class OuterOptimizer(_Section):
@@ -247,15 +226,16 @@ class OuterOptimizer(_Section):
     @property
     def is_sgd(self) -> bool:
         """True when the optimizer is torch's SGD (the one ``momentum`` and ``nesterov`` belong to)."""
-        return self.optimizer.lower() in _SGD_NAMES
+        return outer_choice.is_sgd(self.optimizer)
 
     @model_validator(mode="before")
     @classmethod
     def _sgd_defaults(cls, data: object) -> object:
-        """SGD's unset ``lr`` / ``momentum`` / ``nesterov`` become DiLoCo's 0.7 / 0.9 / true."""
-        if not isinstance(data, dict) or str(data.get("optimizer", "sgd")).lower() not in _SGD_NAMES:
+        """SGD's unset ``lr`` / ``momentum`` / ``nesterov`` become DiLoCo's 0.7 / 0.9 / true
+        (`outer_choice.sgd_defaults`)."""
+        if not isinstance(data, dict) or not outer_choice.is_sgd(data.get("optimizer", "sgd")):
             return data
-        return {"lr": 0.7, "momentum": 0.9, "nesterov": True, **{k: v for k, v in data.items() if v is not None}}
+        return outer_choice.sgd_defaults(data)
 
     @model_validator(mode="after")
     def _optimizer_builds(self) -> OuterOptimizer:
@@ -269,20 +249,7 @@ class OuterOptimizer(_Section):
         taken = sorted(reserved & set(self.kwargs))
         if taken:
             raise ValueError(f"kwargs must not set {', '.join(taken)}: they are fields of [outer] (or fixed)")
-        # torch's SGD takes every lr > 0 and momentum in [0, 1) that the fields allow (nesterov is dropped at momentum
-        # 0), and our Delayed Nesterov (every --model run's default) has a torch-free check: reading their configs
-        # imports no torch. Any other optimizer is built once
-        if self.is_sgd and not self.kwargs:
-            return self
-        if self.optimizer == DELAYED_NESTEROV:
-            try:
-                check_delayed_nesterov(self.lr, **self.kwargs)
-            except TypeError as e:  # an argument it does not take
-                raise ValueError(f"outer optimizer DelayedNesterov cannot be used: {e}") from None
-            return self
-        from composer_diloco.outer.global_model import check_factory, optimizer_factory
-
-        check_factory(optimizer_factory(self))  # an unknown name or a refused argument: one line, at load time
+        outer_choice.check_outer(self)  # the optimizer's own arguments: one line, at load time
         return self
 
 
@@ -415,15 +382,20 @@ class RunConfig(_Section):
     max_seq_len: int = Field(1024, ge=64, description="Tokens of prompt plus episode kept per sample; at most the model's "
                              "positions (max_position_embeddings, checked before any network).")
     checkpoint_every: int = Field(1, ge=1, description="Rounds between coordinator checkpoints.")
-    # "none": sparse-2bit learned less than no codec at N = 4, H = 16 (BENCHMARKS.md 3b, shipped loss: +0.109 against
-    # +0.185 held-out gain); int8 / fp16 were not run through the learning bench
-    compression: Literal["none", "fp16", "int8", "sparse-2bit"] = Field(
-        "none", description="Codec of the pseudo-gradient all-reduce: fp32, fp16 or 8-bit uniform (hivemind's, in the "
-                            "butterfly), or sparse-2bit: top-k + 2-bit values with error feedback, all-gathered "
-                            "(its parameters in [sparse_codec]).",
+    # "none": why, BENCHMARKS.md sections 2 and 3b (no codec has learned as well as none at N = 4, H = 16)
+    compression: str = Field(
+        "none", description="Codec of the pseudo-gradient all-reduce, by name (composer_diloco.outer.codecs): none, "
+                            "fp16, int8 (hivemind's, in the butterfly), sparse-2bit (top-k + 2-bit values + error "
+                            "feedback, all-gathered; its parameters in [sparse_codec]) or shared-blocks (block top-k "
+                            "on a selection all peers share + error feedback, in the butterfly; [codec_options]).",
     )
     sparse_codec: SparseCodecConfig | None = Field(
         None, description="Parameters of compression = \"sparse-2bit\" (`SparseCodecConfig`); only with that codec.",
+    )
+    codec_options: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Settings of the chosen codec, checked by its own settings model "
+                                          "(composer_diloco.outer.codecs; e.g. shared-blocks: block_elems, density, "
+                                          "values, error_decay). Empty: its defaults.",
     )
     env: EnvConfig = EnvConfig()
     tasks: TasksConfig = TasksConfig()
@@ -446,7 +418,7 @@ class RunConfig(_Section):
     @classmethod
     def _outer_defaults_of_the_policy(cls, data: object) -> object:
         """The outer optimizer's defaults depend on the policy (see `OuterOptimizer`): an ``[outer]`` section of a
-        ``model`` run that chooses nothing (none of `_OUTER_CHOICES` set) becomes `DELAYED_NESTEROV_DEFAULT`; unset
+        ``model`` run that chooses nothing (none of `outer_choice.OUTER_CHOICES` set) becomes `DELAYED_NESTEROV_DEFAULT`; unset
         SGD ``lr`` / ``momentum`` of an embedded-default run become 1.0 / 0.0. Anything set is kept."""
         if not isinstance(data, dict):
             return data
@@ -455,20 +427,25 @@ class RunConfig(_Section):
             outer = {}
         if not isinstance(outer, dict):  # an OuterOptimizer instance: its values are explicit
             return data
-        given = {k: v for k, v in outer.items() if v is not None}
-        if data.get("model") is not None:
-            if any(given.get(k) not in (None, {}) for k in _OUTER_CHOICES):
-                return data
-            return {**data, "outer": {**given, **copy.deepcopy(DELAYED_NESTEROV_DEFAULT)}}
-        if str(outer.get("optimizer", "sgd")).lower() not in _SGD_NAMES:
-            return data
-        return {**data, "outer": {"lr": 1.0, "momentum": 0.0, **given}}
+        return {**data, "outer": outer_choice.policy_defaults(outer, has_model=data.get("model") is not None)}
 
     @model_validator(mode="after")
-    def _sparse_codec_needs_its_codec(self) -> "RunConfig":
+    def _codec_and_its_options(self) -> "RunConfig":
+        from composer_diloco.outer.codecs import codec_entry  # torch-free
+
+        entry = codec_entry(self.compression)  # an unknown name: one line listing the known ones
         if self.sparse_codec is not None and self.compression != "sparse-2bit":
             raise ValueError(f"[sparse_codec] sets the parameters of compression = \"sparse-2bit\", but compression "
                              f"is {self.compression!r}")
+        if self.codec_options:
+            if entry.options is None:
+                raise ValueError(f"[codec_options] given, but compression {self.compression!r} takes none")
+            try:
+                entry.options.model_validate(self.codec_options)
+            except ValidationError as e:
+                first = e.errors()[0]
+                raise ValueError(f"[codec_options] of {self.compression!r}: {'.'.join(map(str, first['loc']))}: "
+                                 f"{first['msg']}") from None
         return self
 
     @property
@@ -486,8 +463,8 @@ class RunConfig(_Section):
         ``network.state_*`` settings at their defaults, or without ``[report]``, has no such key, so its JSON and `digest` are those of a config
         written before it existed."""
         data = self.model_dump(mode="json")
-        for optional in ("lora", "sparse_codec"):  # absent sections keep the JSON of configs written before them
-            if data.get(optional) is None:
+        for optional in ("lora", "sparse_codec", "codec_options"):  # absent sections keep the JSON of configs written before them
+            if data.get(optional) in (None, {}):
                 data.pop(optional, None)
         if not data["outer"].get("overlap"):  # overlap off: the JSON (and digest) of configs written before it
             data["outer"].pop("overlap", None)

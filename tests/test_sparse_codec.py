@@ -16,7 +16,7 @@ from composer_diloco.checkpoint import (
     CheckpointError, load_codec_state, read_codec_state, save_checkpoint, save_codec_state,
 )
 from composer_diloco.config import RunConfig
-from composer_diloco.outer.compression import make_sparse_codec
+from composer_diloco.outer.codec_contract import build_codec
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.outer.sparse import CodecError, ErrorFeedback, SparseCodec, weighted_mean
 from tests_support import run_peer_trio
@@ -241,8 +241,7 @@ def test_checkpoint_outer_pt_holds_the_codec_state(tmp_path):
 
     model = nn.Linear(4, 3)
     gm = GlobalModel(model)
-    c = make_sparse_codec(RunConfig.model_validate({"compression": "sparse-2bit"}), [p.shape for p in gm.params])
-    ef = ErrorFeedback(c)
+    ef = build_codec(RunConfig.model_validate({"compression": "sparse-2bit"}), [p.shape for p in gm.params]).node
     ef.prepare([torch.ones(p.shape) for p in gm.params])
     ef.settle("averaged", rejected=False, contributed=True)
     tokenizer = types.SimpleNamespace(save_pretrained=lambda folder: None)
@@ -258,7 +257,7 @@ def test_default_config_is_untouched():
     config = RunConfig()
     assert config.compression == "none" and config.sparse_codec is None
     assert "sparse_codec" not in config.to_json()
-    assert make_sparse_codec(config, [(3,)]) is None
+    assert build_codec(config, [(3,)]).node is None and build_codec(config, [(3,)]).wire is None
 
 
 @pytest.mark.multiprocess

@@ -30,7 +30,13 @@ Failure behaviour (what the round protocol relies on):
   weight 0 by every reducer, and its owner sends zeros: the group goes on without it. ``step`` hands back the
   verdicts it applied (`Contribution.rejection`), so the caller never decides the drop a second time.
 
-The ``sparse-2bit`` codec (`composer_diloco.outer.sparse`) is not a per-part codec: top-k messages of different peers
+The codec is the run's (`composer_diloco.outer.codec_contract`): a "butterfly" codec either is one of hivemind's
+per-part codecs (none, fp16, int8) over the whole buffers, or also packs the buffers before the butterfly and unpacks
+the mean after it, from the group's gathered metadata (``shared-blocks``: the kept blocks' values, chosen from every
+member's scores, the same on every member; `composer_diloco.outer.shared_blocks`). The failure behaviour above holds
+for both, on the packed vector.
+
+The ``sparse-2bit`` codec (`composer_diloco.outer.sparse`) is a "gather" codec, not a per-part one: top-k messages of different peers
 keep different entries, so a reducer could not sum them without re-encoding the sum (more bytes, and an error no
 error feedback carries). With it, `ExactAverager` runs an all-gather instead of the butterfly (`SparseGatherRunner`):
 every contributor sends its one compressed message to every other member, and every member decodes the messages and
@@ -72,7 +78,7 @@ from composer_diloco import faults
 from composer_diloco.malloc import fix_mmap_threshold
 from composer_diloco.outer.compression import roundtrip
 from composer_diloco.outer.screening import Rejection, screen
-from composer_diloco.outer.sparse import CodecError, SparseCodec, weighted_mean
+from composer_diloco.outer.sparse import CodecError, SparseCodec
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +355,8 @@ class SparseGatherRunner:
         if not order:
             return None, missing
         loop = asyncio.get_event_loop()
-        mean = await loop.run_in_executor(None, lambda: weighted_mean(
-            self.codec, [self.received[i] for i in order], [self.contributors[i] for i in order]))
+        mean = await loop.run_in_executor(None, lambda: self.codec.combine(
+            [self.received[i] for i in order], [self.contributors[i] for i in order]))
         return mean, missing
 
     async def _wait_for(self, index: int) -> None:
@@ -446,30 +452,36 @@ class ExactAverager(DecentralizedAverager):
     verdict applied to it (see `Contribution`), or raises / returns None as hivemind's (no group in time).
 
     Attributes:
-        bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes).
+        bytes_sent: total bytes of tensor payload this peer has sent in all-reduces (shared across processes); with a
+            codec that puts data in the gathered metadata (``shared-blocks``' scores), also that data, once for each
+            other member of the group.
         failed_size: elements of the last all-reduce that no reducer returned (zeroed), shared across processes.
         replies_closed_by_sender: reply streams, over all all-reduces, whose sender closed them once it held every
             averaged part of this peer's share (`ExactAllReduceRunner.rpc_aggregate_part`); shared across processes.
         max_norm_ratio: screening threshold handed to `composer_diloco.outer.screening.screen` (None = NaN/Inf only).
-        sparse_codec: the ``sparse-2bit`` codec (`SparseCodec` over the layout of ``averaged_tensors``): ``step``
-            all-gathers messages instead of running the butterfly (module docstring). Each member's gathered metadata
-            must then be a dict with its ``weight``, and a member of weight > 0 must hand over its message with
-            `set_message` before each ``step``. None: the butterfly with ``compression``.
+        codec: the run's wire codec (`composer_diloco.outer.codec_contract.WireCodec`), None for a plain dense
+            butterfly with ``compression``. A "gather" codec (``sparse-2bit``): ``step`` all-gathers messages instead
+            of running the butterfly (module docstring); each member's gathered metadata must then be a dict with its
+            ``weight``, and a member of weight > 0 must hand over its message with `set_message` before each ``step``.
+            A "butterfly" codec with ``pack``/``unpack`` (``shared-blocks``): the butterfly averages what ``pack``
+            makes of the buffers, given the group's metadata, and ``unpack`` writes the mean back.
+        sparse_codec: the older name of ``codec`` for a `SparseCodec`.
     """
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, max_norm_ratio: float | None = None,
-                 sparse_codec: SparseCodec | None = None, **kwargs: Any):
+                 codec: Any = None, sparse_codec: SparseCodec | None = None, **kwargs: Any):
         self.max_norm_ratio = max_norm_ratio
-        self.sparse_codec = sparse_codec
-        if sparse_codec is not None and sparse_codec.numel != sum(t.numel() for t in averaged_tensors):
-            raise ValueError(f"sparse codec over {sparse_codec.numel} elements, averaged tensors hold "
+        self.codec = codec if codec is not None else sparse_codec
+        self.gathers = getattr(self.codec, "transport", "butterfly") == "gather"
+        if self.gathers and self.codec.numel != sum(t.numel() for t in averaged_tensors):
+            raise ValueError(f"codec over {self.codec.numel} elements, averaged tensors hold "
                              f"{sum(t.numel() for t in averaged_tensors)}")
-        self._messages: dict[int, bytes] = {}  # by round, in the averager process (sparse codec only)
+        self._messages: dict[int, bytes] = {}  # by round, in the averager process (a "gather" codec only)
         # the message goes from this process to the averager's through shared memory allocated before hivemind forks
         # (like the averaged tensors): hivemind's control pipe is non-blocking on the averager's side, and a message
         # of a few KB sent through it fails there with EAGAIN half-read (BlockingIOError), which breaks its loop
-        self._message_buffer = None if sparse_codec is None else \
-            torch.zeros(sparse_codec.max_message_bytes(), dtype=torch.uint8).share_memory_()
+        self._message_buffer = None if not self.gathers else \
+            torch.zeros(self.codec.max_message_bytes(), dtype=torch.uint8).share_memory_()
         self._message_lock = threading.Lock()
         self.bytes_sent = mp.Value(ctypes.c_uint64, 0)
         self.failed_size = mp.Value(ctypes.c_uint64, 0)
@@ -580,12 +592,19 @@ class ExactAverager(DecentralizedAverager):
         self._verdicts[group_info.group_id] = verdicts
         dropped = frozenset(i for i, v in enumerate(verdicts) if v is not None)
         me = group_info.peer_ids.index(self.peer_id)
-        if self.sparse_codec is not None:
+        if self.gathers:
             return await self._all_gather(tensors, group_info, group_id, gathered, dropped, **kwargs)
         if me in dropped:  # send zeros with weight 0: 0 * NaN would still poison the reducers' sums
             for t in tensors:
                 t.zero_()
             kwargs["weight"] = 0.0
+        shared, packing = tensors, getattr(self.codec, "pack", None) is not None
+        if packing:  # the codec averages part of the buffers, chosen from the group's metadata (the same everywhere)
+            tensors, selection = self.codec.pack(shared, gathered, dropped)
+            kwargs["tensor_infos"] = None  # hivemind's describe the buffers, not the packed tensors
+            # the codec's part of the metadata reached every other member (through the group's leader, which relays
+            # it): count it as this peer's, once per other member
+            self._count_bytes((len(gathered) - 1) * self.codec.metadata_bytes(gathered[me]))
         mine = gathered[me] if isinstance(gathered[me], dict) else {}
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
@@ -606,6 +625,8 @@ class ExactAverager(DecentralizedAverager):
             raise ValueError("ExactAverager peers must send tensors (AUX mode is not supported)")
         async for tensor, average in azip(as_aiter(*tensors), runner):
             tensor.copy_(average)
+        if packing:
+            self.codec.unpack(tensors, shared, selection)
         self.failed_size.value = runner.tensor_part_container.failed_size
         # return only once our replies as a reducer are out: the caller may shut this averager down next. A sender
         # that reads them slower than sender_timeout is given up on (hivemind bans a reducer only after twice that)
@@ -613,9 +634,13 @@ class ExactAverager(DecentralizedAverager):
         if unserved:
             log.warning("all-reduce: the averaged parts for %s were not all sent in time", unserved)
 
+    def _count_bytes(self, size: int) -> None:
+        with self.bytes_sent.get_lock():
+            self.bytes_sent.value += size
+
     async def _all_gather(self, tensors, group_info, group_id: bytes, gathered: list, dropped: frozenset[int],
                           **kwargs) -> None:
-        """The ``sparse-2bit`` round: all-gather the contributors' messages, write their weighted mean into
+        """A "gather" codec's round: all-gather the contributors' messages, write their weighted mean into
         ``tensors`` (module docstring). Raises ValueError when a member's metadata carries no weight."""
         weights = []
         for g in gathered:
@@ -630,7 +655,7 @@ class ExactAverager(DecentralizedAverager):
             raise ValueError(f"no message was set for round {round_} (ExactAverager.set_message)")
         runner = SparseGatherRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, codec=self.sparse_codec, contributors=contributors,
+            ordered_peer_ids=group_info.peer_ids, codec=self.codec, contributors=contributors,
             message=message, bytes_sent=self.bytes_sent, sender_timeout=kwargs.get("sender_timeout"), round_=round_,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
@@ -640,10 +665,10 @@ class ExactAverager(DecentralizedAverager):
         except CodecError as e:  # a member sent a message that does not decode: no mean this peer can trust
             raise ValueError(f"all-gather: {e}") from e
         if mean is None:
-            mean = torch.zeros(self.sparse_codec.numel)
-        for tensor, part in zip(tensors, self.sparse_codec.split(mean), strict=True):
+            mean = torch.zeros(self.codec.numel)
+        for tensor, part in zip(tensors, self.codec.split(mean), strict=True):
             tensor.copy_(part.view_as(tensor))
-        self.failed_size.value = self.sparse_codec.numel if missing else 0
+        self.failed_size.value = self.codec.numel if missing else 0
 
 
 __all__ = ["Contribution", "ExactAverager", "ExactAllReduceRunner"]

@@ -1,14 +1,10 @@
-"""Pseudo-gradient compression for the all-reduce: the config's names mapped to hivemind's codecs.
-
-``none``, ``fp16`` and ``int8`` are hivemind per-part codecs used inside the butterfly all-reduce (`make_compression`).
-``sparse-2bit`` is not one: it is top-k + 2-bit with error feedback, sent by all-gather
-(`composer_diloco.outer.sparse`, `make_sparse_codec`; `composer_diloco.outer.averaging` for the transport).
-"""
+"""hivemind's per-part codecs as the all-reduce uses them: which one carries a codec (`make_compression`), and what a
+tensor looks like after the wire (`roundtrip`). The codecs themselves: `composer_diloco.outer.codecs`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.compression import (
@@ -20,41 +16,29 @@ from hivemind.compression import (
     serialize_torch_tensor,
 )
 
-from composer_diloco.outer.sparse import SparseCodec
+from composer_diloco.outer.codec_contract import RoundCodec
+from composer_diloco.outer.codecs import codec_entry
 
 if TYPE_CHECKING:
     from composer_diloco.config import RunConfig
 
-CompressionName = Literal["none", "fp16", "int8", "sparse-2bit"]
-SPARSE = "sparse-2bit"
 
-_CODECS: dict[str, type[CompressionBase]] = {
-    "none": NoCompression,  # fp32 on the wire: 4 bytes per element
-    "fp16": Float16Compression,  # 2 bytes per element
-    "int8": Uniform8BitQuantization,  # 1 byte per element + a 256-entry codebook per part
-}
+_HIVEMIND = {"none": NoCompression, "fp16": Float16Compression, "int8": Uniform8BitQuantization}
+
+
+def build(config: RunConfig, shapes: Sequence[Sequence[int]]) -> RoundCodec:
+    """The registry's builder of none / fp16 / int8: hivemind's per-part codec in the butterfly over the whole
+    pseudo-gradient, no node state (`composer_diloco.outer.codec_contract.RoundCodec`)."""
+    return RoundCodec(codec_entry(config.compression), _HIVEMIND[config.compression]())
 
 
 def make_compression(name: str) -> CompressionBase:
-    """The hivemind codec for ``name`` in {"none", "fp16", "int8"}; for "sparse-2bit", `NoCompression` (that codec
-    compresses before the all-gather, whose messages travel as raw bytes). Raises ValueError on any other name."""
-    if name == SPARSE:
-        return NoCompression()
-    try:
-        return _CODECS[name]()
-    except KeyError:
-        raise ValueError(f"compression {name!r} is not one of {sorted([*_CODECS, SPARSE])}") from None
+    """The hivemind per-part codec the butterfly carries codec ``name`` with (`codec_contract.build_codec`'s
+    ``compression``: NoCompression for the codecs that compress themselves). Raises ValueError for an unknown name."""
+    from composer_diloco.config import RunConfig
+    from composer_diloco.outer.codec_contract import build_codec
 
-
-def make_sparse_codec(config: RunConfig, shapes: Sequence[Sequence[int]]) -> SparseCodec | None:
-    """The run's `SparseCodec` over theta's ``shapes`` when ``config.compression`` is "sparse-2bit", else None
-    (its parameters: ``config.sparse_codec``, or that section's defaults)."""
-    if config.compression != SPARSE:
-        return None
-    from composer_diloco.config import SparseCodecConfig
-
-    section = config.sparse_codec or SparseCodecConfig()
-    return SparseCodec(shapes, topk_fraction=section.topk_fraction, chunk_elems=section.chunk_elems)
+    return build_codec(RunConfig(compression=name), [(1,)]).compression
 
 
 def roundtrip(tensor: torch.Tensor, compression: CompressionBase) -> torch.Tensor:

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from composer_diloco.config import check_delayed_nesterov
+from composer_diloco.outer.outer_choice import check_delayed_nesterov
 
 
 class DelayedNesterov(torch.optim.Optimizer):

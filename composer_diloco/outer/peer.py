@@ -39,11 +39,10 @@ from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer import recovery
 from composer_diloco.outer.averaging import Contribution, ExactAverager
-from composer_diloco.outer.compression import make_compression, make_sparse_codec
+from composer_diloco.outer.codec_contract import build_codec
 from composer_diloco.outer.global_model import GlobalModel, optimizer_factory
 from composer_diloco.outer.recovery import RoundFailed
 from composer_diloco.outer.screening import pseudo_gradient_norm
-from composer_diloco.outer.sparse import ErrorFeedback
 from composer_diloco.outer.state_transfer import (
     DEFAULT_CHUNK_BYTES, DownloadReport, Manifest, StateTransfer, StateTransferError,
 )
@@ -105,7 +104,7 @@ class SyncResult:
 
 OUTER_PHASES = {
     "heal_check": "do the replicas of the run agree (`recovery.split_check`)",
-    "pseudo_gradient": "Delta_i = theta - theta_i into the averager's buffers (and the sparse codec's message)",
+    "pseudo_gradient": "Delta_i = theta - theta_i into the averager's buffers (and the codec's prepare_round)",
     "barrier": "announce ready and wait for the round's peers",
     "all_reduce": "hivemind's all-reduce of the pseudo-gradients",
     "outer_step": "theta <- OuterOpt(theta, Delta), waiting for state downloads in flight",
@@ -168,7 +167,7 @@ class HandOff:
     Attributes:
         round: the round being synced (theta_round is what the pseudo-gradient was taken against).
         weight: samples the node trained on in that round.
-        norm: L2 norm of the pseudo-gradient (or of the sparse codec's message).
+        norm: L2 norm of the pseudo-gradient (or of what its codec says is averaged, `codec_contract.Prepared`).
         clock: when the hand-off happened (``sync_seconds`` counts from it) and the bytes sent before it.
     """
 
@@ -267,10 +266,11 @@ class DiLoCoPeer:
         self.allreduce_timeout_s = config.network.allreduce_timeout_s(sum(d.numel() * d.element_size()
                                                                           for d in self.delta))
         self._delta_written = False  # only zeros in it yet: the coordinator need not write them (`_pseudo_gradient`)
-        # sparse-2bit: this node's error feedback (composer_diloco.outer.sparse); kept across resyncs, never shared
-        codec = make_sparse_codec(config, [d.shape for d in self.delta])
-        self.error_feedback = None if codec is None else ErrorFeedback(
-            codec, decay=(config.sparse_codec.error_decay if config.sparse_codec else 1.0))
+        # the run's codec (composer_diloco.outer.codec_contract): its wire half goes to the averager, its node half
+        # (error feedback, for the sparse codecs) stays here, kept across resyncs, never shared
+        self.codec = build_codec(config, [d.shape for d in self.delta])
+        self.error_feedback = self.codec.node
+        self._gather_extra: dict = {}  # the codec's entries of this round's gathered metadata (`_pseudo_gradient`)
         # hivemind forks its averager process here: before theta and the outer optimizer state exist, so that the
         # child does not keep copy-on-write pages of them (twice their memory, and a slow first outer step, on big
         # models)
@@ -303,9 +303,9 @@ class DiLoCoPeer:
             request_timeout=min(5.0, net.matchmaking_time_s / 2),
             allreduce_timeout=self.allreduce_timeout_s,
             next_chunk_timeout=min(10.0, net.averaging_timeout_s / 3),
-            compression=make_compression(config.compression),
+            compression=self.codec.compression,
             max_norm_ratio=config.outer.max_norm_ratio,
-            sparse_codec=None if self.error_feedback is None else self.error_feedback.codec,
+            codec=self.codec.wire,
             declare_state_period=5.0,
             shutdown_timeout=5.0,
         )
@@ -448,7 +448,7 @@ class DiLoCoPeer:
         return result
 
     def _settle_feedback(self, result: SyncResult | None, weight: float) -> None:
-        """A node's sparse codec: fold the round's outcome into its error feedback (`ErrorFeedback.settle`)."""
+        """A node's codec state: fold the round's outcome into it (`codec_contract.NodeState.settle`)."""
         if result is not None and self.error_feedback is not None:
             rule = self.error_feedback.settle(result.status, rejected=self.swarm.name in result.rejected,
                                               contributed=weight > 0)
@@ -540,8 +540,10 @@ class DiLoCoPeer:
 
     def _pseudo_gradient(self, model: nn.Module | None, r: int, weight: float = 0.0) -> float:
         """Write Delta_i into the averager's buffers (zeros on the coordinator); returns its L2 norm (NaN/Inf
-        when it has non-finite entries). With the sparse codec, a contributing node also folds Delta_i into its error
-        feedback and hands the message to the averager; the norm is then the message's (what is averaged)."""
+        when it has non-finite entries). With a codec that keeps node state (`codec_contract.NodeState`), a contributing
+        node hands Delta_i to it: the codec may rewrite the buffers (error feedback), hand a message to the averager,
+        and add entries to the round's gathered metadata; the norm is then what the codec says is averaged."""
+        self._gather_extra = {}
         with self.averager.get_tensors() as delta:
             if model is None:
                 if not self._delta_written:  # still the untouched shared zeros (`_shared_zeros`): keep them unmapped
@@ -554,20 +556,22 @@ class DiLoCoPeer:
             self._delta_written = True
             if self.error_feedback is None or model is None or weight <= 0:
                 return pseudo_gradient_norm(delta)
-            message, norm = self.error_feedback.prepare(delta)
-        self.averager.set_message(r, message)
-        return norm
+            prepared = self.error_feedback.prepare_round(delta)
+        if prepared.message is not None:
+            self.averager.set_message(r, prepared.message)
+        self._gather_extra = prepared.gather
+        return prepared.norm
 
     def codec_state(self) -> dict | None:
         """This node's codec state for a checkpoint (`composer_diloco.checkpoint.save_checkpoint`'s ``codec_state``):
-        the error feedback's `ErrorFeedback.state_dict`, or None without the sparse codec."""
+        its codec's `codec_contract.NodeState.state_dict` (error feedback), or None for a codec without one."""
         return None if self.error_feedback is None else self.error_feedback.state_dict()
 
     def load_codec_state(self, state: dict | None) -> None:
         """Adopt a `codec_state` (from `composer_diloco.checkpoint.read_codec_state`); None leaves it as it is.
 
         Raises:
-            ValueError: a state of another codec or layout, or a state given to a run without the sparse codec.
+            ValueError: a state of another codec or layout, or a state given to a run whose codec keeps none.
         """
         if state is None:
             return
@@ -642,7 +646,7 @@ class DiLoCoPeer:
             gathered: dict[object, Contribution] | None = self.averager.step(
                 weight=float(weight),
                 gather={"name": self.swarm.name, "role": self.swarm.role, "round": r, "weight": float(weight),
-                        "norm": norm},
+                        "norm": norm, **self._gather_extra},
                 scheduled_time=scheduled_time,
                 timeout=self.allreduce_timeout_s,
                 allow_retries=False,
@@ -653,6 +657,8 @@ class DiLoCoPeer:
             raise RoundFailed("no all-reduce group formed")
         members = list(gathered.values())
         group = [c.metadata if isinstance(c.metadata, dict) else {} for c in members]
+        if self.error_feedback is not None:  # what the codec sent of ours may depend on the group (shared-blocks)
+            self.error_feedback.observe(group, {i for i, c in enumerate(members) if c.rejection is not None})
         if {g.get("round") for g in group} != {r}:
             log.error("%s round %d: group mixed rounds %s", self.swarm.name, r, {g.get("round") for g in group})
         for c in members:

@@ -51,10 +51,18 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from hivemind.compression import NoCompression
+
+from composer_diloco.outer.codec_contract import Prepared, RoundCodec
+from composer_diloco.outer.codecs import codec_entry
+
+if TYPE_CHECKING:
+    from composer_diloco.config import RunConfig
 
 CODEC_NAME = "sparse-2bit"
 _MAGIC = b"S2"
@@ -213,6 +221,12 @@ class SparseCodec:
             chunk0 += g.chunks
         return torch.cat(positions), torch.cat(values)
 
+    transport = "gather"  # the averager all-gathers the messages (`composer_diloco.outer.averaging`)
+
+    def combine(self, messages: Sequence[bytes], weights: Sequence[float]) -> torch.Tensor:
+        """`weighted_mean` of the contributors' messages: what every member of the all-gather forms."""
+        return weighted_mean(self, messages, weights)
+
     def decode(self, message: bytes) -> torch.Tensor:
         """``D(message)``: the dense fp32 vector, shape (numel,), zeros outside the kept entries. Raises CodecError."""
         positions, values = self.decode_sparse(message)
@@ -295,6 +309,14 @@ class ErrorFeedback:
         self.buffer: torch.Tensor | None = None
         self._next: torch.Tensor | None = None  # beta * e + Delta of the round being synced
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # D(message) of that round, sparse
+
+    def prepare_round(self, delta: Sequence[torch.Tensor]) -> Prepared:
+        """`prepare` as the codec contract's `composer_diloco.outer.codec_contract.NodeState` gives it."""
+        message, norm = self.prepare(delta)
+        return Prepared(norm=norm, message=message)
+
+    def observe(self, metadata: Sequence[Any], dropped: set[int]) -> None:
+        """Nothing: what this node's message contributed does not depend on the group."""
 
     @torch.no_grad()
     def prepare(self, delta: Sequence[torch.Tensor]) -> tuple[bytes, float]:
@@ -451,4 +473,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["CODEC_NAME", "CodecError", "ErrorFeedback", "SparseCodec", "weighted_mean"]
+def build(config: RunConfig, shapes: Sequence[Sequence[int]]) -> RoundCodec:
+    """The registry's builder of ``sparse-2bit`` (`composer_diloco.outer.codecs`): a `SparseCodec` on the wire (an
+    all-gather) and an `ErrorFeedback` on the node, with the config's ``[sparse_codec]`` (or its defaults)."""
+    from composer_diloco.config import SparseCodecConfig
+
+    section = config.sparse_codec or SparseCodecConfig()
+    codec = SparseCodec(shapes, topk_fraction=section.topk_fraction, chunk_elems=section.chunk_elems)
+    return RoundCodec(codec_entry(CODEC_NAME), NoCompression(), codec, ErrorFeedback(codec, decay=section.error_decay))
+
+
+__all__ = ["CODEC_NAME", "CodecError", "ErrorFeedback", "SparseCodec", "build", "weighted_mean"]

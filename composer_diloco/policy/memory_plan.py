@@ -37,8 +37,9 @@ gradients / 4, gradients + that temporary)``. A GPU node also holds cuBLAS's and
 
 Host RAM (`composer_diloco.outer`: always CPU, fp32)
     theta 4 T + pseudo-gradient buffer 4 T + outer optimizer state (4 T per state tensor: SGD momentum 1, Adam 2,
-    none for parameter averaging; ``compression = "sparse-2bit"`` adds 8 T: the error feedback and its next value,
-    `composer_diloco.outer.sparse.ErrorFeedback`) + a state download's buffers (`composer_diloco.outer.state_transfer`:
+    none for parameter averaging; a codec with error feedback adds 4 T per tensor it keeps, as its registry entry
+    says: 8 T for ``sparse-2bit`` and ``shared-blocks``, the buffer and its next value, `composer_diloco.outer.codecs`)
+    + a state download's buffers (`composer_diloco.outer.state_transfer`:
     a joiner writes into its own theta and outer state, so nothing; a peer that holds theta and resyncs downloads what
     differs into new buffers, at most theta and the outer state again, 4 T per tensor; the serving peer holds a few
     chunks, no copy; the outer step itself copies nothing, `GlobalModel.outer_step`),
@@ -95,6 +96,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from composer_diloco.outer.codecs import codec_entry
 
 if TYPE_CHECKING:
     from composer_diloco.config import LoraSection, RunConfig
@@ -723,7 +726,7 @@ def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad
         dpo_pairs=pref.max_sites * pref.max_pairs_per_turn if config.loss.beta_dpo > 0 else 0,
         dpo_reference=config.loss.beta_dpo > 0, grpo_reference=config.grpo.beta > 0,
         outer_state_tensors=_outer_state_tensors(config),
-        local_state_tensors=2 if config.compression == "sparse-2bit" else 0,
+        local_state_tensors=codec_entry(config.compression).local_state_tensors,
         turn_tokens=config.env.max_turn_tokens, sdpo_mixture=0 < config.loss.sdpo_jsd_beta < 1,
         row_source=row.source, free=free, free_source=free_source)
 
