@@ -10,7 +10,8 @@ encoded from the peer's error feedback first (`composer_diloco.outer.sparse`). P
     allreduce_s    wall seconds of hivemind's all-reduce itself (`_run_allreduce_inplace_`: split, compress,
                    send, reduce, send back, decompress; or the all-gather and the weighted mean), the slowest peer
     outer_s        clone of the mean + `GlobalModel.outer_step`, the slowest peer
-    encode_s       sparse-2bit only: error feedback + encoding the message + handing it to the averager
+    encode_s       a codec with node state only (sparse-2bit, shared-blocks): error feedback + encoding (the message,
+                   or the block scores) + handing it to the averager
     matchmaking_s  the rest of `averager.step` (group formation; a real round pays it once, after its barrier)
     bytes_sent     payload bytes the peer sent (per peer: mean, least and most; the mean received equals the mean sent)
 
@@ -128,9 +129,10 @@ def chunk_layout(numel: int, chunk_elems: int) -> tuple[int, list[list[int]]]:
 def run_peer(args: argparse.Namespace) -> None:
     """One peer of a case: DHT, warm-up all-reduce, then ``rounds * chunks`` timed all-reduce + outer steps.
 
-    With ``--codec sparse-2bit`` the averager all-gathers each peer's message (`ExactAverager`'s ``sparse_codec``), and
-    each step first folds the pseudo-gradient into the peer's error feedback and encodes its message
-    (`ErrorFeedback.prepare`, handed over with `ExactAverager.set_message`), as `DiLoCoPeer` does: ``encode_s``.
+    The codec is built from the registry as `DiLoCoPeer` builds it (`codec_contract.build_codec`); one with node state
+    (sparse-2bit, shared-blocks) first folds the pseudo-gradient into the peer's error feedback and prepares the round
+    (`NodeState.prepare_round`: a message handed over with `ExactAverager.set_message`, or block scores sent in the
+    gathered metadata), as `DiLoCoPeer` does: ``encode_s``.
 
     Writes ``{"steps": [{"round", "chunk", "step_s", "allreduce_s", "outer_s", "encode_s", "bytes_sent"}], ...}``
     (seconds, bytes) to ``args.result``. Raises RuntimeError when a step ends without a group of ``args.peers``.
@@ -454,7 +456,8 @@ def main() -> None:
     parser.add_argument("--links", type=_csv, default=["loopback", "1gbit", "100mbit"],
                         help="loopback, RATE (e.g. 1gbit, 100mbit) or RATE+DELAYms (e.g. 100mbit+20ms)")
     parser.add_argument("--codecs", type=_csv, default=["none", "int8"],
-                        help="none (fp32), fp16, int8 (butterfly all-reduce), sparse-2bit (all-gather)")
+                        help="codec names (composer_diloco.outer.codecs): none (fp32), fp16, int8, shared-blocks "
+                             "(butterfly all-reduce), sparse-2bit (all-gather)")
     parser.add_argument("--peers", type=int, default=2,
                         help="peer processes in the all-reduce (more than 2: loopback only)")
     parser.add_argument("--rounds", type=int, default=1, help="timed rounds per case (after a tiny warm-up)")
@@ -488,8 +491,10 @@ def main() -> None:
         parser.error(str(e))
     if bad := [c for c in args.group_close if c not in ("full", "window")]:
         parser.error(f"--group-close {bad} are not among full, window")
-    if bad := [c for c in args.codecs if c not in ("none", "fp16", "int8", "sparse-2bit")]:
-        parser.error(f"--codecs {bad} are not among none, fp16, int8, sparse-2bit")
+    from composer_diloco.outer.codecs import CODECS  # torch-free
+
+    if bad := [c for c in args.codecs if c not in CODECS]:
+        parser.error(f"--codecs {bad} are not among {', '.join(CODECS)}")
     if args.peers < 2:
         parser.error(f"--peers {args.peers}: an all-reduce needs at least 2 peers")
     if args.peers > 2 and any(lk.namespaced for lk in links):

@@ -127,10 +127,21 @@ class SharedBlocks:
     # -- the selection (every member, from the gathered metadata) ------------------------------------------------
     def score_bytes(self, flat: torch.Tensor) -> bytes:
         """One byte per block for the flat fp32 (numel,) vector ``flat``: its block's sum of squares in half octaves
-        (0: zero, or NaN/Inf, which screening drops anyway)."""
-        sums = torch.zeros(len(self.blocks), dtype=torch.float64)
-        sums.index_add_(0, torch.repeat_interleave(torch.arange(len(self.blocks)), self._lengths),
-                        flat.double().pow(2))
+        (0: zero, or NaN/Inf, which screening drops anyway). Reduces each tensor's blocks in place of theta-sized
+        temporaries (fp64 accumulation, `torch.linalg.vector_norm`)."""
+        sums = torch.empty(len(self.blocks), dtype=torch.float64)
+        at, first = 0, 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            full, rest = divmod(n, self.block_elems)
+            if full:
+                sums[first:first + full] = torch.linalg.vector_norm(
+                    flat[at:at + full * self.block_elems].view(full, self.block_elems), dim=1,
+                    dtype=torch.float64).square()
+            if rest:
+                sums[first + full] = torch.linalg.vector_norm(flat[at + full * self.block_elems:at + n],
+                                                              dtype=torch.float64).square()
+            at, first = at + n, first + full + (1 if rest else 0)
         codes = torch.zeros(len(self.blocks), dtype=torch.int64)
         finite = torch.isfinite(sums) & (sums > 0)
         codes[finite] = (2 * torch.log2(sums[finite])).round().long() + _SCORE_OFFSET
