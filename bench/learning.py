@@ -20,6 +20,7 @@ policy) and the run seed varied across seeds (episodes, sampling). Arms, all at 
     grpo-*               the outer-optimizer sweep on the shipped loss (GRPO alone), BENCHMARKS.md 1d
     grpo-sparse-N4-H16   grpo-avg-N4-H16 with the sparse-2bit codec (BENCHMARKS.md 3b)
     grpo-blocks-N4-H16   grpo-avg-N4-H16 with the shared-blocks codec (block top-k on a shared selection, butterfly)
+    grpo-blocks-d32-int8-N4-H16   the same with twice the blocks (1/32) sent in int8 (the same bytes of values)
     coding-*             the coding env (``configs/coding.toml`` under the arm's keys: `Arm.base`), N = 4, H = 16
     nesterov-lrL-mM-N4-H{4,16}   N = 4 with outer Nesterov SGD at lr L, momentum M, chosen so that the
                          steady-state step lr / (1 - M) is 1, averaging's (DiLoCo's 0.7 / 0.9 is 7)
@@ -70,6 +71,7 @@ class Arm:
         alpha_sdpo, beta_dpo: the extra channels' weights (0 = off).
         overlap: ``[outer] overlap`` (the sync of round t in the background while round t+1 trains).
         compression: the pseudo-gradient codec (the config's ``compression``: a name of `composer_diloco.outer.codecs`).
+        codec_options: its ``[codec_options]`` table's lines verbatim (TOML), or None for its defaults.
         outer: ``(lr, momentum, nesterov)`` of the outer SGD, overriding ``sync`` / ``averaging`` / DiLoCo's.
         outer_toml: the ``[outer]`` section's optimizer lines verbatim (another optimizer), overriding ``outer``.
         base: a config file (relative to the repository) under the arm's own keys, e.g. ``configs/coding.toml``
@@ -86,6 +88,7 @@ class Arm:
     beta_dpo: float = 0.2
     overlap: bool = False
     compression: str = "none"
+    codec_options: str | None = None
     outer: tuple[float, float, bool] | None = None
     outer_toml: str | None = None
     base: str | None = None
@@ -112,6 +115,7 @@ class Arm:
         own = (f'run_name = "learning"\nseed = {seed}\nrounds = {rounds}\ninner_steps = {self.inner_steps}\n'
                 f"checkpoint_every = {max(rounds, 1)}\n"
                 + (f'compression = "{self.compression}"\n' if self.compression != "none" else "")
+                + (f"[codec_options]\n{self.codec_options.strip()}\n" if self.codec_options else "")
                 + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
                 + (f"[inner]\nlr = {self.inner_lr}\n" if self.inner_lr is not None else "")
@@ -214,6 +218,9 @@ ARMS = [
     Arm("grpo-sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit", **GRPO),
     # the shared-blocks codec (block top-k on a shared selection, in the butterfly), beside the two above
     Arm("grpo-blocks-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="shared-blocks", **GRPO),
+    # twice the blocks in int8 instead of fp16: the same bytes of values (BENCHMARKS.md 2b)
+    Arm("grpo-blocks-d32-int8-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="shared-blocks",
+        codec_options='density = 0.03125\nvalues = "int8"', **GRPO),
 ]
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
@@ -377,7 +384,8 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_sparse.png": ("The sparse-2bit codec, GRPO alone, N = 4, H = 16",
                                 ["grpo-avg-N4-H16", "grpo-sparse-N4-H16"]),
         "learning_codecs.png": ("The two sparse codecs against none, GRPO alone, N = 4, H = 16",
-                                ["grpo-avg-N4-H16", "grpo-sparse-N4-H16", "grpo-blocks-N4-H16"]),
+                                ["grpo-avg-N4-H16", "grpo-sparse-N4-H16", "grpo-blocks-N4-H16",
+                                 "grpo-blocks-d32-int8-N4-H16"]),
         "learning_coding.png": ("The coding env (its own tokenizer), N = 4, H = 16",
                                 ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16",
                                  "coding-composite-avg-N4-H16", "coding-sdpo-avg-N4-H16", "coding-dpo-avg-N4-H16",

@@ -602,6 +602,11 @@ class ExactAverager(DecentralizedAverager):
         if packing:  # the codec averages part of the buffers, chosen from the group's metadata (the same everywhere)
             tensors, selection = self.codec.pack(shared, gathered, dropped)
             kwargs["tensor_infos"] = None  # hivemind's describe the buffers, not the packed tensors
+            # hivemind hands whole parts to reducers: a packed vector under one part (512 KB) would be reduced by one
+            # peer, whose bytes then grow with the group. Parts of a share of it spread the reducing over the group
+            packed = sum(t.numel() * t.element_size() for t in tensors)
+            kwargs["part_size_bytes"] = min(kwargs.get("part_size_bytes") or 2**19,
+                                            max(1024, packed // (4 * len(group_info.peer_ids))))
             # the codec's part of the metadata reached every other member (through the group's leader, which relays
             # it): count it as this peer's, once per other member
             self._count_bytes((len(gathered) - 1) * self.codec.metadata_bytes(gathered[me]))
