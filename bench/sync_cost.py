@@ -175,7 +175,10 @@ def run_peer(args: argparse.Namespace) -> None:
         """The averager and the codec's node half (None for the dense codecs)."""
         # as DiLoCoPeer._make_averager, with the long timeout the slow links need
         mm = args.matchmaking_s
-        built = build_codec(RunConfig(compression=codec), [t.shape for t in tensors])
+        from composer_diloco.outer.codecs import codec_entry
+
+        options = json.loads(args.codec_options) if codec_entry(codec).options is not None else {}
+        built = build_codec(RunConfig(compression=codec, codec_options=options), [t.shape for t in tensors])
         averagers.append(TimedAverager(
             tensors, dht, prefix=prefix, start=True, min_group_size=2,
             min_matchmaking_time=mm, request_timeout=min(5.0, mm / 2),
@@ -311,7 +314,8 @@ def run_case(*, size: str, shapes: list[list[int]], chunks: int, numel: int, lin
     base = [sys.executable, str(Path(__file__).resolve()), "_peer", "--shapes", json.dumps(shapes),
             "--chunks", str(chunks), "--codec", codec, "--rounds", str(args.rounds),
             "--matchmaking-s", str(args.matchmaking_s), "--timeout-s", str(args.timeout_s),
-            "--group-close", group_close, "--peers", str(args.peers), "--barrier-dir", str(case_dir)]
+            "--group-close", group_close, "--peers", str(args.peers), "--barrier-dir", str(case_dir),
+            "--codec-options", json.dumps(args.codec_options)]
     started = time.monotonic()
     try:
         for index in range(args.peers):
@@ -458,6 +462,8 @@ def main() -> None:
     parser.add_argument("--codecs", type=_csv, default=["none", "int8"],
                         help="codec names (composer_diloco.outer.codecs): none (fp32), fp16, int8, shared-blocks "
                              "(butterfly all-reduce), sparse-2bit (all-gather)")
+    parser.add_argument("--codec-options", type=json.loads, default={},
+                        help='JSON [codec_options] for the codecs that take them, e.g. \'{"density": 0.03125}\'')
     parser.add_argument("--peers", type=int, default=2,
                         help="peer processes in the all-reduce (more than 2: loopback only)")
     parser.add_argument("--rounds", type=int, default=1, help="timed rounds per case (after a tiny warm-up)")
@@ -579,6 +585,7 @@ def _peer_main(argv: list[str]) -> None:
     p.add_argument("--shapes", required=True, help="JSON list of the chunk's tensor shapes")
     p.add_argument("--chunks", type=int, required=True)
     p.add_argument("--codec", required=True)
+    p.add_argument("--codec-options", default="{}", help="JSON: [codec_options] of the codecs that take them")
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--matchmaking-s", type=float, required=True)
     p.add_argument("--timeout-s", type=float, required=True)

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench  # a bench script's smoke: `python -m pytest -m bench` (the suite's time: ~35 s)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_gpu_bench_dry_run_writes_its_table(tmp_path):
