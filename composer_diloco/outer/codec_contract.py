@@ -95,10 +95,29 @@ class RoundCodec:
         return self.entry.name
 
 
+def adopt_feedback_buffer(state: Mapping[str, Any], ours: Mapping[str, Any], numel: int) -> torch.Tensor | None:
+    """The error-feedback buffer of a checkpointed ``state`` (a copy, flat fp32), after checking that every key of
+    ``ours`` (this run's `NodeState.state_dict`) but ``"buffer"`` has the same value in it: the shared half of the
+    sparse codecs' ``load_state_dict``.
+
+    Raises:
+        ValueError: another codec, other parameters or element count, or a buffer that is not fp32 of ``numel``
+            elements (one line).
+    """
+    for key in ours:
+        if key != "buffer" and state.get(key) != ours[key]:
+            raise ValueError(f"error feedback state has {key} = {state.get(key)!r}, this run's is {ours[key]!r}")
+    buffer = state.get("buffer")
+    if buffer is not None and (not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.float32
+                               or buffer.numel() != numel):
+        raise ValueError(f"error feedback buffer must be fp32 with {numel} elements")
+    return None if buffer is None else buffer.detach().reshape(-1).clone()
+
+
 def build_codec(config: RunConfig, shapes: Sequence[Sequence[int]]) -> RoundCodec:
     """The run's `RoundCodec` for theta's ``shapes`` (``config.compression`` looked up in the registry). Raises
     ValueError for a name the registry does not hold."""
     return codec_entry(config.compression).builder()(config, shapes)
 
 
-__all__ = ["NodeState", "Prepared", "RoundCodec", "WireCodec", "build_codec"]
+__all__ = ["NodeState", "Prepared", "RoundCodec", "WireCodec", "adopt_feedback_buffer", "build_codec"]

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
-from composer_diloco.outer.codec_contract import Prepared, RoundCodec
+from composer_diloco.outer.codec_contract import Prepared, RoundCodec, adopt_feedback_buffer
 from composer_diloco.outer.codecs import codec_entry
 
 if TYPE_CHECKING:
@@ -326,15 +326,7 @@ class BlockFeedback:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Adopt a `state_dict`. Raises ValueError: another codec, parameters or layout, or a non-fp32 buffer."""
-        ours = self.state_dict()
-        for key in ("codec", "block_elems", "density", "values", "decay", "numel"):
-            if state.get(key) != ours[key]:
-                raise ValueError(f"error feedback state has {key} = {state.get(key)!r}, this run's is {ours[key]!r}")
-        buffer = state.get("buffer")
-        if buffer is not None and (not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.float32
-                                   or buffer.numel() != self.codec.numel):
-            raise ValueError(f"error feedback buffer must be fp32 with {self.codec.numel} elements")
-        self.buffer = None if buffer is None else buffer.detach().reshape(-1).clone()
+        self.buffer = adopt_feedback_buffer(state, self.state_dict(), self.codec.numel)
         self._next, self._selected = None, None
 
 
