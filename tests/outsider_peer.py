@@ -159,10 +159,9 @@ class Attack:
             if any(m.tensor_part.buffer for m in chunks):
                 self.record(name, True, "; ".join(outcomes + ["received model state"]))
                 return
-            # an empty stream is the server's answer (a refusal), not a slow reply: no retry
-            self.record(name, False, "; ".join(outcomes + [
-                f"empty reply: no state sent{' (a manifest came)' if manifest else ''}"]))
-            return
+            # an empty stream is a closed run's refusal, or (seen once on a loaded 2-core CI box, against the open
+            # control) a connection the daemon closed before the reply: asked again like a timeout, refused 3 times
+            outcomes.append(f"empty reply: no state sent{' (a manifest came)' if manifest else ''}")
         self.record(name, False, "; ".join(outcomes))
 
     async def join_group(self, p2p, name: str, servicer, prefix: str, duration_s: float,
