@@ -218,11 +218,11 @@ class Attack:
         try:
             averager.set_group_bits(round_group_bits(0))
             try:
-                gathered = averager.step(weight=1000.0, timeout=8.0, allow_retries=False)
+                gathered = averager.step(weight=1000.0, timeout=4.0, allow_retries=False)
                 step = f"step: {gathered}"
             except Exception as e:
                 gathered, step = None, f"step: {_error(e)}"
-            state = averager.load_state_from_peers(timeout=5.0)
+            state = averager.load_state_from_peers(timeout=3.0)
             self.record("averager_open_prefix", bool(gathered) or state is not None,
                         f"{step}; load_state_from_peers: {'a state' if state is not None else None}")
         finally:

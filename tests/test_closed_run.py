@@ -276,15 +276,6 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         procs.append(coordinator)
         peer = _read_peer_line(coordinator)
 
-        attackers = {label: _attack(peer, secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "5")
-                     for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
-        procs += attackers.values()
-        reports = {label: _report(p, logs / f"attack-{label}.log") for label, p in attackers.items()}
-        inspector = subprocess.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
-                                   capture_output=True, text=True, timeout=180, cwd=ROOT)
-        assert inspector.returncode == 0, inspector.stderr[-3000:]
-        seen = json.loads(inspector.stdout.strip().splitlines()[-1])
-
         def rogue_node(label: str, secret: str | None) -> subprocess.Popen:  # the real node program
             return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
                                      str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu",
@@ -292,15 +283,18 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
                                     env=env_with(secret), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, cwd=ROOT, start_new_session=True)
 
+        # the attacks, the real node program and `composer-coordinator status` (tests/test_status.py) without / with
+        # a wrong secret, at once (most of an attack is waiting for refusals: the suite's time); the insider's look
+        # at the DHT once the attacks are over
         start = time.monotonic()
+        attackers = {label: _attack(peer, secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "2")
+                     for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
         rogues = {"no-secret": rogue_node("no-secret", None), "wrong-secret": rogue_node("wrong-secret", WRONG)}
-        procs += rogues.values()
-        # meanwhile `composer-coordinator status` without / with a wrong secret / with the secret (tests/test_status.py)
         readers = {label: subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--timeout",
                                             "30"], env=env_with(secret), stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
                    for label, secret in (("no-secret", None), ("wrong-secret", WRONG), ("secret", SECRET))}
-        procs += readers.values()
+        procs += [*attackers.values(), *rogues.values(), *readers.values()]
         rogue_results = {}
         for label, p in rogues.items():
             _, err = p.communicate(timeout=180)
@@ -309,6 +303,11 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
                           for label, p in readers.items()}
         for label, p in readers.items():
             status_results[label].returncode = p.returncode
+        reports = {label: _report(p, logs / f"attack-{label}.log") for label, p in attackers.items()}
+        inspector = subprocess.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
+                                   capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert inspector.returncode == 0, inspector.stderr[-3000:]
+        seen = json.loads(inspector.stdout.strip().splitlines()[-1])
         assert coordinator.poll() is None, (logs / "coordinator.log").read_text()[-3000:]
 
         joiner = subprocess.Popen([sys.executable, str(OUTSIDER), "join-loop", "--peer", peer, "--prefix", prefix],

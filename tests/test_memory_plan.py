@@ -59,17 +59,22 @@ print(json.dumps({"measured": measured, "state": plan.optimizer + plan.reference
 """
 
 
-CASES = [("default", "full", "fp32"), ("small", "full", "fp32"), ("small", "lora", "fp32"), ("small", "full", "bf16"),
-         ("small", "lora", "bf16")]
+# the default run measures two cases (each in its own process, ~7 s of CPU, mostly imports); the other three ask the
+# same code other questions (LoRA in fp32, the full model and its reference copy in bf16) and run with `-m bench`
+CASES = [("default", "full", "fp32"), ("small", "lora", "bf16")]
+BENCH_CASES = [("small", "full", "fp32"), ("small", "lora", "fp32"), ("small", "full", "bf16")]
 
 
 @pytest.fixture(scope="module")
-def measurements():
-    """Every case of `test_plan_matches_measured_allocations` measured at once, each in its own fresh process (the
-    resident set is per process; torch runs one thread in each): ~7 s of CPU each, mostly imports."""
+def measurements(request):
+    """Every case of `test_plan_matches_measured_allocations` this session runs, measured at once, each in its own
+    fresh process (the resident set is per process; torch runs one thread in each)."""
+    selected = {tuple(item.callspec.params[k] for k in ("kind", "mode", "dtype")) for item in request.session.items
+                if item.originalname == "test_plan_matches_measured_allocations"}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = {case: subprocess.Popen([sys.executable, "-c", MEASURE, *case], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT) for case in CASES}
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT) for case in CASES + BENCH_CASES
+             if case in selected}
     try:
         yield {case: (proc, *proc.communicate(timeout=200)) for case, proc in procs.items()}
     finally:
@@ -80,7 +85,8 @@ def measurements():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind,mode,dtype", CASES)
+@pytest.mark.parametrize("kind,mode,dtype",
+                         CASES + [pytest.param(*case, marks=pytest.mark.bench) for case in BENCH_CASES])
 def test_plan_matches_measured_allocations(measurements, kind, mode, dtype):
     """AdamW + the reference (measured once allocated), and the peak of one inner step over a micro-batch of 4 rows x
     512 tokens (state + the gradients backward creates + activations + the step's temporaries), as planned against the

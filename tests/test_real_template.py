@@ -124,13 +124,13 @@ def test_llama31_episodes_parse_calls_and_mask_tool_replies(llama_dir, tmp_path)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
-    """Coordinator ``--model`` the Llama 3.1 folder and one node with ``--gradient-checkpointing``: both exit 0 and
-    agree each round, the node logged its memory plan, every episode had a parsed call, and SDPO sites and DPO pairs
-    were found and trained."""
+    """Coordinator ``--model`` the Llama 3.1 folder and one node with ``--gradient-checkpointing``, one round of one
+    inner step: both exit 0 and agree, the node logged its memory plan, every episode had a parsed call, and SDPO
+    sites and DPO pairs were found and trained."""
     from local_run import LocalRun, write_config
 
     config = write_config(tmp_path / "llama.toml",  # smoke.toml with room for Llama 3.1's prompt (indented JSON tools)
-                          "rounds = 2\ninner_steps = 2\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n"
+                          "rounds = 1\ninner_steps = 1\nmax_seq_len = 4096\n\n[network]\nround_slack_s = 60.0\n"
                           "\n[loss]\nalpha_sdpo = 0.2\nbeta_dpo = 0.2\n")
     run = LocalRun(tmp_path / "run", config)
     try:
@@ -142,7 +142,7 @@ def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
         run.stop()
     records = run.records()
     node, coordinator = records["node-0"], records["coordinator"]
-    assert [r["round"] for r in node] == [0, 1]
+    assert [r["round"] for r in node] == [0]  # one round of one inner step: ~30 s of CPU at 4096 tokens
     assert [r["global_sha256"] for r in node] == [r["global_sha256"] for r in coordinator]
     assert all(r["episodes_without_tool_call"] == 0 and r["samples"] > 0 for r in node), node
     assert sum(r["sdpo_sites"] for r in node) > 0 and sum(r["dpo_pairs"] for r in node) > 0, node
