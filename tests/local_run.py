@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from composer_diloco.metrics import read_metrics
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,8 @@ class LocalRun:
         self.run_dir, self.config = Path(run_dir), Path(config)
         self.procs: dict[str, subprocess.Popen] = {}
         self.peer = ""
+        self._peer_line: list[str] = []
+        self._expected: str | None = None
         self._all: list[subprocess.Popen] = []
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, stdout=None,
@@ -49,11 +53,22 @@ class LocalRun:
         self._all.append(proc)
         return proc
 
-    def start_coordinator(self, *extra: str, env: dict[str, str] | None = None, timeout_s: float = 300) -> str:
-        """Start (or restart) the coordinator; returns its multiaddr (the ``peer:`` line)."""
+    def start_coordinator(self, *extra: str, env: dict[str, str] | None = None, timeout_s: float = 300,
+                          wait: bool = True) -> str:
+        """Start (or restart) the coordinator; returns its multiaddr (the ``peer:`` line).
+
+        ``wait=False`` returns at once the line it will print, as an operator's job script knows it: its key in the
+        run dir (made now if there is none, as its first start would) and a ``--listen`` port (picked now unless
+        ``extra`` has one), so nodes start beside it instead of after its imports (the suite's time); they re-dial
+        until it listens. `wait_peer_line` checks the line it printed."""
+        if not wait and "--listen" not in extra:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                extra = (*extra, "--listen", f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}")
         proc = self._spawn("coordinator", ["-m", "coordinator", "start", "--config", str(self.config),
                                            "--run-dir", str(self.run_dir), *extra], env, stdout=subprocess.PIPE)
-        found: list[str] = []
+        self._peer_line = found = []
+        self._expected = None
 
         def read() -> None:
             for raw in proc.stdout:
@@ -62,8 +77,20 @@ class LocalRun:
                     found.append(line.split()[1])
 
         threading.Thread(target=read, daemon=True).start()
+        if not wait:
+            listen = extra[list(extra).index("--listen") + 1]
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.peer = self._expected = f"{listen}/p2p/{load_or_create_identity(self.run_dir / IDENTITY_FILE)}"
+            return self.peer
+        return self.wait_peer_line(timeout_s)
+
+    def wait_peer_line(self, timeout_s: float = 300) -> str:
+        """Wait for the coordinator's ``peer:`` line; check it is the one `start_coordinator` (``wait=False``) said."""
+        found = self._peer_line
+        proc = self.procs["coordinator"]
         self.wait_until(lambda: bool(found) or proc.poll() is not None, timeout_s, "the coordinator's peer line")
         assert found, f"the coordinator exited with {proc.returncode}:\n{self.log_tail('coordinator')}"
+        assert self._expected in (None, found[0]), (found[0], self._expected)
         self.peer = found[0]
         return self.peer
 

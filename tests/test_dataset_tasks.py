@@ -157,9 +157,10 @@ def test_two_nodes_train_on_their_shards_of_a_jsonl_task_file(run_dir):
     server, url = start_mcp_server(log_path=run_dir / "mcp-server.log")
     run = LocalRun(run_dir, TASK_CONFIG)
     try:
-        run.start_coordinator("--rounds", "1")
+        run.start_coordinator("--rounds", "1", wait=False)  # the nodes start beside it (the suite's time)
         for k in range(2):
             run.start_node(f"node-{k}", "--env-url", url, "--task-shard", f"{k}/2")
+        run.wait_peer_line()
         codes = {name: run.wait_exit(name, timeout_s=480) for name in ("node-0", "node-1", "coordinator")}
         assert codes == {"node-0": 0, "node-1": 0, "coordinator": 0}, run.all_tails()
         records = run.records()

@@ -37,9 +37,11 @@ def config(tmp_path, rounds: int, inner_steps: int = 2, extra: str = ""):
 
 
 def start(run: LocalRun, env: dict[str, dict[str, str]] | None = None, *coordinator_args: str) -> None:
-    run.start_coordinator(*coordinator_args, env=(env or {}).get("coordinator"))
+    """The coordinator and both nodes at once (the nodes re-dial its line until it listens), as a job script does."""
+    run.start_coordinator(*coordinator_args, env=(env or {}).get("coordinator"), wait=False)
     for name in ("node-0", "node-1"):
         run.start_node(name, env=(env or {}).get(name))
+    run.wait_peer_line()
 
 
 @pytest.mark.multiprocess

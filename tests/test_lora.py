@@ -210,11 +210,12 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
 
     run = LocalRun(run_dir, LORA)
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         bad = run.start_node("node-bad", "--run-dir", str(bad_dir),  # the later --run-dir wins
                              env={"COMPOSER_DILOCO_CACHE": str(bad_cache)})
         run.start_node("node-a", "--dtype", "fp32")  # beside the refused one: its refusal must not disturb the run
         run.start_node("node-b", "--dtype", "bf16")
+        run.wait_peer_line()
         assert run.wait_exit("node-bad", timeout_s=180) == 1
         last = run.log_tail("node-bad", 1)
         assert f"base_sha256 {run_base} in the run" in last, last
@@ -247,8 +248,9 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     # resume from the LoRA checkpoint: one more round with a new node, from the adapters of the last checkpoint
     resumed = LocalRun(run_dir, LORA)
     try:
-        resumed.start_coordinator("--resume", "--rounds", str(cfg.rounds + 1))
+        resumed.start_coordinator("--resume", "--rounds", str(cfg.rounds + 1), wait=False)
         resumed.start_node("node-c")
+        resumed.wait_peer_line()
         for name in ("node-c", "coordinator"):
             assert resumed.wait_exit(name, timeout_s=300) == 0, resumed.all_tails()
     finally:

@@ -53,10 +53,11 @@ def test_node_killed_in_a_background_all_reduce_then_restarted(run_dir, tmp_path
     hold = tmp_path / "hold-node-0"  # while it exists node-0 pauses after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds))
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         run.start_node("node-0", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"})
         # node-1 hands round 1 off to the background and trains round 2 meanwhile: it dies in round 1's all-reduce
         run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": "kill_in_allreduce:1"})
+        run.wait_peer_line()
         run.wait_until(lambda: run.procs["node-1"].poll() is not None, 300, "node-1 to die in round 1's all-reduce")
         assert run.procs["node-1"].returncode == -9
         assert "SIGKILL (in the all-reduce of round 1)" in run.log("node-1")
@@ -97,9 +98,10 @@ def test_coordinator_lost_mid_reply_fails_closed_then_restarts(run_dir, tmp_path
         # in round 2's background all-reduce the coordinator returns its averaged part to one node only, then dies:
         # the node that missed it takes the other's theta ("resynced"), which is not the normal outcome, so it drops
         # its overlapped phase and loads theta (fail closed)
-        run.start_coordinator(env={"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"})
+        run.start_coordinator(env={"COMPOSER_DILOCO_FAULTS": "kill_in_reply:2"}, wait=False)
         for name in ("node-0", "node-1"):
             run.start_node(name, env=held)
+        run.wait_peer_line()
         run.procs["coordinator"].wait(timeout=300)
         killed_at = time.time()
         at_2 = [run.wait_round(n, 2, timeout_s=180) for n in ("node-0", "node-1")]

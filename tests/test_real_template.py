@@ -134,8 +134,9 @@ def test_llama31_model_trains_end_to_end_through_a_node(llama_dir, tmp_path):
                           "\n[loss]\nalpha_sdpo = 0.2\nbeta_dpo = 0.2\n")
     run = LocalRun(tmp_path / "run", config)
     try:
-        run.start_coordinator("--model", str(llama_dir))
+        run.start_coordinator("--model", str(llama_dir), wait=False)  # the node starts beside it (the suite's time)
         run.start_node("node-0", "--gradient-checkpointing")
+        run.wait_peer_line()
         assert run.wait_exit("node-0", 240) == 0, run.all_tails()
         assert run.wait_exit("coordinator", 60) == 0, run.all_tails()
     finally:

@@ -83,9 +83,10 @@ def wait_gone(tree: list[psutil.Process], what: str) -> float:
 def test_a_sigkilled_node_then_coordinator_leave_no_process_and_the_survivors_go_on(run_dir, tmp_path):
     run = LocalRun(run_dir, write_config(tmp_path / "reaper.toml", CONFIG))
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         for name in ("node-0", "node-1"):
             run.start_node(name)
+        run.wait_peer_line()
         run.wait_round("node-1", 0)
 
         # a node, in its next inner phase

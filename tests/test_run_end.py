@@ -28,10 +28,11 @@ averaging_timeout_s = 30.0
 def test_node_leaving_after_its_last_round_leaves_one_theta(run_dir, tmp_path):
     run = LocalRun(run_dir, write_config(tmp_path / "one-round.toml", ONE_ROUND))
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the node starts beside it (the suite's time)
         # node-0 returns the last averaged part of its share 3 s late: its own average is complete 3 s before the
         # coordinator's, and it leaves at once
         run.start_node("node-0", env={"COMPOSER_DILOCO_FAULTS": "slow_reply:0:3"})
+        run.wait_peer_line()
         for name in ("node-0", "coordinator"):
             assert run.wait_exit(name, timeout_s=240) == 0, run.log_tail(name)
     finally:
@@ -55,9 +56,10 @@ def test_peers_settling_the_last_round_find_the_others_still_up(run_dir, tmp_pat
     holds the coordinator's wait (and the node's) open long enough anyway."""
     run = LocalRun(run_dir, write_config(tmp_path / "two-rounds.toml", ONE_ROUND.replace("rounds = 1", "rounds = 2")))
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         run.start_node("node-0")
         run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": "kill_in_reply:1"})
+        run.wait_peer_line()
         for name in ("node-0", "coordinator"):
             assert run.wait_exit(name, timeout_s=300) == 0, run.log_tail(name)
         assert run.procs["node-1"].wait(timeout=30) != 0

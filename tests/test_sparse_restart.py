@@ -29,9 +29,10 @@ def test_restarted_node_takes_back_its_error_feedback_and_replicas_agree(run_dir
     run = LocalRun(run_dir, write_config(tmp_path / "sparse.toml", CONFIG.format(rounds=rounds)))
     saved = run_dir / "node-1" / CODEC_STATE_FILE
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         run.start_node("node-0", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"})
         run.start_node("node-1")
+        run.wait_peer_line()
         run.wait_round("node-1", 0)
         run.wait_until(saved.exists, 30, "node-1's codec state")
         run.kill("node-1")
@@ -60,9 +61,10 @@ def test_node_killed_in_the_all_gather_survivors_agree(run_dir, tmp_path):
     with it and the other one without; `recovery.settle_pick` brings them back to one theta, and the run finishes."""
     run = LocalRun(run_dir, write_config(tmp_path / "sparse.toml", CONFIG.format(rounds=3)))
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         run.start_node("node-0")
         run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": "kill_in_allreduce:1"})
+        run.wait_peer_line()
         run.wait_until(lambda: run.procs["node-1"].poll() is not None, 300, "node-1 to die in round 1's all-gather")
         assert run.procs["node-1"].returncode == -9
         assert "SIGKILL (in the all-reduce of round 1)" in run.log("node-1")

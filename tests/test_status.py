@@ -109,9 +109,10 @@ def test_status_of_a_live_run_lists_every_node_and_is_no_peer(run_dir, tmp_path)
     `--watch` redraws until Ctrl-C; and the client is in no round's group, metrics or peer list."""
     run = LocalRun(run_dir, write_config(tmp_path / "live.toml", LIVE_CONFIG))
     try:
-        peer = run.start_coordinator()
+        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
         run.start_node("node-0")
         run.start_node("node-1")
+        peer = run.wait_peer_line()
         for name in ("node-0", "node-1"):
             run.wait_round(name, 0, timeout_s=240)
 
