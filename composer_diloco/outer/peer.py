@@ -336,7 +336,7 @@ class DiLoCoPeer:
         return [[n, list(p.shape)] for n, p in zip(self.global_model.names, self.global_model.params)]
 
     def load_state_from_peers(self, timeout_s: float, *, min_round: int | None = None,
-                              peer: PeerRecord | None = None, deadline_s: float | None = None,
+                              peers: list[PeerRecord] | None = None, deadline_s: float | None = None,
                               chunk_bytes: int | None = None) -> bool:
         """Adopt theta, the outer optimizer state and round from the best live peer, or from ``peer``
         (`composer_diloco.outer.state_transfer`: only the tensors that differ from this peer's own travel, in chunks,
@@ -345,7 +345,8 @@ class DiLoCoPeer:
         Args:
             timeout_s: seconds to find a peer that sends its manifest (its keepalives count while it hashes).
             min_round: ignore (do not load) a state older than this round.
-            peer: download from this peer only (None: the newest round first, the coordinator first among equals).
+            peers: download from these peers only, asked in this order (None: every serving peer, the newest round
+                first, the coordinator first among equals).
             deadline_s: seconds for the whole download (None: ``timeout_s`` plus the bytes to move at
                 ``network.state_min_rate_mb_s``).
             chunk_bytes: bytes per chunk (None: ``self.chunk_bytes``).
@@ -367,7 +368,7 @@ class DiLoCoPeer:
 
         try:
             manifest, tensors, report = self.transfer.download(
-                lambda: self._download_candidates(peer), local=local, local_sha256=local_sha256,
+                lambda: self._download_candidates(peers), local=local, local_sha256=local_sha256,
                 check=self._check_manifest,
                 min_round=min_round, start_timeout_s=timeout_s, chunk_timeout_s=net.state_chunk_timeout_s,
                 min_rate_bytes_s=net.state_min_rate_mb_s * 1e6, deadline_s=deadline_s,
@@ -406,16 +407,16 @@ class DiLoCoPeer:
         except ValueError as e:
             raise ArchitectureMismatch(f"the run's global model state does not fit this peer's: {e}") from None
 
-    def _download_candidates(self, peer: PeerRecord | None) -> list[tuple[str, str]]:
-        """``[(peer id, name), ...]`` to ask for the state, best first: ``peer`` alone, or the peers whose averagers
-        declared themselves serving under ``{prefix}.all_averagers`` by priority (newest round, the coordinator
-        first among equals; ties in random order), this peer left out."""
+    def _download_candidates(self, peers: list[PeerRecord] | None) -> list[tuple[str, str]]:
+        """``[(peer id, name), ...]`` to ask for the state, best first: ``peers`` in their order, or the peers whose
+        averagers declared themselves serving under ``{prefix}.all_averagers`` by priority (newest round, the
+        coordinator first among equals; ties in random order), this peer left out."""
         # names by peer ID, for the log: kept from earlier reads (a read right after a peer died can come back
         # without some records)
         self._peer_names.update({p.peer_id: p.name for p in self.swarm.live_peers() if p.peer_id})
         names = self._peer_names
-        if peer is not None:
-            return [(peer.peer_id, peer.name)] if peer.peer_id else []
+        if peers is not None:
+            return [(p.peer_id, p.name) for p in peers if p.peer_id]
         from hivemind.p2p import PeerID
 
         found = self.swarm.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
@@ -853,26 +854,30 @@ class DiLoCoPeer:
         return "averaged"
 
     def _load_from_first(self, decision: recovery.Resync) -> bool:
-        """Load the state of the first of ``decision.candidates`` that sends one (a peer that just died may still have
-        a heartbeat); False if none did. A candidate whose published hashes differ from ours at a common round is
-        another lineage (a split): that is logged, and once its state is loaded our history restarts from it. Raises
-        ArchitectureMismatch (`load_state_from_peers`)."""
-        for pick in decision.candidates:
-            theirs = recovery.lineage(pick)
-            at = first_divergence(self.swarm.history, theirs)
-            if at is not None:
-                log.error("%s: split detected: %s's theta at round %d is %s, this peer's was %s (the run was "
-                          "partitioned, or peers stepped alone): replicas must not disagree", self.swarm.name,
-                          pick.name, at, theirs[at][:12], self.swarm.history[at][:12])
-            log.warning("%s: taking the theta of %s (round %d, sha256 %s)", self.swarm.name, pick.name, pick.round,
-                        pick.sha[:12])
-            if self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=decision.min_round,
-                                          peer=pick):
-                if at is not None:
-                    self.swarm.history.clear()  # the rounds trained since the split are not the run's
-                return True
-            log.warning("%s: %s did not send its state", self.swarm.name, pick.name)
-        return False
+        """Load the state of the first of ``decision.candidates`` that sends one, in their order, in one download:
+        a candidate that just died (its heartbeat outlives it) refuses the connection and the next is asked at once,
+        instead of after a whole ``averaging_timeout_s`` of asking the dead one again; one alive but slow (hashing)
+        is waited for as before. False if none did. A candidate whose published hashes differ from ours at a common
+        round is another lineage (a split): that is logged, and once its state is loaded our history restarts from
+        it. Raises ArchitectureMismatch (`load_state_from_peers`)."""
+        picks = list(decision.candidates)
+        if not picks:
+            return False
+        diverged = {p.name: first_divergence(self.swarm.history, recovery.lineage(p)) for p in picks}
+        log.warning("%s: taking the theta of %s", self.swarm.name, ", else ".join(
+            f"{p.name} (round {p.round}, sha256 {p.sha[:12]})" for p in picks))
+        if not self.load_state_from_peers(self.config.network.averaging_timeout_s, min_round=decision.min_round,
+                                          peers=picks):
+            log.warning("%s: %s did not send its state", self.swarm.name, " nor ".join(p.name for p in picks))
+            return False
+        source = next((p for p in picks if p.name == self.last_download.sources[0]), None)  # whose state it is
+        at = diverged.get(source.name) if source is not None else None
+        if at is not None:
+            log.error("%s: split detected: %s's theta at round %d was %s, this peer's %s (the run was partitioned, or "
+                      "peers stepped alone): replicas must not disagree", self.swarm.name, source.name, at,
+                      recovery.lineage(source)[at][:12], self.swarm.history[at][:12])
+            self.swarm.history.clear()  # the rounds trained since the split are not the run's
+        return True
 
     # -- joining and leaving --------------------------------------------------------------------------------------
     def join_at_round_boundary(self, *, join_grace_s: float, timeout_s: float, stop: threading.Event,
