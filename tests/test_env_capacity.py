@@ -142,10 +142,11 @@ def test_a_node_of_8_episodes_trains_on_a_server_of_1_session_and_a_second_node_
     server, url = start_mcp_server("--max-concurrent-envs", "1", log_path=run_dir / "mcp-server.log")
     run = LocalRun(run_dir, SMOKE)
     try:
-        run.start_coordinator("--rounds", "1")
+        run.start_coordinator("--rounds", "1", wait=False)  # the node starts beside it (the suite's time)
         held = McpEnvSession(url, max_tool_calls=4)  # someone else holds the only session
         try:
             run.start_node("node-refused", "--env-url", url)
+            run.wait_peer_line()
             assert run.wait_exit("node-refused", timeout_s=240) == 1
         finally:
             held.close()

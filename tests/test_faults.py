@@ -163,11 +163,12 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
         # the issue-37 case: the only peer the restarted coordinator knows of is dead, so the live nodes, never in
         # its peers.json now, must find it themselves (they re-dial their --peer, the same line: the same key)
         (run_dir / "peers.json").write_text(json.dumps([DEAD_PEER]))
-        assert run.start_coordinator(*listen) == first_line  # the same command and --run-dir: the same peer line
+        run.start_coordinator(*listen, wait=False)
         restarted_at = time.time()
+        run.start_node("node-2", "--peer", DEAD_PEER, peer=first_line)  # a job script's lines from before the kill
+        assert run.wait_peer_line() == first_line  # the same command and --run-dir: the same peer line
         run.wait_until(lambda: "the newest checkpoint was round" in run.log("coordinator"), 240,
                        "the restarted coordinator to reload from a live node")
-        run.start_node("node-2", "--peer", DEAD_PEER, peer=first_line)  # a job script's lines from before the kill
         run.wait_until(lambda: "loaded round" in run.log("node-2"), 240, "node-2 to join on the first peer line")
         hold.unlink()
         run.assert_exit_ok("coordinator", "node-0", "node-1", "node-2")

@@ -47,7 +47,7 @@ def test_a_node_with_another_config_architecture_or_base_is_refused_and_a_round_
     config = write_config(tmp_path / "run.toml", f'rounds = 1\ninner_steps = 2\nmodel = "{model_dir}"\n{env}')
     run = LocalRun(tmp_path / "run", config)
     try:
-        run.start_coordinator()
+        run.start_coordinator(wait=False)  # the first nodes start beside it (the suite's time)
 
         other = write_config(tmp_path / "other.toml", f'rounds = 1\ninner_steps = 3\nmodel = "{model_dir}"\n{env}')
         # three independent refusals at once (each node is its own process and DHT peer)
@@ -55,6 +55,7 @@ def test_a_node_with_another_config_architecture_or_base_is_refused_and_a_round_
                  # nothing listens there: its --join-timeout (the last one given wins) bounds the wait
                  join(run, "--env-url", "http://127.0.0.1:9", "--join-timeout", "5"),
                  join(run, "--batch-size", "3")]  # G = 4: 3 episodes per step cannot hold whole GRPO groups
+        run.wait_peer_line()
         other_config, unreachable, split = (refusal(p) for p in nodes)
         assert other_config.startswith("composer-node: error: run 'composer' has another config")
         assert "inner_steps" in other_config
