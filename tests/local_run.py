@@ -24,6 +24,20 @@ from tests_support import stop_processes
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def free_listen_address() -> str:
+    """A ``--listen`` multiaddr on 127.0.0.1 at a port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
+
+
+def coordinator_line(run_dir: Path, listen: str) -> str:
+    """The ``peer:`` line a coordinator started on ``run_dir`` with ``--listen listen`` will print: its key in the run
+    dir (made now if there is none, as its first start would make it), so nodes can start beside it."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return f"{listen}/p2p/{load_or_create_identity(Path(run_dir) / IDENTITY_FILE)}"
+
+
 def write_config(path: Path, text: str) -> Path:
     """Write a TOML run config for a test and return its path."""
     path.write_text(text)
@@ -61,14 +75,15 @@ class LocalRun:
         run dir (made now if there is none, as its first start would) and a ``--listen`` port (picked now unless
         ``extra`` has one), so nodes start beside it instead of after its imports (the suite's time); they re-dial
         until it listens. `wait_peer_line` checks the line it printed."""
-        if not wait and "--listen" not in extra:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                extra = (*extra, "--listen", f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}")
+        expected = None
+        if not wait:  # the line is known before it starts: its key made first (it would make one), its port picked
+            if "--listen" not in extra:
+                extra = (*extra, "--listen", free_listen_address())
+            expected = coordinator_line(self.run_dir, extra[list(extra).index("--listen") + 1])
         proc = self._spawn("coordinator", ["-m", "coordinator", "start", "--config", str(self.config),
                                            "--run-dir", str(self.run_dir), *extra], env, stdout=subprocess.PIPE)
         self._peer_line = found = []
-        self._expected = None
+        self._expected = expected
 
         def read() -> None:
             for raw in proc.stdout:
@@ -78,9 +93,7 @@ class LocalRun:
 
         threading.Thread(target=read, daemon=True).start()
         if not wait:
-            listen = extra[list(extra).index("--listen") + 1]
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.peer = self._expected = f"{listen}/p2p/{load_or_create_identity(self.run_dir / IDENTITY_FILE)}"
+            self.peer = expected
             return self.peer
         return self.wait_peer_line(timeout_s)
 

@@ -8,6 +8,7 @@ import pytest
 
 from composer_diloco.metrics import read_metrics
 from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
+from local_run import coordinator_line, free_listen_address
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,18 +27,22 @@ def test_resume_continues_from_the_last_checkpoint(run_dir):
 
     procs = []
     try:
+        listen = free_listen_address()  # its line is known (its key is in the run dir): the node starts beside it
+        peer = coordinator_line(run_dir, listen)
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "start", "--resume", "--rounds", "2", "--config", str(SMOKE),
-             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+             "--run-dir", str(run_dir), "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, cwd=ROOT)
         procs.append(coordinator)
+        node = subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+                                 str(run_dir), "--name", "node-b", "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        procs.append(node)
         line = ""
         while not line.startswith("peer: "):
             line = coordinator.stdout.readline()
             assert line, "the resumed coordinator exited without a peer line"
-        node = subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir",
-                                 str(run_dir), "--name", "node-b", "--device", "cpu"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        procs.append(node)
+        assert line.split()[1] == peer, (line, peer)
         assert node.wait(timeout=600) == 0
         assert coordinator.wait(timeout=60) == 0
     finally:

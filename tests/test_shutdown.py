@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from local_run import coordinator_line, free_listen_address
 from tests_support import process_tree, run_processes_snapshot, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,18 +28,18 @@ def test_sigterm_and_sigint_stop_node_and_coordinator_within_10_s(run_dir):
     before = run_processes_snapshot()
     procs = []
     try:
+        listen = free_listen_address()  # its line is known (its key made first): the node starts beside it
+        peer = coordinator_line(run_dir, listen)
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--rounds", "50",
-             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+             "--run-dir", str(run_dir), "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, cwd=ROOT,
         )
         procs.append(coordinator)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
         node = subprocess.Popen(
-            [sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir", str(run_dir),
-             "--name", "node-0", "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+            [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+             str(run_dir), "--name", "node-0", "--device", "cpu"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, cwd=ROOT,
         )
         procs.append(node)
         deadline = time.monotonic() + 240
