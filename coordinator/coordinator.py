@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from composer_diloco.config import RunConfig, config_diff
+from composer_diloco.config import ConfigError, RunConfig, config_diff
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
@@ -225,7 +225,7 @@ class Coordinator:
         if checkpoint is not None:
             self._load_outer_state(checkpoint)
             gc.collect()  # the checkpoint's memory-mapped outer.pt is let go now, not at some later GC cycle
-            newer_live_state = self._reload_from_live_nodes()
+            newer_live_state = self._reload_from_live_nodes(checkpoint)
         publish_config(self.dht, config)
         self.metrics.reporter = Reporter(config, peer=PEER_NAME, role="coordinator")
         self.stop.add_cleanup(self.metrics.reporter.finish)
@@ -310,9 +310,19 @@ class Coordinator:
         return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
                          secret=self.secret, identity_path=identity, identity_is_new=self._new_identity)
 
-    def _reload_from_live_nodes(self) -> bool:
-        """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on)."""
+    def _reload_from_live_nodes(self, checkpoint: Path) -> bool:
+        """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on). Not asked
+        when the checkpoint is the last round of the run that wrote it (a finished run resumed with more
+        ``--rounds``): its nodes stopped there, none can be ahead, and the wait for one would be ~15 s of nothing."""
         if not self.swarm.live_peers() and not self._known_peers():
+            return False
+        try:
+            written_for = RunConfig.from_json(read_outer_state(checkpoint)["config"]).rounds
+        except (ConfigError, KeyError):  # a checkpoint written before a config field changed: ask the nodes
+            written_for = None
+        if written_for is not None and self.peer.round >= written_for:
+            log.info("the checkpoint of round %d ended the run that wrote it (%d rounds): no node can be ahead of it",
+                     self.peer.round, written_for)
             return False
         from_round = self.peer.round
         timeout_s = min(self.config.network.join_timeout_s, 15.0)  # to find a node's manifest; the bytes take longer
