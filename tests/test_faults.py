@@ -7,13 +7,12 @@ run. The seconds until the run went on are printed (``pytest -s``) for the opera
 
 import json
 import re
-import socket
 import time
 
 import pytest
 
 from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
-from local_run import LocalRun, assert_agree, write_config
+from local_run import LocalRun, assert_agree, free_listen_address, write_config
 
 # What survivors wait for a peer lost in an all-reduce: the tiny model's all-reduce takes ~1 s here, so 15 s leaves a
 # loaded CI machine room while keeping each fault's wait short (hivemind's next-chunk timeout is a third of it).
@@ -118,9 +117,7 @@ def test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node(run_dir,
     hold = tmp_path / "hold-nodes"  # while it exists the nodes pause after each inner step
     run = LocalRun(run_dir, config(tmp_path, rounds=rounds))
     held = {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        listen = ("--listen", f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}")
+    listen = ("--listen", free_listen_address())
     try:
         # the worst moment to lose it: in round 2's all-reduce, after it returned its averaged part to one
         # node and not to the other, so the two nodes leave the all-reduce with different averages
