@@ -97,7 +97,7 @@ def join(args: argparse.Namespace) -> None:
         j = peer(dht, "holder", "node", 3, holds_theta=True, base=None)
         before = j.global_model.sha256()
         server = next(p for p in j.swarm.live_peers() if p.name == "server-c")
-        ok = j.load_state_from_peers(30.0, peers=[server], deadline_s=3.0)  # its first chunk comes after 5 s
+        ok = j.load_state_from_peers(30.0, peers=[server], deadline_s=2.0)  # its first chunk comes after 6 s
         results["deadline"] = {"ok": ok, "error": j.last_download_error, "after": j.global_model.sha256()}
         ok = j.load_state_from_peers(30.0, peers=[server])
         results["holder"] = {"ok": ok, "error": j.last_download_error, "before": before,

@@ -496,10 +496,13 @@ class StateTransfer:
             stream = await asyncio.wait_for(self._p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer_id), f"{self.prefix}::{MANIFEST_RPC}", averaging_pb2.DownloadData(),
                 averaging_pb2.DownloadData), timeout_s)
-            async for message in aiter_with_timeout(stream, timeout_s):
-                meta = _SERIALIZER.loads(message.metadata) if message.metadata else {}
-                if "manifest" in meta:
-                    return Manifest.from_wire(meta["manifest"])
+            try:
+                async for message in aiter_with_timeout(stream, timeout_s):
+                    meta = _SERIALIZER.loads(message.metadata) if message.metadata else {}
+                    if "manifest" in meta:
+                        return Manifest.from_wire(meta["manifest"])
+            finally:
+                await stream.aclose()  # the reader stops now, not when the generator is collected
         except Exception as e:  # a peer that is gone, refused, or does not speak this protocol
             log.debug("%s: no state manifest from %s: %r", self.name, peer_id, e)
         return None
@@ -612,7 +615,11 @@ class StateTransfer:
     async def _stream(self, source: tuple[str, str], job: _Job, chunk_bytes: int, chunk_timeout_s: float,
                       progress: _Progress, report: DownloadReport, deadline: float) -> None:
         """One chunk stream from ``source``, from ``job``'s position to the end or to ``deadline`` (time.monotonic()).
-        Raises `_Moved`, `_StreamFailed`, `_PastDeadline`, TimeoutError or the transport's errors."""
+
+        Each wait for a message lasts at most ``chunk_timeout_s`` and never past ``deadline``. The stream is closed on
+        every way out, so a download that gives up stops reading at once (hivemind's client keeps its reader open
+        until the generator is closed). Raises `_Moved`, `_StreamFailed`, `_PastDeadline`, TimeoutError or the
+        transport's errors."""
         ask = {"state_id": job.manifest.state_id, "tensors": job.remaining(), "offset": job.offset,
                "chunk_bytes": chunk_bytes}
         stream = await asyncio.wait_for(self._p2p.iterate_protobuf_handler(
@@ -621,22 +628,34 @@ class StateTransfer:
         if source[1] not in report.sources:
             report.sources.append(source[1])
         loop = asyncio.get_running_loop()
-        async for message in aiter_with_timeout(stream, chunk_timeout_s):
-            meta = _SERIALIZER.loads(message.metadata) if message.metadata else {}
-            if "moved" in meta:
-                raise _Moved(int(meta["moved"]))
-            if meta.get("end"):
-                if not job.done():
-                    raise _StreamFailed(f"the stream ended at {job.position()} with the state unfinished")
-                return
-            data = message.tensor_part.buffer
-            if meta.get("t") != job.current() or meta.get("o") != job.offset or not data:
-                raise _StreamFailed(f"chunk {meta.get('t')}@{meta.get('o')} where {job.position()} was due")
-            await loop.run_in_executor(None, job.write, data)
-            report.bytes_moved += len(data)
-            progress.add(len(data), source[1])
-            if time.monotonic() > deadline:
-                raise _PastDeadline()
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _PastDeadline()
+                try:
+                    message = await asyncio.wait_for(stream.__anext__(), min(chunk_timeout_s, left))
+                except StopAsyncIteration:
+                    break
+                except (asyncio.TimeoutError, TimeoutError):
+                    if time.monotonic() >= deadline:
+                        raise _PastDeadline() from None
+                    raise
+                meta = _SERIALIZER.loads(message.metadata) if message.metadata else {}
+                if "moved" in meta:
+                    raise _Moved(int(meta["moved"]))
+                if meta.get("end"):
+                    if not job.done():
+                        raise _StreamFailed(f"the stream ended at {job.position()} with the state unfinished")
+                    return
+                data = message.tensor_part.buffer
+                if meta.get("t") != job.current() or meta.get("o") != job.offset or not data:
+                    raise _StreamFailed(f"chunk {meta.get('t')}@{meta.get('o')} where {job.position()} was due")
+                await loop.run_in_executor(None, job.write, data)
+                report.bytes_moved += len(data)
+                progress.add(len(data), source[1])
+        finally:
+            await stream.aclose()
         if not job.done():
             raise _StreamFailed(f"the stream ended at {job.position()} (the peer stopped serving)")
 
