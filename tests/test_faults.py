@@ -47,7 +47,7 @@ def start(run: LocalRun, env: dict[str, dict[str, str]] | None = None, *coordina
 @pytest.mark.timeout(600)
 def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
     hold = tmp_path / "hold-node-0"  # while it exists node-0 pauses after each inner step
-    run = LocalRun(run_dir, config(tmp_path, rounds=8))
+    run = LocalRun(run_dir, config(tmp_path, rounds=6))  # node-0 waits for the restarted node-1 (the hold)
     try:
         start(run, {"node-0": {"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"}})
         run.wait_round("node-1", 0)
@@ -76,9 +76,10 @@ def test_node_killed_mid_inner_phase_then_restarted_rejoins(run_dir, tmp_path):
     ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1"))
     assert len(ids) == 2 and ids[0] == ids[1], ids
     print(f"restarted node-1 rejoined at round {rejoined[0]['round']} (status {rejoined[0]['status']})")
-    shas = assert_agree(records, range(8))  # its first round's theta included
+    shas = assert_agree(records, range(6))  # its first round's theta included
     assert all(r["peers"] == 3 for r in records["coordinator"] if r["round"] > rejoined[0]["round"])
-    assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[7]
+    assert rejoined[0]["round"] < 5, records["node-1"]  # and averaged with the others after it rejoined
+    assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[5]
 
 
 @pytest.mark.multiprocess

@@ -301,19 +301,18 @@ def test_nodes_with_different_batches_are_weighted_by_samples(run_dir):
     """Node A: the run's batch (8 episodes per step); node B: 4 per step. Same theta everywhere every round; B's
     samples are half of A's and the coordinator's all-reduce weight is their sum."""
     from composer_diloco.metrics import read_metrics
+    from local_run import coordinator_line, free_listen_address
     from tests_support import stop_processes
 
     procs = []
     try:
+        listen = free_listen_address()  # its line is known (its key is in the run dir): the nodes start beside it
+        peer = coordinator_line(run_dir, listen)
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--run-dir", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+            [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--run-dir", str(run_dir),
+             "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+            start_new_session=True)
         procs.append(coordinator)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
-        peer = line.split()[1]
         node = [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--device", "cpu"]
         a = subprocess.Popen(node + ["--name", "node-a"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, cwd=ROOT, start_new_session=True)
@@ -322,6 +321,11 @@ def test_nodes_with_different_batches_are_weighted_by_samples(run_dir):
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                              start_new_session=True)
         procs.append(b)
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        assert line.split()[1] == peer, (line, peer)
         _, err_a = a.communicate(timeout=540)
         _, err_b = b.communicate(timeout=60)
         assert a.returncode == 0, err_a[-3000:]

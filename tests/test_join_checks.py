@@ -75,9 +75,11 @@ def test_a_node_with_another_config_architecture_or_base_is_refused_and_a_round_
                          "from them)"), error
 
         build_model(model_dir, hidden_size=32)  # the run's own --model again: round 0's theta is all there
-        node = join(run, "--config", str(config))
-        _, log = node.communicate(timeout=300)
-        log = " ".join(log.split())  # the log's lines are wrapped
+        # it is stopped once it holds theta (its training would prove nothing here: the suite's time)
+        run.start_node("node-0", "--config", str(config))
+        run.wait_until(lambda: "global model of round 0 loaded" in " ".join(run.log("node-0").split()), 240,
+                       "the node to load round 0's theta")
+        log = " ".join(run.log("node-0").split())  # the log's lines are wrapped
         moved = re.search(r"loaded round 0 state from a peer \(sha256 \w+\): state of round 0 \((.+?)\) "
                           r"from coordinator: 0 B moved .*?, (.+?) kept", log)
         assert moved and moved[1] == moved[2], log[-3000:]  # the whole state kept, nothing downloaded

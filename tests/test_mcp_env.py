@@ -289,6 +289,7 @@ def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, m
 @pytest.mark.timeout(600)
 def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
     from composer_diloco.metrics import read_metrics
+    from local_run import coordinator_line, free_listen_address
 
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -296,22 +297,25 @@ def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
     try:
         server, url = start_mcp_server(log_path=logs / "mcp-server.log")
         procs.append(server)
+        listen = free_listen_address()  # its line is known (its key is in the run dir): the node starts beside it
+        peer = coordinator_line(run_dir, listen)
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--rounds", "1", "--run-dir",
-             str(run_dir)], stdout=subprocess.PIPE, stderr=open(logs / "coordinator.err", "w"), text=True, cwd=ROOT,
-            start_new_session=True)
+             str(run_dir), "--listen", listen], stdout=subprocess.PIPE, stderr=open(logs / "coordinator.err", "w"),
+            text=True, cwd=ROOT, start_new_session=True)
         procs.append(coordinator)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line: " + (logs / "coordinator.err").read_text()[-2000:]
         node_log = logs / "node-mcp.err"
         node = subprocess.Popen(
-            [sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--env-url", url, "--run-dir",
+            [sys.executable, "-m", "nodes", "join", "--peer", peer, "--env-url", url, "--run-dir",
              str(run_dir), "--name", "node-mcp", "--device", "cpu"],
             stdout=subprocess.DEVNULL, stderr=open(node_log, "w"), cwd=ROOT, start_new_session=True,
             env={**os.environ, "COLUMNS": "400"})  # rich would wrap the log lines at 80 columns
         procs.append(node)
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line: " + (logs / "coordinator.err").read_text()[-2000:]
+        assert line.split()[1] == peer, (line, peer)
         assert node.wait(timeout=480) == 0, node_log.read_text()[-3000:]
         assert coordinator.wait(timeout=60) == 0
     finally:

@@ -262,6 +262,7 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
     micro-batch 4 x 2, and trains the same samples each round as the other at 8 x 1; each round's line holds the
     measured peak next to the planned figure, the capped node's plan under its budget."""
     from composer_diloco.metrics import read_metrics
+    from local_run import coordinator_line, free_listen_address
     from tests_support import stop_processes
 
     config = tmp_path / "one_round.toml"
@@ -271,21 +272,24 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
     env = {**os.environ, "COLUMNS": "400"}  # rich would wrap the log lines at 80 columns
     procs = []
     try:
+        listen = free_listen_address()  # its line is known (its key is in the run dir): the nodes start beside it
+        peer = coordinator_line(run_dir, listen)
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "start", "--config", str(config), "--run-dir", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+            [sys.executable, "-m", "coordinator", "start", "--config", str(config), "--run-dir", str(run_dir),
+             "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+            start_new_session=True)
         procs.append(coordinator)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
-        node = [sys.executable, "-m", "nodes", "join", "--peer", line.split()[1], "--run-dir", str(run_dir),
-                "--device", "cpu"]
+        node = [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--device", "cpu"]
         logs = {name: tmp_path / f"{name}.log" for name in ("capped", "roomy")}
         for name, extra in (("capped", {DEVICE_MEMORY_ENV: str(cap)}), ("roomy", {})):
             with open(logs[name], "w") as err:  # a file, not a pipe: neither node can block on a full pipe
                 procs.append(subprocess.Popen(node + ["--name", name], stdout=subprocess.DEVNULL, stderr=err,
                                               text=True, cwd=ROOT, start_new_session=True, env={**env, **extra}))
+        line = ""
+        while not line.startswith("peer: "):
+            line = coordinator.stdout.readline()
+            assert line, "the coordinator exited without a peer line"
+        assert line.split()[1] == peer, (line, peer)
         for p, path in zip(procs[1:], logs.values()):
             assert p.wait(timeout=380) == 0, path.read_text()[-3000:]
         assert coordinator.wait(timeout=60) == 0
