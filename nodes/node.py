@@ -13,6 +13,7 @@ with one line and exit code 1 in seconds, not after the model download.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 import time
@@ -49,8 +50,11 @@ from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_
 
 log = logging.getLogger(__name__)
 
-JOIN_REDIAL_S = 5.0
-"""Seconds between two bootstrap attempts of a node whose ``--peer``s did not answer (`Node._start_dht`)."""
+JOIN_REDIAL_S = (0.5, 1.0, 2.0, 4.0, 5.0)
+"""Seconds before each new bootstrap attempt of a node whose ``--peer``s did not answer (`Node._start_dht`), the last
+repeated: a node started beside its coordinator (a job script) gets in within a second of it listening, so a round
+does not start without it (a 5 s wait once cost a node the run's first two rounds), and one waiting long for a
+restarted coordinator starts a DHT process every 5 s, not more."""
 
 
 class NodeError(RuntimeError):
@@ -330,8 +334,9 @@ class Node:
     def _start_dht(self, secret: bytes | None):
         """The node's DHT peer, bootstrapped from any of its ``--peer``s or of the peers its last life on the same
         ``--peer`` line saw (``<run-dir>/<name>/peers.json``, `_remember_peers`). While none answers (a coordinator
-        restarting, a job script that started the nodes first) it re-dials every few seconds for ``--join-timeout``
-        seconds, saying at WARNING what it waits for, then raises the last `SwarmError` ("no peer answered ...").
+        restarting, a job script that started the nodes first) it re-dials after 0.5, 1, 2 and 4 s, then every 5 s
+        (`JOIN_REDIAL_S`), for ``--join-timeout`` seconds, saying at WARNING what it waits for, then raises the last
+        `SwarmError` ("no peer answered ...").
         A refused run secret looks the same from here, so it waits too before that one-line error.
 
         Its peer ID is the key in ``<run-dir>/<name>/identity.key`` (`composer_diloco.outer.identity`), so a node
@@ -345,7 +350,7 @@ class Node:
         if seen:
             log.info("also dialing the %d peer(s) this node saw in its last life (%s)", len(seen),
                      self.own_dir / KNOWN_PEERS_FILE)
-        while True:
+        for attempt in itertools.count():
             try:
                 return start_dht(initial_peers=[*o.peers, *seen], listen=o.listen, announce=o.announce or None,
                                  secret=secret, identity_path=str(self.own_dir / IDENTITY_FILE),
@@ -354,10 +359,12 @@ class Node:
                 left = deadline - time.monotonic()
                 if left < 1.0 or self.stop.event.is_set():
                     raise
-                log.warning("no peer answered at --peer %s%s: dialing again for %.0f more s (--join-timeout)",
-                            " ".join(o.peers), f" nor at the {len(seen)} peer(s) of its last life" if seen else "",
-                            left)
-                self.stop.event.wait(min(JOIN_REDIAL_S, left))
+                pause = JOIN_REDIAL_S[min(attempt, len(JOIN_REDIAL_S) - 1)]
+                quick = 0 < attempt < len(JOIN_REDIAL_S) - 1  # said once, then at the steady pace only
+                log.log(logging.DEBUG if quick else logging.WARNING,
+                        "no peer answered at --peer %s%s: dialing again for %.0f more s (--join-timeout)",
+                        " ".join(o.peers), f" nor at the {len(seen)} peer(s) of its last life" if seen else "", left)
+                self.stop.event.wait(min(pause, left))
 
     def _remember_peers(self) -> None:
         """Keep the live peers' multiaddrs in ``<run-dir>/<name>/peers.json`` (`_start_dht` of a restart dials them);
