@@ -38,6 +38,17 @@ def coordinator_line(run_dir: Path, listen: str) -> str:
     return f"{listen}/p2p/{load_or_create_identity(Path(run_dir) / IDENTITY_FILE)}"
 
 
+def assert_peer_line(coordinator: subprocess.Popen, expected: str, why_not: Callable[[], str] | None = None) -> None:
+    """Read a coordinator's stdout (text mode) up to its ``peer:`` line and assert it is ``expected`` (the line
+    `coordinator_line` predicted for the nodes started beside it); ``why_not()`` is added to the message of a
+    coordinator that exited first (e.g. its log's tail)."""
+    line = ""
+    while not line.startswith("peer: "):
+        line = coordinator.stdout.readline()
+        assert line, f"the coordinator exited without a peer line: {why_not() if why_not else ''}"
+    assert line.split()[1] == expected, (line, expected)
+
+
 def write_config(path: Path, text: str) -> Path:
     """Write a TOML run config for a test and return its path."""
     path.write_text(text)

@@ -301,7 +301,7 @@ def test_nodes_with_different_batches_are_weighted_by_samples(run_dir):
     """Node A: the run's batch (8 episodes per step); node B: 4 per step. Same theta everywhere every round; B's
     samples are half of A's and the coordinator's all-reduce weight is their sum."""
     from composer_diloco.metrics import read_metrics
-    from local_run import coordinator_line, free_listen_address
+    from local_run import assert_peer_line, coordinator_line, free_listen_address
     from tests_support import stop_processes
 
     procs = []
@@ -321,11 +321,7 @@ def test_nodes_with_different_batches_are_weighted_by_samples(run_dir):
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                              start_new_session=True)
         procs.append(b)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
-        assert line.split()[1] == peer, (line, peer)
+        assert_peer_line(coordinator, peer)
         _, err_a = a.communicate(timeout=540)
         _, err_b = b.communicate(timeout=60)
         assert a.returncode == 0, err_a[-3000:]

@@ -289,7 +289,7 @@ def test_scripted_episode_through_play_episodes_and_trace_replay(mcp_url, tok, m
 @pytest.mark.timeout(600)
 def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
     from composer_diloco.metrics import read_metrics
-    from local_run import coordinator_line, free_listen_address
+    from local_run import assert_peer_line, coordinator_line, free_listen_address
 
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -311,11 +311,7 @@ def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
             stdout=subprocess.DEVNULL, stderr=open(node_log, "w"), cwd=ROOT, start_new_session=True,
             env={**os.environ, "COLUMNS": "400"})  # rich would wrap the log lines at 80 columns
         procs.append(node)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line: " + (logs / "coordinator.err").read_text()[-2000:]
-        assert line.split()[1] == peer, (line, peer)
+        assert_peer_line(coordinator, peer, lambda: (logs / "coordinator.err").read_text()[-2000:])
         assert node.wait(timeout=480) == 0, node_log.read_text()[-3000:]
         assert coordinator.wait(timeout=60) == 0
     finally:

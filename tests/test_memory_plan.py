@@ -262,7 +262,7 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
     micro-batch 4 x 2, and trains the same samples each round as the other at 8 x 1; each round's line holds the
     measured peak next to the planned figure, the capped node's plan under its budget."""
     from composer_diloco.metrics import read_metrics
-    from local_run import coordinator_line, free_listen_address
+    from local_run import assert_peer_line, coordinator_line, free_listen_address
     from tests_support import stop_processes
 
     config = tmp_path / "one_round.toml"
@@ -285,11 +285,7 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
             with open(logs[name], "w") as err:  # a file, not a pipe: neither node can block on a full pipe
                 procs.append(subprocess.Popen(node + ["--name", name], stdout=subprocess.DEVNULL, stderr=err,
                                               text=True, cwd=ROOT, start_new_session=True, env={**env, **extra}))
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the coordinator exited without a peer line"
-        assert line.split()[1] == peer, (line, peer)
+        assert_peer_line(coordinator, peer)
         for p, path in zip(procs[1:], logs.values()):
             assert p.wait(timeout=380) == 0, path.read_text()[-3000:]
         assert coordinator.wait(timeout=60) == 0

@@ -8,7 +8,7 @@ import pytest
 
 from composer_diloco.metrics import read_metrics
 from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
-from local_run import coordinator_line, free_listen_address
+from local_run import assert_peer_line, coordinator_line, free_listen_address
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +38,7 @@ def test_resume_continues_from_the_last_checkpoint(run_dir):
                                  str(run_dir), "--name", "node-b", "--device", "cpu"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         procs.append(node)
-        line = ""
-        while not line.startswith("peer: "):
-            line = coordinator.stdout.readline()
-            assert line, "the resumed coordinator exited without a peer line"
-        assert line.split()[1] == peer, (line, peer)
+        assert_peer_line(coordinator, peer)
         assert node.wait(timeout=600) == 0
         assert coordinator.wait(timeout=60) == 0
     finally:
