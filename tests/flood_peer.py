@@ -1,6 +1,6 @@
 """An outsider that floods a closed run's peer with DHT requests it must refuse, and counts how many it absorbs.
 
-    flood_peer.py --target MADDR [--seconds 10] [--workers 16] [--signed] [--join-prefix P]
+    flood_peer.py --target MADDR [--seconds 10] [--workers 16] [--signed] [--join-prefix P] [--go-on-stdin]
 
 Without the run secret: a bare libp2p host (hivemind's P2P) whose ``--workers`` concurrent loops send
 ``DHTProtocol.rpc_find`` requests (of the run config's key) to the peer at MADDR for ``--seconds`` seconds.
@@ -10,6 +10,8 @@ the averager's ``rpc_join_group`` under prefix P (the closed run's, as identify 
 ``PROTOCOL_VIOLATION`` reply counts as refused. Prints one JSON line:
 ``{"seconds", "workers", "refused", "answered", "other", "refused_per_s"}`` (``answered``: the target accepted a
 request, i.e. the flood got in; ``other``: timeouts, errors and empty replies, none of them an answer).
+``--go-on-stdin``: start (imports, libp2p host) at once, print ``ready``, and flood once a line comes on stdin, so
+a test pays the start before the moment it floods.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 import torch
@@ -43,9 +46,13 @@ async def _join(p2p: P2P, target: PeerID, prefix: str) -> str:
     return "refused" if codes == [averaging_pb2.PROTOCOL_VIOLATION] else "other" if not codes else "answered"
 
 
-async def flood(target_maddr: str, seconds: float, workers: int, signed: bool, join_prefix: str | None) -> dict:
+async def flood(target_maddr: str, seconds: float, workers: int, signed: bool, join_prefix: str | None,
+                go_on_stdin: bool = False) -> dict:
     target = PeerID.from_base58(target_maddr.rsplit("/p2p/", 1)[1])
     p2p = await P2P.create(initial_peers=[target_maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    if go_on_stdin:
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     authorizer = HMACAuthorizer(load_secret(None)) if signed else None
     counts = {"refused": 0, "answered": 0, "other": 0}
     key = DHTID.generate(source=RUNS_KEY).to_bytes()
@@ -83,9 +90,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--signed", action="store_true", help="sign with a wrong secret ($COMPOSER_DILOCO_SECRET)")
     ap.add_argument("--join-prefix", default=None, help="flood the averager's rpc_join_group under this prefix")
+    ap.add_argument("--go-on-stdin", action="store_true", help="print 'ready', flood once a line comes on stdin")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(flood(args.target, args.seconds, args.workers, args.signed, args.join_prefix))),
-          flush=True)
+    print(json.dumps(asyncio.run(flood(args.target, args.seconds, args.workers, args.signed, args.join_prefix,
+                                       args.go_on_stdin))), flush=True)
 
 
 if __name__ == "__main__":

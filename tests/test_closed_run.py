@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -237,8 +238,10 @@ def test_the_attacks_work_on_an_open_run(tmp_path):
     assert not expected & set(failed), {name: failed[name] for name in expected & set(failed)}
 
 
-FLOOD_ROUNDS = 28  # ~1.5 s a round here, ~3 s under the flood: the run outlasts the relay, the dial and the
-# flood with rounds to spare (the flood ended at round 17 on a 2-core AMD EPYC)
+FLOOD_ROUNDS = 40  # ~1.5 s a round here, ~3 s under the flood: the run outlasts the relay, the dial and the
+# flood with rounds to spare (the flood ended at round 10-17 on a 2-core AMD EPYC); the test stops it
+# `ROUNDS_AFTER_FLOOD` rounds after the flood (the suite's time), so a slow machine only costs spare rounds
+ROUNDS_AFTER_FLOOD = 3
 FLOOD_CONFIG = f"""
 rounds = {FLOOD_ROUNDS}
 inner_steps = 1
@@ -258,8 +261,9 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     which an insider dials, replays the insider's signed requests to the coordinator and relays them live. Once the
     two averaged a round, outsiders flood the coordinator for `FLOOD_SECONDS` with DHT requests it must refuse
     (unsigned DHT finds, DHT finds signed with a wrong secret, the averager's join_group under the closed prefix):
-    no round is lost (every one averaged by both) and the replicas agree. Earlier, such a flood (9,308 refusals in
-    60 s) cost the coordinator 2 rounds. (One run for all of it: the suite's time.)
+    no round is lost (every one up to `ROUNDS_AFTER_FLOOD` rounds after the flood averaged by both, then the test
+    stops the run) and the replicas agree. Earlier, such a flood (9,308 refusals in 60 s) cost the coordinator 2
+    rounds. (One run for all of it: the suite's time.)
     """
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -304,6 +308,12 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         for label, p in readers.items():
             status_results[label].returncode = p.returncode
         reports = {label: _report(p, logs / f"attack-{label}.log") for label, p in attackers.items()}
+        # the node starts while the insider looks (it takes longer to join than the look takes): the suite's time
+        node = subprocess.Popen(
+            [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--name", "node-a",
+             "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
+            stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
+        procs.append(node)
         inspector = subprocess.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
                                    capture_output=True, text=True, timeout=180, cwd=ROOT)
         assert inspector.returncode == 0, inspector.stderr[-3000:]
@@ -314,11 +324,15 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
                                   env=env_with(None), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=open(logs / "joiner.log", "w"), text=True, cwd=ROOT, start_new_session=True)
         procs.append(joiner)
-        node = subprocess.Popen(
-            [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--name", "node-a",
-             "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
-            stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
-        procs.append(node)
+        # the flooders start now and flood when told (their start is no part of the flood)
+        join = ["--join-prefix", prefix]  # as libp2p's identify tells it
+        floods = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "flood_peer.py"), "--target", peer,
+                                    "--seconds", str(FLOOD_SECONDS), "--workers", "16", "--go-on-stdin", *kind],
+                                   env=env_with(WRONG if kind else None), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=open(logs / f"flood-{i}.log", "w"), text=True,
+                                   cwd=ROOT, start_new_session=True)
+                  for i, kind in enumerate(([], ["--signed"], join))]
+        procs += floods
         # meanwhile an insider is tricked into dialing an outsider, which replays and relays what it sends
         relay, via = _start_relay(peer, logs / "relay.log")
         procs.append(relay)
@@ -335,24 +349,31 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         while not averaged():
             assert node.poll() is None and time.monotonic() < deadline, (logs / "node-a.log").read_text()[-3000:]
             time.sleep(0.5)
-        join = ["--join-prefix", prefix]  # as libp2p's identify tells it
-        floods = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "flood_peer.py"), "--target", peer,
-                                    "--seconds", str(FLOOD_SECONDS), "--workers", "16", *kind],
-                                   env=env_with(WRONG if kind else None), stdout=subprocess.PIPE,
-                                   stderr=open(logs / f"flood-{i}.log", "w"), text=True, cwd=ROOT,
-                                   start_new_session=True)
-                  for i, kind in enumerate(([], ["--signed"], join))]
-        procs += floods
+        for f in floods:
+            assert f.stdout.readline() == "ready\n", (logs / "flood-0.log").read_text()[-3000:]
         flood_started = time.time()
+        for f in floods:
+            f.stdin.write("go\n")
+            f.stdin.flush()
         floods_seen = [json.loads(f.communicate(timeout=FLOOD_SECONDS + 120)[0].strip().splitlines()[-1])
                        for f in floods]
         flood_ended = time.time()
         last = read_metrics(run_dir)["coordinator"][-1]["round"]
-        assert last < FLOOD_ROUNDS - 1, "the run ended before the flood did"
+        assert last < FLOOD_ROUNDS - ROUNDS_AFTER_FLOOD - 1, "the run would end before the flood and the rounds after"
         print(f"\nthe flood ended at round {last} of {FLOOD_ROUNDS}")
-        assert node.wait(timeout=600) == 0, (logs / "node-a.log").read_text()[-3000:]
-        assert coordinator.wait(timeout=120) == 0, (logs / "coordinator.log").read_text()[-3000:]
+        # the rounds right after the flood average too; then both stop at once (the run's graceful end is
+        # tests/test_run_end.py's; here it would only cost the suite the spare rounds)
+        done = last + ROUNDS_AFTER_FLOOD
+        deadline = time.monotonic() + 240
+        while not all(done in [r["round"] for r in read_metrics(run_dir).get(name, [])]
+                      for name in ("coordinator", "node-a")):
+            assert node.poll() is None and coordinator.poll() is None and time.monotonic() < deadline, \
+                (logs / "node-a.log").read_text()[-3000:] + (logs / "coordinator.log").read_text()[-3000:]
+            time.sleep(0.5)
         reports["during-training"] = _report(joiner, logs / "joiner.log", timeout_s=120)  # closes its stdin
+        for p in (node, coordinator):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
     finally:
         stop_processes(procs)
 
@@ -406,10 +427,11 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     # the run went on undisturbed, the flood too: every round, coordinator + node in every group, the same bytes
     metrics = read_metrics(run_dir)
     assert set(metrics) == {"coordinator", "node-a"}, sorted(metrics)
+    kept = {name: [r for r in metrics[name] if r["round"] <= done] for name in metrics}  # the kill cut the rest
     for name in ("coordinator", "node-a"):
-        assert [r["round"] for r in metrics[name]] == list(range(FLOOD_ROUNDS)), metrics[name]
-        assert all(r["peers"] == 2 and r["status"] == "averaged" for r in metrics[name]), metrics[name]
-    assert [r["global_sha256"] for r in metrics["coordinator"]] == [r["global_sha256"] for r in metrics["node-a"]]
+        assert [r["round"] for r in kept[name]] == list(range(done + 1)), metrics[name]
+        assert all(r["peers"] == 2 and r["status"] == "averaged" for r in kept[name]), metrics[name]
+    assert [r["global_sha256"] for r in kept["coordinator"]] == [r["global_sha256"] for r in kept["node-a"]]
     print(f"\nfloods: {floods_seen}")
     assert all(r["answered"] == 0 for r in floods_seen), floods_seen  # none got in
     assert sum(r["refused"] for r in floods_seen) >= 20 * FLOOD_SECONDS, floods_seen  # and they did flood
