@@ -160,15 +160,14 @@ def load_checkpoint_policy(folder: Path) -> tuple[Any, Any]:
         composer_diloco.policy.errors.PolicyLoadError: the model or the adapters cannot be loaded (one line).
     """
     from composer_diloco.config import RunConfig
-    from composer_diloco.policy import load_policy
+    from composer_diloco.policy import load_policy, load_run_policy
 
     config = RunConfig.from_json(read_outer_state(folder)["config"])
     if config.lora is None:
         return load_policy(str(folder), seed=0, warmstart_steps=0)
     from composer_diloco.policy.lora import apply_lora, load_adapters
 
-    model, tokenizer = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
-                                   env=config.env.server_module)
+    model, tokenizer = load_run_policy(config)
     model = apply_lora(model, config.lora)
     load_adapters(model, folder)
     return model, tokenizer

@@ -133,6 +133,14 @@ class LossConfig(_Section):
                     "hinted teacher, score them in the env, and keep the site only if the teacher scores higher "
                     "(0 = off, every site kept). BENCHMARKS.md 1c: the warm start's teacher is not better on average.",
     )
+    sdpo_peer_demo_reward: float | None = Field(
+        None,
+        description="SDPO's teacher also sees a successful attempt at the same task: the calls of another episode of "
+                    "the step's GRPO group whose reward is at least this, before the error hint (SDPO's reprompting "
+                    "with successful peer rollouts, arXiv 2601.20802). None = the error hint only. A teacher that "
+                    "knows more than the student (issue 40); the warm start shows the same hints with "
+                    "[warmstart] hint_rate.",
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
     dpo_score: Literal["accepted", "script_progress"] = Field(
         "accepted",
@@ -318,6 +326,13 @@ class WarmStartConfig(_Section):
 
     steps: int = Field(200, ge=0, description="SFTTrainer steps on scripted-solver episodes (0 = no warm start).")
     seed: int = Field(0, description="Seed of the tiny model's init and of the warm-start data.")
+    hint_rate: float = Field(
+        0.0, ge=0, le=1,
+        description="Share of the demonstrations with a failed call that also show the SDPO hint for it, as a user "
+                    "message right before the recovery: what SDPO's teacher sees in training, so the policy learns to "
+                    "read a hint (issue 40). The others stay hint-free, so the student is not taught to expect one. "
+                    "0 = no hints: the warm start of runs written before it.",
+    )
 
 
 class LoraSection(_Section):
@@ -460,7 +475,7 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
         ``[sparse_codec]``), with ``outer.overlap`` off, without ``env.max_tool_reply_tokens``, or with the
-        ``network.state_*`` settings at their defaults, or without ``[report]``, has no such key, so its JSON and `digest` are those of a config
+        ``network.state_*`` settings at their defaults, without ``[report]``, with ``warmstart.hint_rate`` 0, or without ``loss.sdpo_peer_demo_reward``, has no such key, so its JSON and `digest` are those of a config
         written before it existed."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec", "codec_options"):  # absent sections keep the JSON of configs written before them
@@ -475,6 +490,10 @@ class RunConfig(_Section):
                 data["network"].pop(key, None)
         if data["report"] == ReportConfig().model_dump(mode="json"):  # reporting nowhere: likewise
             data.pop("report")
+        if not data["warmstart"].get("hint_rate"):  # a warm start without hints: likewise
+            data["warmstart"].pop("hint_rate", None)
+        if data["loss"].get("sdpo_peer_demo_reward") is None:  # SDPO's error hint only: likewise
+            data["loss"].pop("sdpo_peer_demo_reward", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -185,7 +185,7 @@ class Coordinator:
 
     def start(self) -> str:
         """Load (or warm-start) the policy, start the DHT, publish the config; returns the peer multiaddr."""
-        from composer_diloco.policy import load_policy
+        from composer_diloco.policy import load_policy, load_run_policy
         from composer_diloco.policy.context_length import check_context_length
 
         config = self.config
@@ -198,9 +198,7 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         load_or_create_identity(self.run_dir / IDENTITY_FILE, create=False)  # a bad key fails before the model
         if checkpoint is None or config.lora is not None:  # LoRA: a checkpoint holds the adapters, not the base
-            self.model, self.tokenizer = load_policy(config.model, seed=config.warmstart.seed,
-                                                     warmstart_steps=config.warmstart.steps,
-                                                     env=config.env.server_module)
+            self.model, self.tokenizer = load_run_policy(config)
         else:
             self.model, self.tokenizer = load_policy(str(checkpoint), seed=0, warmstart_steps=0)
         check_context_length(config.max_seq_len, self.model.config, config.model)  # before any network

@@ -23,9 +23,12 @@ class Demonstration:
         replies: the env's reply text per call (what the policy sees in the tool message).
         imitate: per call, whether its tokens are trained on; a failed call stays in the context, so the policy
             learns to recover from it, but is not imitated.
+        errors: per call, ``(error_kind, error_meta)`` of a failed call as the env's server reports it (what an
+            SDPO hint is made from), None for a call that succeeded; None for the whole list when the env does not
+            say (then no warm-start demonstration shows a hint).
 
     Raises:
-        ValueError: if ``calls``, ``replies`` and ``imitate`` differ in length, or there is no call.
+        ValueError: if ``calls``, ``replies``, ``imitate`` (and ``errors``) differ in length, or there is no call.
     """
 
     question: str
@@ -33,8 +36,12 @@ class Demonstration:
     calls: list[tuple[str, dict[str, Any]]]
     replies: list[str]
     imitate: list[bool]
+    errors: list[tuple[str, dict[str, Any]] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.calls or not len(self.calls) == len(self.replies) == len(self.imitate):
             raise ValueError(f"Demonstration: need one reply and one imitate flag per call (at least one call), got "
                              f"{len(self.calls)} calls, {len(self.replies)} replies, {len(self.imitate)} flags")
+        if self.errors is not None and len(self.errors) != len(self.calls):
+            raise ValueError(f"Demonstration: need one errors entry per call, got {len(self.errors)} for "
+                             f"{len(self.calls)} calls")

@@ -708,13 +708,12 @@ def _policy_skeleton(config: RunConfig):
     per machine in ``composer_diloco.policy.load.warmstart_cache_dir()``) the run's base itself, as the coordinator
     does, and wraps it with the adapters (`composer_diloco.policy.lora.apply_lora`); its base hash is checked
     against the run's at the state download."""
-    from composer_diloco.policy import build_tiny_model, load_embedded_tokenizer, load_policy
+    from composer_diloco.policy import build_tiny_model, load_embedded_tokenizer, load_policy, load_run_policy
 
     if config.lora is not None:
         from composer_diloco.policy.lora import apply_lora
 
-        model, tokenizer = load_policy(config.model, seed=config.warmstart.seed,
-                                       warmstart_steps=config.warmstart.steps, env=config.env.server_module)
+        model, tokenizer = load_run_policy(config)
         return apply_lora(model, config.lora), tokenizer
     if config.model is None:
         tokenizer = load_embedded_tokenizer(config.env.server_module)  # the coordinator's, for the run's env

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer_diloco.channels.dpo_pairs import render_tool_call
+from composer_diloco.rollout.chat import parse_tool_call
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.episodes import Episode, Turn
 
@@ -60,7 +61,9 @@ def scripted_episode(tokenizer: Any, *, seed: int, episode_id: str, question: st
         ep.completion_ids += ids
         ep.env_mask += [1] * len(ids)
         ep.logprobs += [0.0] * len(ids)
-        ep.turns.append(Turn("assistant", tokenizer.decode(ids), None))
+        call = parse_tool_call(text)  # as `composer_diloco.rollout.episodes` records a played turn
+        ep.turns.append(Turn("assistant", tokenizer.decode(ids),
+                             {"name": call.name, "arguments": call.arguments} if call.ok else None))
         ep.turns.append(Turn("tool", reply, None, kind, dict(meta)))
         if k == len(steps) - 1 and reply == "":
             break

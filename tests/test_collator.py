@@ -240,3 +240,25 @@ def test_episode_record_views_and_length_errors(qwen_tok):
         ep.check()
     n = len(ep.completion_ids)
     assert f"logprobs has {n - 1} entries but completion_ids has {n}" in str(err.value)
+
+
+def test_the_sdpo_channel_shows_its_teacher_a_solving_peer_of_the_group(qwen_tok):
+    """``[loss] sdpo_peer_demo_reward``: the teacher rows of a failed episode hold the successful calls of another
+    episode of its GRPO group (same key), before the error hint; without the setting, the hint only."""
+    from composer_diloco.channels.sdpo import SdpoChannel
+    from composer_diloco.config import LossConfig
+
+    task = make_task(0, "g1")
+    failing = scripted_episode(qwen_tok, seed=0, episode_id="g1", question=task.question, tools=TOOL_SCHEMAS,
+                               steps=failing_steps(qwen_tok, task, n_errors=1, n_turns=2))
+    solved_steps = [(tool_call_text(qwen_tok, n, a), *execute(task, n, a)) for n, a in
+                    (("lookup", {"item": task.x}), ("lookup", {"item": task.y}))]
+    solved = scripted_episode(qwen_tok, seed=0, episode_id="g1", question=task.question, tools=TOOL_SCHEMAS,
+                              steps=solved_steps, reward=1.0)
+    demo = f'A successful attempt called: lookup {{"item": "{task.x}"}}; lookup {{"item": "{task.y}"}}.'
+    for setting, expected in ((None, None), (1.0, demo)):
+        channel = SdpoChannel(0.2, SiteFinder(qwen_tok), LossConfig(alpha_sdpo=0.2, sdpo_peer_demo_reward=setting))
+        rows = channel.build(None, [failing, solved], SdpoStats())
+        teacher = qwen_tok.decode(rows["sdpo_teacher_ids"][0])
+        assert rows["sdpo_teacher_ids"].shape[0] == 1 and "unknown tool" not in teacher.split("<tool_response>")[0]
+        assert (demo in teacher) == (expected is not None), teacher

@@ -25,13 +25,15 @@ A tiny model reads the hints, so they are one or two short sentences, and a pure
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import string
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEFAULT_HINTS", "HintFn", "HintRegistry", "default_hints", "render_signature"]
+__all__ = ["DEFAULT_HINTS", "HintFn", "HintRegistry", "default_hints", "peer_demo_text", "render_signature",
+           "teacher_hint"]
 
 logger = logging.getLogger(__name__)
 
@@ -331,3 +333,35 @@ def default_hints(reason_hints: Mapping[str, str] | None = None) -> HintRegistry
 DEFAULT_HINTS = default_hints()
 """Default hints for ``tool_not_found``, ``invalid_args``, ``execution_error`` and ``timeout`` (read-only), without
 env reason hints."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A successful peer attempt in the teacher's hint (``[loss] sdpo_peer_demo_reward``).
+
+
+def peer_demo_text(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """A successful attempt's calls as one sentence: ``A successful attempt called: lookup {"item": "fig"}; add
+    {"a": 3, "b": 4}; submit {"answer": 7}.`` (arguments as compact JSON, sorted keys).
+
+    SDPO reprompts its teacher with a successful rollout of the same task (Hübotter et al., arXiv 2601.20802): the
+    teacher then knows what the student does not, the calls that worked.
+
+    Args:
+        calls: ``(tool name, arguments)`` of the attempt's successful calls, in order (at least one).
+    Raises:
+        ValueError: no call.
+    """
+    if not calls:
+        raise ValueError("peer_demo_text: a successful attempt has at least one call")
+    return "A successful attempt called: " + "; ".join(
+        f"{name} {json.dumps(dict(args), sort_keys=True, separators=(', ', ': '))}" for name, args in calls) + "."
+
+
+def teacher_hint(error_hint: str | None, demo: Sequence[tuple[str, Mapping[str, Any]]] | None) -> str | None:
+    """The hint message SDPO's teacher sees at an error site: the peer demonstration (:func:`peer_demo_text`) when
+    there is one, then the error's hint; None when there is neither. The warm start's hinted demonstrations
+    (`composer_diloco.policy.warmstart.demonstration_messages`) use this same text."""
+    parts = [peer_demo_text(demo)] if demo else []
+    if error_hint:
+        parts.append(error_hint)
+    return " ".join(parts) or None

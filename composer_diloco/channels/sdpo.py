@@ -5,12 +5,16 @@ the error inserted before that turn (`composer_diloco.channels.hints`). The chan
 ``alpha_sdpo * JSD_beta(student || stopgrad teacher)`` on the recovery turn's tokens, a mean over those tokens
 (`composer_diloco.channels.losses.generalized_jsd`; the JSD family and its beta as TRL GKD, arXiv 2306.13649).
 
+With ``sdpo_peer_demo_reward`` set, the teacher's hint starts with a successful attempt at the same task, the calls
+of another episode of the step's GRPO group (`composer_diloco.channels.sdpo_sites.peer_demos`): SDPO's reprompting
+with successful peer rollouts, a teacher that knows more than the student.
+
 With ``sdpo_verify_samples`` > 0 a site is kept only where the hinted teacher's sampled recovery beats the student's
 when both are replayed in the env (`composer_diloco.channels.sdpo_verify`): on the embedded default the teacher is
 not better on average (BENCHMARKS.md, section 1c).
 
 Config: ``[loss] alpha_sdpo`` (the weight; 0 = off), ``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``,
-``sdpo_top_k``, ``sdpo_verify_samples`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates;
+``sdpo_top_k``, ``sdpo_verify_samples``, ``sdpo_peer_demo_reward`` (`composer_diloco.config.LossConfig`), and the ``[hints]`` templates;
 ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the verification samples.
 Metrics: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped`` (``{no_hint, empty_recovery, no_recovery, truncated,
 unverified}``).
@@ -28,7 +32,7 @@ from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, Chann
                                            split_rows)
 from composer_diloco.channels.losses import generalized_jsd
 from composer_diloco.channels.sdpo_verify import verify_sites
-from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder, peer_demos
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
@@ -140,7 +144,10 @@ class SdpoChannel(LossChannel):
         """The SDPO tensors of the step's sites (`SDPO_KEYS`), or None without a site. Without verification: no model
         call, no RNG. With ``sdpo_verify_samples`` > 0: samples from the global RNG and replays in the env
         (`verify_sites`); a site that fails moves from ``sdpo_sites`` to ``sdpo_skipped_unverified``."""
-        found = [(ep, site) for ep in episodes for site in self.sites.sites_from_episode(ep, stats)]
+        min_reward = self.loss_config.sdpo_peer_demo_reward
+        demos = peer_demos(episodes, min_reward) if min_reward is not None else [None] * len(episodes)
+        found = [(ep, site) for ep, demo in zip(episodes, demos)
+                 for site in self.sites.sites_from_episode(ep, stats, demo)]
         k = self.loss_config.sdpo_verify_samples
         if found and k > 0:
             keep = verify_sites(model, self.sites.tokenizer, found, self.session, samples=k,

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from composer_diloco.channels.base import Counts, pad_id, pad_rows
-from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry
+from composer_diloco.channels.hints import DEFAULT_HINTS, HintRegistry, teacher_hint
 from composer_diloco.rollout.episode_tokens import generation_prompt_ids, header_start, message_ids, turn_spans
 from composer_diloco.rollout.episodes import Episode, Turn
 
-__all__ = ["SdpoSite", "SdpoStats", "SiteFinder"]
+__all__ = ["SdpoSite", "SdpoStats", "SiteFinder", "peer_demos", "successful_calls"]
 
 
 @dataclass
@@ -97,12 +97,15 @@ class SiteFinder:
         self.pad_token_id = pad_id(tokenizer)
         self.header_ids = generation_prompt_ids(tokenizer)
 
-    def sites_from_episode(self, episode: Episode, stats: SdpoStats) -> list[SdpoSite]:
+    def sites_from_episode(self, episode: Episode, stats: SdpoStats,
+                           demo: Sequence[tuple[str, dict[str, Any]]] | None = None) -> list[SdpoSite]:
         """SDPO sites of a played episode, from its token ids (one pass over its ``env_mask`` runs).
 
         Args:
             episode: a played episode (``prompt_ids`` (P,), ``completion_ids`` / ``env_mask`` (C,), its turns).
             stats: counts kept/skipped sites into its ``sdpo_*`` fields.
+            demo: a successful peer attempt's calls (:func:`peer_demos`), shown to the teacher before the error hint
+                at every site of the episode (`composer_diloco.channels.hints.teacher_hint`); None: the hint only.
         Returns:
             The sites in turn order (ids are the episode's own: what GRPO trains on).
         Raises:
@@ -120,7 +123,7 @@ class SiteFinder:
                 stats.sdpo_skipped_no_recovery += 1
                 continue
             site = self._site(episode.episode_id, ids, recovery.turn, header_start(episode, recovery, self.header_ids),
-                              recovery.start, recovery.content_end, tool, stats)
+                              recovery.start, recovery.content_end, tool, stats, demo)
             if site is not None:
                 sites.append(site)
         return sites
@@ -179,11 +182,12 @@ class SiteFinder:
         return ids, sites
 
     def _site(self, episode_id: str, ids: list[int], turn: int, header: int, content_start: int, content_end: int,
-              tool: Turn, stats: SdpoStats) -> SdpoSite | None:
+              tool: Turn, stats: SdpoStats, demo: Sequence[tuple[str, dict[str, Any]]] | None = None
+              ) -> SdpoSite | None:
         if content_end <= content_start:
             stats.sdpo_skipped_empty_recovery += 1
             return None
-        hint = self.hints.hint(tool.error_kind, tool.error_meta)
+        hint = teacher_hint(self.hints.hint(tool.error_kind, tool.error_meta), demo)
         if not hint:
             stats.sdpo_skipped_no_hint += 1
             return None
@@ -269,3 +273,34 @@ def _token_at_or_after(offsets: Sequence[tuple[int, int]], char: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def successful_calls(episode: Episode) -> list[tuple[str, dict[str, Any]]]:
+    """The episode's tool calls that ran without a tool error, in order: ``[(name, arguments), ...]``."""
+    turns = episode.turns
+    return [(t.tool_call["name"], t.tool_call["arguments"]) for t, reply in zip(turns, turns[1:])
+            if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None]
+
+
+def peer_demos(episodes: Sequence[Episode], min_reward: float) -> list[list[tuple[str, dict[str, Any]]] | None]:
+    """Per episode, a successful peer attempt to show SDPO's teacher: the calls (:func:`successful_calls`) of the
+    highest-reward *other* episode of its GRPO group (same ``(seed, episode_id)``) whose reward is at least
+    ``min_reward``, the earliest on a tie; None when the group has none (SDPO's reprompting with successful peer
+    rollouts, arXiv 2601.20802, without the episode's own rollout).
+
+    Args:
+        episodes: the step's episodes (groups in any order).
+        min_reward: the least reward of an attempt that counts as successful (``[loss] sdpo_peer_demo_reward``).
+    Returns:
+        A list aligned with ``episodes``.
+    """
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i, ep in enumerate(episodes):
+        groups.setdefault((ep.seed, ep.episode_id), []).append(i)
+    out: list[list[tuple[str, dict[str, Any]]] | None] = []
+    for i, ep in enumerate(episodes):
+        peers = [j for j in groups[(ep.seed, ep.episode_id)] if j != i and episodes[j].reward >= min_reward]
+        best = max(peers, key=lambda j: (episodes[j].reward, -j), default=None)
+        calls = successful_calls(episodes[best]) if best is not None else []
+        out.append(calls or None)
+    return out

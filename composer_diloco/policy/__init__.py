@@ -37,6 +37,7 @@ _EXPORTS = {
     "embedded_tokenizer_dir": "load",
     "load_embedded_tokenizer": "load",
     "load_policy": "load",
+    "load_run_policy": "load",
     "warmstart_cache_dir": "load",
     "build_tiny_model": "tiny_model",
     "tiny_model_config": "tiny_model",
@@ -69,6 +70,7 @@ __all__ = [
     "load_default_tokenizer",
     "load_embedded_tokenizer",
     "load_policy",
+    "load_run_policy",
     "solver_examples",
     "tiny_model_config",
     "tokenize_episode",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
         embedded_tokenizer_dir,
         load_embedded_tokenizer,
         load_policy,
+        load_run_policy,
         warmstart_cache_dir,
     )
     from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config

@@ -159,7 +159,7 @@ def merge_lora(
     """Merge a LoRA checkpoint's adapters into the run's base model (peft merge_and_unload) and save_pretrained it."""
     from composer_diloco.checkpoint import CheckpointError, read_outer_state
     from composer_diloco.config import ConfigError, RunConfig
-    from composer_diloco.policy.load import load_policy
+    from composer_diloco.policy.load import load_run_policy
     from composer_diloco.policy.lora import LoraError, base_sha256, merge_adapters
 
     try:
@@ -167,8 +167,7 @@ def merge_lora(
         config = RunConfig.from_json(state["config"])
         if config.lora is None or "base_sha256" not in state:
             raise LoraError(f"checkpoint {str(checkpoint)!r} is not from a [lora] run: it is a full model already")
-        base, tokenizer = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
-                                      env=config.env.server_module)
+        base, tokenizer = load_run_policy(config)
         if base_sha256(base) != state["base_sha256"]:
             raise LoraError(f"the base model loaded for {str(checkpoint)!r} has base_sha256 {base_sha256(base)}, the "
                             f"adapters were trained over {state['base_sha256']}")

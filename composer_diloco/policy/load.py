@@ -9,11 +9,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
+from composer_diloco.channels.hints import HintRegistry
 from composer_diloco.malloc import heap_for_training
 from composer_diloco.policy.cache import CACHE_ENV, cache_root, get_or_build
 from composer_diloco.policy.errors import PolicyLoadError
@@ -28,9 +31,13 @@ from composer_diloco.policy.warmstart import (
     env_demonstrations,
     warm_start,
 )
-from composer_diloco.rollout.env_package import package_of
+from composer_diloco.rollout.env_package import load_env_package, package_of
 
-__all__ = ["embedded_tokenizer_dir", "load_embedded_tokenizer", "load_policy", "warmstart_cache_dir"]
+if TYPE_CHECKING:
+    from composer_diloco.config import RunConfig
+
+__all__ = ["embedded_tokenizer_dir", "load_embedded_tokenizer", "load_policy", "load_run_policy",
+           "warmstart_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +105,14 @@ def load_embedded_tokenizer(env: str = DEFAULT_WARMSTART_ENV) -> PreTrainedToken
 
 
 def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DEFAULT_WARMSTART_ENV,
-                       tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR) -> str:
+                       tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR, hint_rate: float = 0.0,
+                       hints: Mapping[str, str] | None = None, peer_demo: bool = False) -> str:
     """Short hash of what determines the default warm-started weights: seed, steps, the warm-start
-    recipe, the model config, the tokenizer files (``tokenizer_dir``), the source of the env package's top-level
-    modules (tasks, tools, demonstrations) and the torch and transformers versions (a new release may change the
-    kernels' numerics or the trainer's defaults, so an entry built under another version would not be the
-    weights this install builds)."""
+    recipe (with ``hint_rate > 0``: the rate, the ``[hints]`` templates and ``peer_demo`` too; without, the key of warm starts made
+    before hints existed), the model config, the tokenizer files (``tokenizer_dir``), the source of the env
+    package's top-level modules (tasks, tools, demonstrations) and the torch and transformers versions (a new
+    release may change the kernels' numerics or the trainer's defaults, so an entry built under another version
+    would not be the weights this install builds)."""
     import torch
     import transformers
 
@@ -112,6 +121,8 @@ def _default_cache_key(seed: int, steps: int, config: Qwen3Config, env: str = DE
     cfg.pop("transformers_version", None)
     recipe = dict(batch_size=WARMSTART_BATCH_SIZE, lr=WARMSTART_LR, error_rate=WARMSTART_ERROR_RATE,
                   version=_CACHE_KEY_VERSION)
+    if hint_rate:
+        recipe.update(hint_rate=hint_rate, hints=dict(sorted((hints or {}).items())), peer_demo=peer_demo)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     h.update(json.dumps({"seed": seed, "steps": steps, "recipe": recipe, "config": cfg, "versions": versions},
                         sort_keys=True).encode())
@@ -152,7 +163,9 @@ def warmstart_cache_dir() -> Path:
     return cache_root() / "warmstart"
 
 
-def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+def _load_default(seed: int, warmstart_steps: int, env: str, hint_rate: float = 0.0,
+                  hints: Mapping[str, str] | None = None,
+                  peer_demo: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The embedded default, warm-started into (or reused from) ``warmstart_cache_dir() / <key>``."""
     tokenizer_dir = embedded_tokenizer_dir(env)
     tokenizer = load_default_tokenizer(tokenizer_dir)
@@ -167,18 +180,23 @@ def _load_default(seed: int, warmstart_steps: int, env: str) -> tuple[PreTrained
         env = package_of(env)  # one key, and one warmstart.json "env", per env package
     else:
         env = DEFAULT_WARMSTART_ENV  # untrained weights depend on the env only through its tokenizer (in the key)
+        hint_rate, peer_demo = 0.0, False
 
     def build(out_dir: Path) -> None:
-        logger.info("warm-starting the default policy on %s (%d steps, seed %d) into %s", env, warmstart_steps,
-                    seed, out_dir)
+        logger.info("warm-starting the default policy on %s (%d steps, seed %d%s) into %s", env, warmstart_steps,
+                    seed, f", hints in {hint_rate:.0%} of the demonstrations" if hint_rate else "", out_dir)
+        registry = None
+        if hint_rate:
+            registry = HintRegistry.from_config(hints, reason_hints=load_env_package(env).reason_hints)
         with heap_for_training():  # in the coordinator, whose mmap threshold is pinned (composer_diloco/malloc.py)
             warm_start(build_tiny_model(tokenizer, seed), tokenizer, seed=seed, steps=warmstart_steps,
-                       out_dir=out_dir, env=env)
+                       out_dir=out_dir, env=env, hint_rate=hint_rate, hints=registry, peer_demo=peer_demo)
 
     t0 = time.monotonic()
     folder = warmstart_cache_dir()
     try:
-        key = _default_cache_key(seed, warmstart_steps, config, env, tokenizer_dir)
+        key = _default_cache_key(seed, warmstart_steps, config, env, tokenizer_dir, hint_rate, hints,
+                                 peer_demo and bool(hint_rate))
         entry, built = get_or_build(folder / key, build, required=_WARMSTART_FILES)
     except OSError as exc:
         raise PolicyLoadError(f"cannot cache the warm start in {folder}: {exc}; point {CACHE_ENV} at a writable "
@@ -223,6 +241,9 @@ def load_policy(
     seed: int,
     warmstart_steps: int,
     env: str = DEFAULT_WARMSTART_ENV,
+    hint_rate: float = 0.0,
+    hints: Mapping[str, str] | None = None,
+    peer_demo: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The policy of a run: the embedded default (``model=None``) or a hub id / local directory.
 
@@ -245,6 +266,11 @@ def load_policy(
         warmstart_steps: warm-start optimizer steps of the default policy (ignored otherwise).
         env: the env (``[env] server_module`` or its package) whose demonstrations warm-start the default policy
             (ignored otherwise).
+        hint_rate: ``[warmstart] hint_rate``: share of the demonstrations that show the SDPO hint after their failed
+            call (`composer_diloco.policy.warmstart.solver_examples`); ignored otherwise.
+        hints: the ``[hints]`` templates those hints come from (over the defaults and the env's reason hints).
+        peer_demo: those hints start with the demonstration's successful calls (``[loss] sdpo_peer_demo_reward``
+            set: SDPO's teacher sees a successful peer attempt).
 
     Returns:
         ``(model, tokenizer)``, the model in fp32 on CPU in eval mode.
@@ -255,5 +281,17 @@ def load_policy(
             warm-start cache cannot be created or written (naming the folder and ``COMPOSER_DILOCO_CACHE``).
     """
     if model is None:
-        return _load_default(seed, warmstart_steps, env)
+        return _load_default(seed, warmstart_steps, env, hint_rate, hints, peer_demo)
     return _load_named(os.fspath(model))
+
+
+def load_run_policy(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The policy a run starts from: :func:`load_policy` with the run config's ``model``, ``[warmstart]``,
+    ``[env] server_module``, ``[hints]`` and ``[loss] sdpo_peer_demo_reward`` (what the coordinator, a LoRA node and ``composer-policy`` load).
+
+    Raises:
+        PolicyLoadError: as :func:`load_policy`.
+    """
+    return load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
+                       env=config.env.server_module, hint_rate=config.warmstart.hint_rate, hints=config.hints,
+                       peer_demo=config.loss.sdpo_peer_demo_reward is not None)

@@ -32,11 +32,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from composer_diloco.channels.hints import HintRegistry, teacher_hint
 from composer_diloco.policy.errors import PolicyLoadError
 from composer_diloco.policy.tokenizer import tokenize_episode
 from composer_diloco.rollout.chat import episode_messages
@@ -48,6 +50,7 @@ __all__ = [
     "WARMSTART_BATCH_SIZE",
     "WARMSTART_ERROR_RATE",
     "WARMSTART_LR",
+    "demonstration_messages",
     "env_demonstrations",
     "solver_examples",
     "warm_start",
@@ -99,6 +102,46 @@ def env_demonstrations(env: str) -> DemonstrationFn:
     return package.demonstration
 
 
+def demonstration_messages(demo: Any, hints: HintRegistry | None = None,
+                           peer_demo: bool = False) -> list[dict[str, Any]]:
+    """The chat messages of a demonstration; with ``hints``, each failed call's tool reply is followed by its hint.
+
+    The hint is a ``{"role": "user", "content": hint}`` message right before the recovery turn: the message SDPO's
+    teacher context inserts at a tool-error site (`composer_diloco.channels.sdpo_sites.SiteFinder`), built by the
+    same `composer_diloco.channels.hints.teacher_hint` from the same registry and the same ``(error_kind,
+    error_meta)``, so the warm start shows the policy the very context it is distilled from. With ``peer_demo`` the
+    hint starts with a successful attempt, the demonstration's own successful calls (the scripted solution: what a
+    solving peer of the GRPO group shows the teacher, ``[loss] sdpo_peer_demo_reward``). A failed call without a
+    hint (the registry has none, or the env gives no ``errors``) gets no message; neither does a failed last call.
+
+    Args:
+        demo: one scripted episode (an ``envs.demonstration.Demonstration``, or any object with its fields;
+            ``errors`` may be missing).
+        hints: the run's hint registry (``[hints]`` over the defaults and the env's reason hints), or None.
+        peer_demo: also show the successful attempt (see above).
+    Returns:
+        `composer_diloco.rollout.chat.episode_messages` of the episode, hint messages inserted.
+    """
+    messages = episode_messages(demo.question, demo.calls, demo.replies)
+    errors = getattr(demo, "errors", None)
+    if hints is None or errors is None:
+        return messages
+    solution = [call for call, error in zip(demo.calls, errors) if error is None] if peer_demo else None
+    out = messages[:1]
+    for k, error in enumerate(errors):
+        out += messages[1 + 2 * k: 3 + 2 * k]  # the call and its reply
+        hint = teacher_hint(hints.hint(*error), solution) if error is not None and k + 1 < len(demo.calls) else None
+        if hint:
+            out.append({"role": "user", "content": hint})
+    return out
+
+
+def _shows_hint(seed: int, index: int, hint_rate: float) -> bool:
+    """Whether demonstration ``index`` shows its hints: a coin of probability ``hint_rate`` of its own (seeded by
+    ``seed`` and ``index``), independent of the env's error coin."""
+    return hint_rate > 0 and random.Random(f"{seed}:{index}:hint").random() < hint_rate
+
+
 def solver_examples(
     tokenizer: PreTrainedTokenizerFast,
     *,
@@ -106,12 +149,17 @@ def solver_examples(
     n_episodes: int,
     error_rate: float = WARMSTART_ERROR_RATE,
     env: str = DEFAULT_WARMSTART_ENV,
+    hint_rate: float = 0.0,
+    hints: HintRegistry | None = None,
+    peer_demo: bool = False,
 ) -> list[dict[str, list[int]]]:
     """Supervised examples from episodes played by an env's scripted solver (the warm start's data).
 
     Episode ``i`` is ``env_demonstrations(env)(seed, i, error_rate)``, rendered with the chat template and the
     episode's own tools. Labels are the token ids on the assistant turns of imitated (successful) calls and -100
     elsewhere: a failed call stays in the context (so the policy learns to recover from it) but is not imitated.
+    With ``hint_rate > 0``, a demonstration with a failed call shows its hint (:func:`demonstration_messages`)
+    with probability ``hint_rate``; the hint is context, never a label.
 
     Args:
         tokenizer: the policy's tokenizer (chat template with tools).
@@ -119,20 +167,28 @@ def solver_examples(
         n_episodes: number of examples, episodes ``0 .. n_episodes - 1`` in order.
         error_rate: fraction of episodes with one failed call and its recovery, in [0, 1].
         env: the env's server module or package.
+        hint_rate: share of the demonstrations (those with a failed call matter) that show hints, in [0, 1].
+        hints: the registry the hints come from (default: the defaults with the env's reason hints).
+        peer_demo: the hints start with the demonstration's successful calls (:func:`demonstration_messages`).
 
     Returns:
         ``n_episodes`` dicts ``{"input_ids": list[int] (T,), "labels": list[int] (T,)}``, T tokens per episode.
 
     Raises:
         PolicyLoadError: if ``env`` ships no demonstrations (:func:`env_demonstrations`).
-        ValueError: from the env's ``demonstration`` on an ``error_rate`` outside [0, 1].
+        ValueError: from the env's ``demonstration`` on an ``error_rate`` outside [0, 1], or a ``hint_rate``
+            outside [0, 1].
     """
+    if not 0.0 <= hint_rate <= 1.0:
+        raise ValueError(f"solver_examples: hint_rate must be in [0, 1], got {hint_rate}")
     demonstration = env_demonstrations(env)
+    if hint_rate > 0 and hints is None:
+        hints = HintRegistry.from_config(None, reason_hints=load_env_package(env).reason_hints)
     rows = []
     for i in range(n_episodes):
         demo = demonstration(seed, i, error_rate)
-        enc = tokenize_episode(tokenizer, episode_messages(demo.question, demo.calls, demo.replies),
-                               trained_turns=demo.imitate, tools=demo.tools)
+        messages = demonstration_messages(demo, hints if _shows_hint(seed, i, hint_rate) else None, peer_demo)
+        enc = tokenize_episode(tokenizer, messages, trained_turns=demo.imitate, tools=demo.tools)
         labels = [t if m else -100 for t, m in zip(enc["input_ids"], enc["assistant_masks"])]
         rows.append({"input_ids": enc["input_ids"], "labels": labels})
     return rows
@@ -212,6 +268,9 @@ def warm_start(
     lr: float = WARMSTART_LR,
     error_rate: float = WARMSTART_ERROR_RATE,
     env: str = DEFAULT_WARMSTART_ENV,
+    hint_rate: float = 0.0,
+    hints: HintRegistry | None = None,
+    peer_demo: bool = False,
 ) -> Path:
     """Supervised warm start on scripted-solver episodes with TRL's ``SFTTrainer``; saves model + tokenizer.
 
@@ -246,6 +305,10 @@ def warm_start(
         error_rate: fraction of episodes with one failed call and its recovery, in [0, 1].
         env: the env whose demonstrations to train on (a server module or env package, see
             :func:`env_demonstrations`).
+        hint_rate: share of the demonstrations that show the SDPO hint after their failed call
+            (:func:`solver_examples`); 0 = none.
+        hints: the hint registry (default: the defaults with the env's reason hints).
+        peer_demo: the hints start with the demonstration's successful calls (:func:`demonstration_messages`).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -268,14 +331,14 @@ def warm_start(
         final_loss: float | None = None
         if steps > 0:
             rows = solver_examples(tokenizer, seed=seed, n_episodes=steps * batch_size, error_rate=error_rate,
-                                   env=env)
+                                   env=env, hint_rate=hint_rate, hints=hints, peer_demo=peer_demo)
             final_loss = _train(model, tokenizer, rows, trainer_dir=staging / "trainer", steps=steps,
                                 batch_size=batch_size, lr=lr, seed=seed)
             shutil.rmtree(staging / "trainer", ignore_errors=True)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         meta = dict(env=env, seed=seed, steps=steps, batch_size=batch_size, lr=lr, error_rate=error_rate,
-                    final_loss=final_loss, train_seconds=round(time.monotonic() - t0, 2),
+                    **({"hint_rate": hint_rate, "peer_demo": peer_demo} if hint_rate else {}), final_loss=final_loss, train_seconds=round(time.monotonic() - t0, 2),
                     torch=torch.__version__, transformers=transformers.__version__)
         (staging / "warmstart.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp made it 0700

@@ -36,7 +36,9 @@ episodes over OpenEnv's WebSocket ``/ws`` (``create_app``), or plays an already 
 
 - ``demonstration(seed, index, error_rate) -> Demonstration``: the scripted solver's episodes, the warm-start data of
   the embedded default policy. A ``Demonstration`` (``envs.demonstration``) has ``question``, ``tools``, ``calls``
-  (``[(tool, arguments), ...]``), ``replies`` (str per call) and ``imitate`` (bool per call);
+  (``[(tool, arguments), ...]``), ``replies`` (str per call), ``imitate`` (bool per call) and, optionally, ``errors``
+  (``(error_kind, error_meta)`` per failed call, None per other call: what ``[warmstart] hint_rate`` makes hints
+  of);
 - ``ERROR_RATE``: the default fraction of demonstrations with one failed call and its recovery;
 - ``script(seed, episode_id, question) -> [(tool, arguments), ...] | None``: the solver's error-free calls for an
   episode (None when the question is not that episode's), followed by the DPO channel's ``"scripted"`` teacher;

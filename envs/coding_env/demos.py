@@ -70,19 +70,21 @@ def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE, source:
         at = rng.randrange(len(calls))
         calls.insert(at, _failed_attempt(calls[at], rng))
     files = task.files()
-    replies, imitate = [], []
+    replies, imitate, errors = [], [], []
     for tool, args in calls:
         solved = files[SOLUTION_FILE] == task.reference  # then run_tests and submit pass without the sandbox
         if solved and tool == "run_tests":
-            reply, ok = tests_passed_text(len(task.visible_args)), True
+            reply, error = tests_passed_text(len(task.visible_args)), None
         elif solved and tool == "submit":
-            reply, ok = submitted_text(len(task.hidden_args), len(task.hidden_args)), True
+            reply, error = submitted_text(len(task.hidden_args), len(task.hidden_args)), None
         else:
             outcome = execute(task, files, tool, args)
-            reply, ok = outcome.content, outcome.error_kind is None
+            reply = outcome.content
+            error = None if outcome.error_kind is None else (outcome.error_kind, outcome.error_meta)
         replies.append(reply)
-        imitate.append(ok)
-    return Demonstration(task.question, TOOL_SCHEMAS, calls, replies, imitate)
+        imitate.append(error is None)
+        errors.append(error)
+    return Demonstration(task.question, TOOL_SCHEMAS, calls, replies, imitate, errors)
 
 
 def script(seed: int, episode_id: str, question: str) -> list[tuple[str, dict[str, Any]]] | None:

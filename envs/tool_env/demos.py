@@ -30,7 +30,7 @@ def demonstration(seed: int, index: int, error_rate: float = ERROR_RATE) -> Demo
     calls = solve(task, random.Random(f"{seed}:{episode}"), error_rate)
     outcomes = [execute(task, name, args) for name, args in calls]
     return Demonstration(task.question, TOOL_SCHEMAS, calls, [o[0] for o in outcomes],
-                         [o[1] is None for o in outcomes])
+                         [o[1] is None for o in outcomes], [None if o[1] is None else (o[1], o[2]) for o in outcomes])
 
 
 def script(seed: int, episode_id: str, question: str) -> list[tuple[str, dict[str, Any]]] | None:
