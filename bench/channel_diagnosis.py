@@ -24,9 +24,16 @@ rejected token lengths, and the policy's summed and per-token log-probabilities 
 lengths decide is how hard each side is pushed: the gradient of a summed log-ratio grows with the tokens it sums.
 ``dpo_script_progress`` repeats this with ``[loss] dpo_score = "script_progress"`` (the same candidates' draws).
 
+A teacher that knows more (issue 40): ``--hint-rate R`` diagnoses the warm start whose demonstrations show the hint
+after their failed call in a share R (``[warmstart] hint_rate``: a policy taught to read hints); ``--peer-demo-reward
+X`` gives the teacher a successful attempt of the task's GRPO group too (``[loss] sdpo_peer_demo_reward``: the
+episodes are then played in groups of ``num_generations``, and the summary splits the sites with a peer attempt from
+those without).
+
 Usage (about 20 s on 2 quiet CPU cores; the warm start comes from the cache, `composer_diloco.policy.load`):
 
     python bench/channel_diagnosis.py --episodes 256 --samples 8 --out runs/channel-diagnosis.json
+    python bench/channel_diagnosis.py --episodes 256 --samples 8 --hint-rate 0.5 --peer-demo-reward 1.0
 """
 
 from __future__ import annotations
@@ -47,9 +54,9 @@ from composer_diloco.channels.replay import Candidate, ReplayError, score_candid
 from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call, script_progress
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config
-from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder, peer_demos
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args, play_rollout
-from composer_diloco.policy.load import load_policy
+from composer_diloco.policy.load import load_run_policy
 from composer_diloco.rollout.chat import parse_tool_call
 from composer_diloco.rollout.env_package import load_env_package
 from composer_diloco.rollout.episodes import generate_turns
@@ -91,12 +98,15 @@ def _remaining(script, episode, turn: int) -> set[str]:
 
 
 def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, max_turn_tokens: int,
-          temperature: float, max_seq_len: int) -> dict[str, Any]:
+          temperature: float, max_seq_len: int, peer_demo_reward: float | None = None) -> dict[str, Any]:
     """The SDPO half of `diagnose` (see the module docstring)."""
     collator = SiteFinder(tok, hints=hints, max_length=max_seq_len)
     stats = SdpoStats()
-    by_id = {ep.episode_id: ep for ep in episodes}
-    sites = [site for ep in episodes for site in collator.sites_from_episode(ep, stats)]
+    demos = peer_demos(episodes, peer_demo_reward) if peer_demo_reward is not None else [None] * len(episodes)
+    found = [(ep, site, demo is not None) for ep, demo in zip(episodes, demos)
+             for site in collator.sites_from_episode(ep, stats, demo)]
+    sites = [site for _, site, _ in found]
+    episode_of = [ep for ep, _, _ in found]
     requests, owners = [], []
     for k, site in enumerate(sites):
         student = site.student_ids[:site.student_idx[0]]  # up to and including the recovery turn's header
@@ -109,11 +119,10 @@ def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, 
     for (k, who), ids in zip(owners, generated):
         rows[k][who].append(ids)
     per_site = []
-    for site, row in zip(sites, rows):
-        ep = by_id[site.episode_id]
+    for site, row, ep, (_, _, with_demo) in zip(sites, rows, episode_of, found):
         proposal = scripted(ep, site.turn)
         useful = _remaining(script, ep, site.turn)
-        out: dict[str, Any] = dict(error_kind=site.error_kind, hint=site.hint,
+        out: dict[str, Any] = dict(error_kind=site.error_kind, hint=site.hint, with_demo=with_demo,
                                    error=ep.turns[site.turn - 1].content, recorded=ep.turns[site.turn].content,
                                    samples={w: [tok.decode(i, skip_special_tokens=True) for i in row[w][:2]]
                                             for w in ("student", "teacher")})
@@ -156,6 +165,13 @@ def _sdpo(model, tok, episodes, session, hints, scripted, script, samples: int, 
         by_kind[kind] = dict(sites=len(rs), **{f"{w}_{key}": _mean_se([r[f"{w}_{key}"] for r in rs])[0]
                                                for w in ("student", "teacher") for key in ("accepted", "correct")})
     summary["by_error_kind"] = by_kind
+    if peer_demo_reward is not None:  # the sites whose teacher saw a successful peer attempt, and the others
+        for label, rs in (("with_peer_demo", [r for r in per_site if r["with_demo"]]),
+                          ("without_peer_demo", [r for r in per_site if not r["with_demo"]])):
+            summary[label] = dict(sites=len(rs), **{
+                f"{w}_{key}": _mean_se([r[f"{w}_{key}"] for r in rs]) for w in ("student", "teacher")
+                for key in ("accepted", "correct")},
+                teacher_minus_student_correct=_mean_se([r["teacher_correct"] - r["student_correct"] for r in rs]))
     summary["examples"] = [{k: r[k] for k in ("error_kind", "error", "hint", "recorded", "samples")}
                            for r in per_site[:6]]
     return summary
@@ -206,8 +222,7 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
         "dpo_script_progress", "seconds"}`` (JSON-serialisable).
     """
     t0 = time.monotonic()
-    model, tok = load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
-                             env=config.env.server_module)
+    model, tok = load_run_policy(config)
     env = load_env_package(config.env.server_module)
     sessions = [env.local_session(max_tool_calls=config.env.max_tool_calls, reset_kwargs=config.env.reset_kwargs)
                 for _ in range(config.batch_size)]
@@ -217,13 +232,17 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
                                                      bf16=False), env=env)
         torch.manual_seed(seed)
         played = []
+        # tasks in GRPO groups (each played num_generations times, as a node's step plays them) when the teacher
+        # sees a successful peer attempt of the group; else one episode per task
+        group = config.grpo.num_generations if config.loss.sdpo_peer_demo_reward is not None else 1
+        all_keys = [(config.seed, f"diag-{i // group}") for i in range(episodes)]
         for first in range(0, episodes, config.batch_size):
-            keys = [(config.seed, f"diag-{i}") for i in range(first, min(first + config.batch_size, episodes))]
-            played += play_rollout(trainer, sessions, config, keys)[0]
+            played += play_rollout(trainer, sessions, config, all_keys[first:first + config.batch_size])[0]
         model.eval()
         scripted = make_teachers(["scripted"], env)["scripted"]
         sdpo = _sdpo(model, tok, played, sessions[0], trainer.hints, scripted, env.script, samples,
-                     config.env.max_turn_tokens, config.grpo.temperature, config.max_seq_len)
+                     config.env.max_turn_tokens, config.grpo.temperature, config.max_seq_len,
+                     config.loss.sdpo_peer_demo_reward)
         rng = torch.get_rng_state()  # the DPO candidates' draws, the same for both scores
         dpo = _dpo(model, tok, played, sessions[0], trainer.hints, make_teachers(config.preference.teachers, env),
                    env.script, config)
@@ -245,11 +264,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=256)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hint-rate", type=float, default=None,
+                    help="[warmstart] hint_rate of the warm start to diagnose (default: the config's)")
+    ap.add_argument("--peer-demo-reward", type=float, default=None,
+                    help="[loss] sdpo_peer_demo_reward: the teacher also sees a successful attempt of the task's GRPO "
+                         "group (episodes are then played in groups of num_generations)")
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     a = ap.parse_args(argv)
     if a.episodes < 1 or a.samples < 1:
         ap.error(f"--episodes and --samples must be >= 1, got {a.episodes} and {a.samples}")
     config = load_config(a.config) if a.config else RunConfig()
+    if a.hint_rate is not None:
+        config = config.model_copy(update={"warmstart": config.warmstart.model_copy(update={"hint_rate": a.hint_rate})})
+    if a.peer_demo_reward is not None:
+        config = config.model_copy(update={"loss": config.loss.model_copy(
+            update={"sdpo_peer_demo_reward": a.peer_demo_reward})})
+    if a.hint_rate is not None or a.peer_demo_reward is not None:
+        config = RunConfig.model_validate(config.model_dump())  # a bad value: the config's one-line error
     result = diagnose(config, episodes=a.episodes, samples=a.samples, seed=a.seed)
     text = json.dumps(result, indent=1)
     print(text)
