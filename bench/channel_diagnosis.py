@@ -54,7 +54,7 @@ from composer_diloco.channels.replay import Candidate, ReplayError, score_candid
 from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_call, script_progress
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config
-from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder, peer_demos
+from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder, peer_demos, successful_calls
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args, play_rollout
 from composer_diloco.policy.load import load_run_policy
 from composer_diloco.rollout.chat import parse_tool_call
@@ -88,12 +88,10 @@ def _remaining(script, episode, turn: int) -> set[str]:
     of them is a useful next call (the script's order of the two lookups is arbitrary)."""
     calls = script(episode.seed, episode.episode_id, episode.turns[0].content) or []
     left = [json.dumps([n, a], sort_keys=True) for n, a in calls]
-    for k in range(min(turn, len(episode.turns) - 1)):
-        t, reply = episode.turns[k], episode.turns[k + 1]
-        if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None:
-            made = json.dumps([t.tool_call["name"], t.tool_call["arguments"]], sort_keys=True)
-            if made in left:
-                left.remove(made)
+    for name, args in successful_calls(episode.turns[:turn + 1]):
+        made = json.dumps([name, args], sort_keys=True)
+        if made in left:
+            left.remove(made)
     return set(left)
 
 

@@ -119,7 +119,7 @@ def test_peer_demos_show_another_successful_episode_of_the_same_group():
     demos = peer_demos(episodes, min_reward=1.0)
     solved = [("lookup", {"item": "fig"}), ("add", {"a": 1, "b": 2}), ("submit", {"answer": 3})]
     assert demos == [solved, [("add", {"a": 1, "b": 2}), ("submit", {"answer": 3})], None, solved, solved[1:]]
-    assert successful_calls(episodes[1]) == solved
+    assert successful_calls(episodes[1].turns) == solved
     assert peer_demos(episodes, min_reward=2.0) == [None] * 5
 
 

@@ -275,9 +275,9 @@ def _token_at_or_after(offsets: Sequence[tuple[int, int]], char: int) -> int:
     return lo
 
 
-def successful_calls(episode: Episode) -> list[tuple[str, dict[str, Any]]]:
-    """The episode's tool calls that ran without a tool error, in order: ``[(name, arguments), ...]``."""
-    turns = episode.turns
+def successful_calls(turns: Sequence[Turn]) -> list[tuple[str, dict[str, Any]]]:
+    """The tool calls of ``turns`` (an episode's, or a prefix of them) that ran without a tool error, in order:
+    ``[(name, arguments), ...]``; a call whose reply is not in ``turns`` is left out."""
     return [(t.tool_call["name"], t.tool_call["arguments"]) for t, reply in zip(turns, turns[1:])
             if t.role == "assistant" and t.tool_call is not None and reply.role == "tool" and reply.error_kind is None]
 
@@ -301,6 +301,6 @@ def peer_demos(episodes: Sequence[Episode], min_reward: float) -> list[list[tupl
     for i, ep in enumerate(episodes):
         peers = [j for j in groups[(ep.seed, ep.episode_id)] if j != i and episodes[j].reward >= min_reward]
         best = max(peers, key=lambda j: (episodes[j].reward, -j), default=None)
-        calls = successful_calls(episodes[best]) if best is not None else []
+        calls = successful_calls(episodes[best].turns) if best is not None else []
         out.append(calls or None)
     return out
