@@ -265,10 +265,17 @@ def test_outlier_and_nan_pseudo_gradients_are_dropped_by_every_peer(run_dir, tmp
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_slow_node_stops_at_the_round_budget_and_is_weighted_for_what_it_did(run_dir, tmp_path):
+    """node-1 is slow (each inner step 5 s longer) and trains on half the run's batch (``--batch-size 4``: 4 episodes
+    per step against node-0's 8): it stops at the round budget, and every peer weighs each node by the samples it
+    trained on (steps x its batch), so theta is the same everywhere. (One run for both: the suite's time.)"""
     budget_s, delay_s = 8.0, 5.0
     run = LocalRun(run_dir, config(tmp_path, rounds=2, inner_steps=4, extra=f"round_budget_s = {budget_s}"))
     try:
-        start(run, {"node-1": {"COMPOSER_DILOCO_FAULTS": f"step_delay:*:{delay_s}"}})
+        run.start_coordinator(wait=False)
+        run.start_node("node-0")
+        run.start_node("node-1", "--batch-size", "4", "--grad-accum", "1",
+                       env={"COMPOSER_DILOCO_FAULTS": f"step_delay:*:{delay_s}"})
+        run.wait_peer_line()
         run.assert_exit_ok("coordinator", "node-0", "node-1")
     finally:
         run.stop()
@@ -282,7 +289,7 @@ def test_slow_node_stops_at_the_round_budget_and_is_weighted_for_what_it_did(run
         assert slow["deadline_hit"] and 1 <= slow["inner_steps"] < 4, slow
         assert slow["inner_seconds"] < budget_s + delay_s + 10.0  # at most one step past the deadline
         assert fast["inner_steps"] == 4 and not fast["deadline_hit"]
-        assert slow["samples"] < fast["samples"]
+        assert fast["samples"] == 4 * 8 and slow["samples"] == slow["inner_steps"] * 4, (fast, slow)  # its own batch
         assert coordinator["weight_total"] == fast["samples"] + slow["samples"]  # weighted by samples
         assert fast["wait_seconds"] < 60.0  # round_slack_s: nobody was given up on
         assert coordinator["peers"] == 3 and coordinator["status"] == "averaged"
