@@ -1,6 +1,6 @@
-"""A ``sparse-2bit`` run on 127.0.0.1 with a lost node. A node SIGKILLed in the all-gather and restarted under the same name takes back
-its error feedback from ``<run-dir>/<node>/codec_state.pt`` (`nodes.node.Node._restore_codec_state`), and every
-peer agrees on ``global_sha256`` in every round, before and after."""
+"""A ``sparse-2bit`` run on 127.0.0.1 with a lost node. A node SIGKILLed in the all-gather and restarted under the
+same name takes back its error feedback from ``<run-dir>/<node>/codec_state.pt``
+(`nodes.node.Node._restore_codec_state`), and every peer agrees on ``global_sha256`` in every round, before and after."""
 
 
 import pytest
