@@ -2,7 +2,7 @@
 before any network; one coordinator per run dir, one node per folder. The restarts themselves (same command, same
 peer ID; a node joining on the line printed before the kill) run in ``tests/test_faults.py``
 (``test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node``,
-``test_node_killed_mid_inner_phase_then_restarted_rejoins``).
+``test_nodes_killed_mid_inner_phase_and_in_the_all_reduce``).
 """
 
 from __future__ import annotations
