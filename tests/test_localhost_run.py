@@ -139,6 +139,49 @@ def _trackio_logs(trackio_dir: Path, project: str) -> dict[str, list[dict]]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_main_run_resumes_from_its_last_checkpoint(main_run, tmp_path):
+    """`composer-coordinator start --resume` on (a copy of) the main run's folder, one round more: it continues from
+    its last checkpoint at round 2, a new node joins at that round, and the round's theta moves on from there."""
+    from local_run import assert_peer_line, coordinator_line, free_listen_address
+    from tests_support import stop_processes
+
+    source, _, result, _ = main_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir, symlinks=True)
+    after_two = read_outer_state(latest_checkpoint(run_dir))
+    assert after_two["round"] == 2
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    procs = []
+    try:
+        listen = free_listen_address()  # its line is known (its key is in the run dir): the node starts beside it
+        peer = coordinator_line(run_dir, listen)
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "start", "--resume", "--rounds", "3", "--config",
+             str(source.parent / "smoke-report.toml"), "--run-dir", str(run_dir), "--listen", listen],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+        procs.append(coordinator)
+        node = subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+                                 str(run_dir), "--name", "node-b", "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+        procs.append(node)
+        assert_peer_line(coordinator, peer)
+        assert node.wait(timeout=600) == 0
+        assert coordinator.wait(timeout=60) == 0
+    finally:
+        stop_processes(procs)
+
+    metrics = read_metrics(run_dir)
+    assert [r["round"] for r in metrics["node-b"]] == [2]  # the joiner started at the resumed round
+    assert [r["round"] for r in metrics["coordinator"]] == [0, 1, 2]  # the main run's two, then the resumed one
+    final = read_outer_state(latest_checkpoint(run_dir))
+    assert final["round"] == 3 and final["global_sha256"] == metrics["node-b"][0]["global_sha256"]
+    assert final["global_sha256"] != after_two["global_sha256"]
+    assert read_outer_state(latest_checkpoint(source))["round"] == 2  # the main run's own folder is untouched
+
+
+@pytest.mark.multiprocess
 def test_every_peer_s_rounds_are_in_trackio_with_the_values_of_its_metrics_file(main_run):
     """``[report] to = ["trackio"]`` (issue 39): one trackio run per peer, each round at step = round with the numbers
     of the peer's metrics.jsonl line under the same names, and on nodes TRL's step metrics averaged over the round
