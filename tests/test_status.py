@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from local_run import LocalRun, write_config
+from local_run import write_config
 from tests_support import error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,17 +104,40 @@ def test_status_where_nobody_answers_is_one_line_within_its_timeout():
 # -- against a live run ------------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_status_of_a_live_run_lists_every_node_and_is_no_peer(run_dir, tmp_path):
-    """Coordinator + 2 nodes: `status` lists both nodes with their round, device and phase and the run's round;
-    `--watch` redraws until Ctrl-C; and the client is in no round's group, metrics or peer list."""
-    run = LocalRun(run_dir, write_config(tmp_path / "live.toml", LIVE_CONFIG))
+def test_status_of_a_live_run_lists_every_node_and_is_no_peer_then_sigterm_stops_it_all(run_dir, tmp_path):
+    """`simulate` with 2 nodes: `status` lists both nodes with their round, device and phase and the run's round;
+    `--watch` redraws until Ctrl-C; and the client is in no round's group, metrics or peer list.
+
+    Then a SIGTERM to `simulate` (a process manager, ``kill``, a CI timeout) stops its coordinator, its nodes and
+    their env servers and p2pd daemons, as Ctrl+C does, and it exits 143. (They run in their own sessions, so
+    before the fix they ran on after `simulate` was gone.) One run for both: the suite's time."""
+    import psutil
+
+    from composer_diloco.metrics import read_metrics
+    from tests_support import alive, cmdline, process_tree, stop_processes
+
+    err_path = tmp_path / "simulate.err"
+    with open(err_path, "w") as err:
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "simulate", "--nodes", "2", "--config",
+             str(write_config(tmp_path / "live.toml", LIVE_CONFIG)), "--eval-episodes", "0", "--run-dir",
+             str(run_dir)], stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env={**os.environ, "COLUMNS": "1000"})
+    started: list[psutil.Process] = []
+
+    def records() -> dict[str, list[dict]]:
+        return read_metrics(run_dir)
+
+    def wait_round(name: str, rnd: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while rnd not in [r["round"] for r in records().get(name, [])]:
+            assert sim.poll() is None and time.monotonic() < deadline, \
+                f"{name} did not end round {rnd}:\n{err_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+
     try:
-        run.start_coordinator(wait=False)  # the nodes start beside it (the suite's time)
-        run.start_node("node-0")
-        run.start_node("node-1")
-        peer = run.wait_peer_line()
         for name in ("node-0", "node-1"):
-            run.wait_round(name, 0, timeout_s=240)
+            wait_round(name, 0, timeout_s=240)
+        peer = re.search(r"coordinator at (\S+);", err_path.read_text().replace("\n", "")).group(1)
 
         # --watch (on a terminal) and a one-shot read at once: the suite's time
         watch = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--watch"],
@@ -159,20 +182,35 @@ def test_status_of_a_live_run_lists_every_node_and_is_no_peer(run_dir, tmp_path)
         last = rows(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.rsplit("age s", 1)[1]))
         assert {"coordinator", "node-0", "node-1"} <= set(last), out[-3000:]
 
-        done = max(run.rounds_of("coordinator"))
+        done = max(r["round"] for r in records()["coordinator"])
         for name in ("coordinator", "node-0", "node-1"):  # a round that began after the reads ends
-            run.wait_round(name, done + 1, timeout_s=120)
-        for name in ("coordinator", "node-0", "node-1"):  # at once (a graceful stop takes ~7 s here)
-            run.kill(name)
+            wait_round(name, done + 1, timeout_s=120)
+
+        # every kind of process the run starts is up: coordinator, nodes, their env servers, p2pd daemons
+        started = process_tree(sim.pid)[1:]
+        cmds = [cmdline(p) for p in started]
+        assert sum("-m nodes" in c for c in cmds) >= 2 and sum("envs.tool_env.server" in c for c in cmds) >= 2, cmds
+        sim.send_signal(signal.SIGTERM)
+        sim.wait(timeout=30)
+        assert sim.returncode == 128 + signal.SIGTERM, err_path.read_text()[-3000:]
+        time.sleep(1.0)
+        left = [cmdline(p) for p in started if alive(p)]
+        assert left == [], left
     finally:
-        run.stop()
+        stop_processes([sim])
+        for p in started:  # never leak what the test started, whatever failed
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
 
     # the client was no peer: every round's group is the coordinator and the 2 nodes; nothing names it
-    records = run.records()  # (the rounds the stop cut short are left out)
-    assert set(records) == {"coordinator", "node-0", "node-1"}
-    for name, recs in records.items():
-        assert all(r["peers"] == 3 for r in recs if r["round"] <= done + 1), (name, [(r["round"], r["peers"])
-                                                                                    for r in recs])
+    recs = records()  # (the rounds the stop cut short are left out)
+    assert set(recs) == {"coordinator", "node-0", "node-1"}
+    for name, lines in recs.items():
+        assert all(r["peers"] == 3 for r in lines if r["round"] <= done + 1), (name, [(r["round"], r["peers"])
+                                                                                     for r in lines])
     for folder, _, files in os.walk(run_dir):  # metrics, peers.json, logs, checkpoints: the client's ID nowhere
         for file in files:
             assert client_id.encode() not in (Path(folder) / file).read_bytes(), Path(folder) / file
+

@@ -174,3 +174,23 @@ def end_peer_scenario() -> None:
     """Say "scenario passed" and leave at once, skipping the interpreter teardown (see `run_scenario_in_child`)."""
     print("scenario passed", flush=True)
     os._exit(0)
+
+
+def cmdline(p) -> str:
+    """A `psutil.Process`'s command line as one string; "" once it is gone (or a zombie on some platforms)."""
+    import psutil
+
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def alive(p) -> bool:
+    """Whether a `psutil.Process` still runs (a zombie does not)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
