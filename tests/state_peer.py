@@ -1,6 +1,6 @@
 """A peer of tests/test_state_transfer.py, run as its own process (a fault SIGKILLs its whole process group).
 
-    state_peer.py serve --role coordinator|node --name NAME [--peer MADDR] [--addr-out FILE]
+    state_peer.py serve --role coordinator|node --name NAME [--peer MADDR|-]
         A `DiLoCoPeer` holding round 0 of a small run (theta = `model(0)`, the outer optimizer's initial state): it
         publishes its heartbeat and serves its state until its stdin closes. Faults come from $COMPOSER_DILOCO_FAULTS
         (``slow_state``, ``kill_in_state_serve``).
@@ -11,6 +11,9 @@
         from a node). Phase 2: a peer that holds a theta of its own downloads from the node named ``server-c`` only,
         which is slow: first with a deadline shorter than its delay, then without one while it dies mid-download:
         each fails in one line with the theta untouched.
+
+``--peer -`` reads the multiaddr from the first line of stdin: the test starts every process at once (their imports
+overlap: the suite's time) and hands each its peer when that peer is up.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ CHUNK = 64 * 1024  # bytes: the 4 MB weight is 64 chunks, so a fault after 20 ch
 
 
 def config() -> RunConfig:
+    # a stream may stay silent 20 s: longer than server A's 12 s before its first chunk (waited out, not retried), and
+    # what the phase-2 holder waits for another server once server-c is gone (there is none: the suite's time)
     return RunConfig(run_name="statetest", outer=OuterOptimizer(optimizer="sgd", lr=0.7, momentum=0.9, nesterov=True),
-                     network=NetworkConfig(heartbeat_s=1.0, heartbeat_ttl_s=6.0, state_chunk_timeout_s=30.0))
+                     network=NetworkConfig(heartbeat_s=1.0, heartbeat_ttl_s=6.0, state_chunk_timeout_s=20.0))
 
 
 def model(seed: int) -> nn.Module:
@@ -118,6 +123,8 @@ def main() -> None:
     j.add_argument("--phase", type=int, choices=[1, 2], required=True)
     j.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.peer == "-":  # given when its peer is up (module docstring)
+        args.peer = sys.stdin.readline().strip()
     serve(args) if args.cmd == "serve" else join(args)
 
 

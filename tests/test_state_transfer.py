@@ -20,27 +20,38 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).with_name("state_peer.py")
 
 
-def _serve(name: str, role: str, logs: Path, peer: str | None = None, fault: str = "") -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "COMPOSER_DILOCO_FAULTS": fault}
-    args = [sys.executable, str(PEER), "serve", "--role", role, "--name", name] + (["--peer", peer] if peer else [])
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(logs / f"{name}.log", "w"),
-                            text=True, cwd=ROOT, env=env, start_new_session=True)
+def _start(name: str, args: list[str], logs: Path, fault: str = "") -> subprocess.Popen:
+    """``state_peer.py ARGS`` as its own process (its own group: a fault's SIGKILL takes its p2pd with it)."""
+    return subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=open(logs / f"{name}.log", "w"), text=True, cwd=ROOT,
+                            env={**os.environ, "COMPOSER_DILOCO_FAULTS": fault}, start_new_session=True)
+
+
+def _serve(name: str, role: str, logs: Path, fault: str = "") -> subprocess.Popen:
+    args = ["serve", "--role", role, "--name", name] + (["--peer", "-"] if role == "node" else [])
+    return _start(name, args, logs, fault)
+
+
+def _go(proc: subprocess.Popen, peer: str) -> None:
+    """Hand a process started with ``--peer -`` its peer's multiaddr."""
+    proc.stdin.write(peer + "\n")
+    proc.stdin.flush()
+
+
+def _peer_line(proc: subprocess.Popen, name: str, logs: Path) -> str:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith("peer: "):
-            return proc, line.removeprefix("peer: ").strip()
+            return line.removeprefix("peer: ").strip()
         if not line and proc.poll() is not None:
             break
-    stop_processes([proc])
     raise AssertionError(f"{name} printed no peer line:\n{(logs / f'{name}.log').read_text()[-3000:]}")
 
 
-def _join(phase: int, peer: str, logs: Path) -> dict:
+def _joined(proc: subprocess.Popen, phase: int, logs: Path) -> dict:
     out = logs / f"join-{phase}.json"
-    proc = subprocess.run([sys.executable, str(PEER), "join", "--peer", peer, "--phase", str(phase), "--out", str(out)],
-                          stdout=subprocess.DEVNULL, stderr=open(logs / f"join-{phase}.log", "w"), cwd=ROOT,
-                          timeout=240)
+    proc.wait(timeout=240)
     assert proc.returncode == 0 and out.is_file(), (logs / f"join-{phase}.log").read_text()[-4000:]
     return json.loads(out.read_text())
 
@@ -69,17 +80,25 @@ def test_joins_survive_a_slow_and_a_dying_server_move_only_what_differs_and_refu
     logs.mkdir()
     procs: list[subprocess.Popen] = []
     try:
-        a, addr = _serve("server-a", "coordinator", logs, fault="slow_state:*:12,kill_in_state_serve:*:20")
-        procs.append(a)
-        b, b_addr = _serve("server-b", "node", logs, peer=addr)
-        procs.append(b)
+        # every process starts now and waits for its peer (their imports overlap: the suite's time)
+        a = _serve("server-a", "coordinator", logs, fault="slow_state:*:12,kill_in_state_serve:*:20")
+        b = _serve("server-b", "node", logs)
+        c = _serve("server-c", "node", logs, fault="slow_state:*:6,kill_in_state_serve:*:20")
+        joiners = {phase: _start(f"join-{phase}", ["join", "--peer", "-", "--phase", str(phase), "--out",
+                                                   str(logs / f"join-{phase}.json")], logs) for phase in (1, 2)}
+        procs += [a, b, c, *joiners.values()]
+        addr = _peer_line(a, "server-a", logs)
+        _go(b, addr)
+        b_addr = _peer_line(b, "server-b", logs)
         started = time.monotonic()
-        first = _join(1, addr, logs)
+        _go(joiners[1], addr)
+        first = _joined(joiners[1], 1, logs)
         joined_s = time.monotonic() - started
         assert a.wait(timeout=30) == -9  # SIGKILLed by its fault, mid-download
-        c, _ = _serve("server-c", "node", logs, peer=b_addr, fault="slow_state:*:6,kill_in_state_serve:*:20")
-        procs.append(c)
-        second = _join(2, b_addr, logs)
+        _go(c, b_addr)  # C only now: the first joiner's download resumed from B, never from C
+        _peer_line(c, "server-c", logs)
+        _go(joiners[2], b_addr)
+        second = _joined(joiners[2], 2, logs)
         assert c.wait(timeout=30) == -9
     finally:
         for p in procs:
