@@ -9,6 +9,7 @@
         and under ``--prefix`` (the closed run's prefix, which libp2p's identify protocol would tell any connected
         peer). Prints ``{"peer_id", "attempts": {name: {"ok", "detail"}}}``
         as JSON: ``ok`` is true when the attack succeeded.
+        ``--peer -`` (any mode) reads MADDR from stdin's first line: the test starts it beside the peer it attacks.
     outsider_peer.py join-loop --peer MADDR --prefix P
         Without the secret, ask the peer at MADDR to take us into its group until stdin closes; prints the replies.
     outsider_peer.py host --run-name NAME
@@ -379,6 +380,8 @@ def main() -> None:
     ap.add_argument("--prefix", default=None, help="the closed run's averager prefix, as identify would leak it")
     ap.add_argument("--join-for", type=float, default=5.0, help="seconds to keep asking to join a group")
     args = ap.parse_args()
+    if args.peer == "-":  # given on stdin's first line once that peer is up: this process's imports overlap its start
+        args.peer = sys.stdin.readline().strip()
     if args.mode == "host":
         host(args.run_name)
         return

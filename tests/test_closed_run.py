@@ -207,9 +207,17 @@ def _read_peer_line(proc: subprocess.Popen, timeout_s: float = 300.0) -> str:
     return line.split()[1]
 
 
-def _attack(peer: str, secret: str | None, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(OUTSIDER), "attack", "--peer", peer, *extra], env=env_with(secret),
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, start_new_session=True)
+def _attack(secret: str | None, log: Path, *extra: str) -> subprocess.Popen:
+    """An attacker started now, beside its target (the suite's time): `_aim` it once the target's peer line is known."""
+    return subprocess.Popen([sys.executable, str(OUTSIDER), "attack", "--peer", "-", *extra], env=env_with(secret),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT,
+                            start_new_session=True)
+
+
+def _aim(attacker: subprocess.Popen, peer: str) -> None:
+    """Give an attacker of `_attack` its target's multiaddr (it starts attacking then)."""
+    attacker.stdin.write(peer + "\n")
+    attacker.stdin.flush()
 
 
 def _report(proc: subprocess.Popen, log: Path, timeout_s: float = 240.0) -> dict:
@@ -225,11 +233,10 @@ def test_the_attacks_work_on_an_open_run(tmp_path):
     host = subprocess.Popen([sys.executable, str(OUTSIDER), "host"], env=env_with(None), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "host.log", "w"), text=True, cwd=ROOT,
                             start_new_session=True)
-    procs = [host]
+    attacker = _attack(None, tmp_path / "attack.log", "--join-for", "8")
+    procs = [host, attacker]
     try:
-        peer = _read_peer_line(host, timeout_s=120)
-        attacker = _attack(peer, None, tmp_path / "attack.log", "--join-for", "8")
-        procs.append(attacker)
+        _aim(attacker, _read_peer_line(host, timeout_s=120))
         report = _report(attacker, tmp_path / "attack.log")
     finally:
         stop_processes(procs)
@@ -272,6 +279,10 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     prefix = averaging_prefix("composer", SECRET.encode())
     try:
         (tmp_path / "closed.toml").write_text(FLOOD_CONFIG)
+        # the attackers start with the coordinator and attack once it is up (their imports overlap its start)
+        attackers = {label: _attack(secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "2")
+                     for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
+        procs += attackers.values()
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(tmp_path / "closed.toml"), "--run-dir",
              str(run_dir)],
@@ -291,14 +302,14 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         # a wrong secret, at once (most of an attack is waiting for refusals: the suite's time); the insider's look
         # at the DHT once the attacks are over
         start = time.monotonic()
-        attackers = {label: _attack(peer, secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "2")
-                     for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
+        for attacker in attackers.values():
+            _aim(attacker, peer)
         rogues = {"no-secret": rogue_node("no-secret", None), "wrong-secret": rogue_node("wrong-secret", WRONG)}
         readers = {label: subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--timeout",
                                             "30"], env=env_with(secret), stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
                    for label, secret in (("no-secret", None), ("wrong-secret", WRONG), ("secret", SECRET))}
-        procs += [*attackers.values(), *rogues.values(), *readers.values()]
+        procs += [*rogues.values(), *readers.values()]
         rogue_results = {}
         for label, p in rogues.items():
             _, err = p.communicate(timeout=180)
