@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,30 +68,79 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[CACHE_ENV] = str(root)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The embedded default's warm start (smoke.toml's, ~45 s on 2 cores), once, before the first test that uses it
-    (`warm_cache`): outside every test's time limit, so that a slow machine times no test out in its setup, and a
-    failure stops the session with one error instead of one per test that needed it."""
-    if session.config.option.collectonly or not any("warm_cache" in getattr(item, "fixturenames", ())
-                                                      for item in session.items):
-        return
-    from composer_diloco.config import load_config
-    from composer_diloco.policy import load_policy
+_WARM_BUILD = pytest.StashKey["tuple[subprocess.Popen, Path, float] | None"]()
 
-    cfg = load_config(SMOKE)
-    started = time.monotonic()
-    try:
-        load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
-    except Exception as exc:  # noqa: BLE001 (any failure: the session cannot run the tests that need it)
-        pytest.exit(f"the embedded default's warm start failed before the tests: {exc!r}", returncode=1)
+_BUILD_WARM_START = """
+from composer_diloco.config import load_config
+from composer_diloco.policy import load_policy
+cfg = load_config({smoke!r})
+load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
+"""
+
+
+def _needs_warm_start(item: pytest.Item) -> bool:
+    """Whether a test needs the embedded default's warm start cached: it asks for `warm_cache` (`run_dir` does), or
+    it is a multi-process run (its coordinator or nodes load the default)."""
+    return "warm_cache" in getattr(item, "fixturenames", ()) or item.get_closest_marker("multiprocess") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that need no warm start first, each group in collection order: the warm start builds in the
+    background meanwhile (`pytest_collection_finish`), on CI's second core (the suite's time)."""
+    items.sort(key=_needs_warm_start)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the embedded default's warm start (smoke.toml's, ~50 s on 2 cores) in a process of its own, once, for
+    every test that needs it (`_needs_warm_start`, which waits for it in `pytest_runtest_protocol`: outside every
+    test's time limit, so that a slow machine times no test out in its setup, and a failure stops the session with
+    one error instead of one per test that needed it)."""
+    session.stash[_WARM_BUILD] = None
+    if session.config.option.collectonly or not any(_needs_warm_start(item) for item in session.items):
+        return
+    log = session.stash[_USER_CACHE] / "warm-start-build.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(PYTEST_THREADS)}  # as it ran in this process before
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _BUILD_WARM_START.format(smoke=str(SMOKE))], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    session.stash[_WARM_BUILD] = (proc, log, time.monotonic())
+
+
+def _wait_for_warm_start(item: pytest.Item) -> None:
+    """Wait for the background warm start (once); a failed one ends the session with its log's last lines."""
+    session = item.session
+    build = session.stash.get(_WARM_BUILD, None)
+    if build is None:
+        return
+    proc, log, started = build
+    waited = time.monotonic()
+    code = proc.wait()
+    session.stash[_WARM_BUILD] = None
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        pytest.exit(f"the embedded default's warm start failed before the tests that need it (exit {code}):\n{tail}",
+                    returncode=1)
     session.config.get_terminal_writer().line(
-        f"warm start of the embedded default: {time.monotonic() - started:.1f} s (cached for the session)")
+        f"\nwarm start of the embedded default: {time.monotonic() - started:.1f} s in the background beside "
+        f"{session.items.index(item)} test(s), {time.monotonic() - waited:.1f} s waited (cached for the session)")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test that needs the warm start waits for it first, before its own timeout starts."""
+    if _needs_warm_start(item):
+        _wait_for_warm_start(item)
+    yield
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Put ``COMPOSER_DILOCO_CACHE`` back and delete a session temp cache."""
     from composer_diloco.policy.cache import CACHE_ENV
 
+    build = session.stash.get(_WARM_BUILD, None)
+    if build is not None and build[0].poll() is None:  # no test needed it after all (e.g. a -x stop)
+        build[0].kill()
+        build[0].wait()
     if _USER_CACHE not in session.stash:
         return
     previous = session.stash[_PREVIOUS_CACHE_ENV]
