@@ -76,6 +76,7 @@ class Arm:
         outer_toml: the ``[outer]`` section's optimizer lines verbatim (another optimizer), overriding ``outer``.
         base: a config file (relative to the repository) under the arm's own keys, e.g. ``configs/coding.toml``
             for the coding env: its env, sequence length, temperature and inner lr stay; the arm's keys win.
+        dpo_score: ``[loss] dpo_score`` (None: the config's, "accepted"), e.g. "recovery" (issue 40).
     """
 
     name: str
@@ -93,6 +94,7 @@ class Arm:
     outer_toml: str | None = None
     base: str | None = None
     inner_lr: float | None = None
+    dpo_score: str | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -118,6 +120,7 @@ class Arm:
                 + (f"[codec_options]\n{self.codec_options.strip()}\n" if self.codec_options else "")
                 + f"[grpo]\ntasks_per_step = {self.tasks_per_step}\n"
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
+                + (f'dpo_score = "{self.dpo_score}"\n' if self.dpo_score is not None else "")
                 + (f"[inner]\nlr = {self.inner_lr}\n" if self.inner_lr is not None else "")
                 + f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
@@ -214,6 +217,9 @@ ARMS = [
     Arm("coding-composite-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING),
     Arm("coding-sdpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, beta_dpo=0.0),
     Arm("coding-dpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, alpha_sdpo=0.0),
+    # issue 40: DPO whose chosen is the whole scripted recovery (dpo_score = "recovery"), alone beside GRPO
+    Arm("coding-dpo-recovery-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, base=CODING, alpha_sdpo=0.0,
+        dpo_score="recovery"),
     # the sparse codec on the shipped loss, beside grpo-avg-N4-H16 (section 1d) and sparse-N4-H16 (the old composite)
     Arm("grpo-sparse-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="sparse-2bit", **GRPO),
     # the shared-blocks codec (block top-k on a shared selection, in the butterfly), beside the two above
@@ -389,6 +395,7 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
         "learning_coding.png": ("The coding env (its own tokenizer), N = 4, H = 16",
                                 ["coding-sync-N4", "coding-avg-N4-H16", "coding-delayed-lr0.7-m0.9-d4-N4-H16",
                                  "coding-composite-avg-N4-H16", "coding-sdpo-avg-N4-H16", "coding-dpo-avg-N4-H16",
+                                 "coding-dpo-recovery-avg-N4-H16",
                                  "coding-sync-N4-lr2e-5"]),
         "learning_outer_h64.png": ("Outer optimizers, GRPO alone, N = 2, H = 64 (2,048 samples)",
                                    ["grpo-sync-N2", "grpo-avg-N2-H64", "grpo-nesterov-lr0.7-m0.9-N2-H64",

@@ -142,12 +142,16 @@ class LossConfig(_Section):
                     "[warmstart] hint_rate.",
     )
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
-    dpo_score: Literal["accepted", "script_progress"] = Field(
+    dpo_score: Literal["accepted", "script_progress", "recovery"] = Field(
         "accepted",
         description="A DPO candidate's score: 'accepted' = 1 for any call the env runs without error; "
                     "'script_progress' = 1 only for a call of the env package's script still to make (0 like an error "
                     "otherwise; envs without a script score as 'accepted'). BENCHMARKS.md 1c: 22% of the warm "
-                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers.",
+                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers. "
+                    "'recovery': one pair per error site, chosen = the env's scripted remainder played to the "
+                    "episode's end (its replies masked out), scored by the episode's reward, rejected = the failed "
+                    "call (channels/dpo_recovery.py: on the coding env single-call pairs teach a writer that never "
+                    "submits); needs an env with a scripted solver.",
     )
 
 

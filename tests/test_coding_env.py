@@ -486,6 +486,44 @@ def test_rollout_session_plays_the_coding_env_unchanged(server):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
+def test_a_dpo_recovery_after_failed_tests_runs_the_tests_and_submits(server):
+    """Issue 40: DPO's ``dpo_score = "recovery"`` pair at a failed ``run_tests`` of the starter code. Its chosen is the
+    rest of the script played in the env: the reference written, the tests run, a submit that passes (reward 1), so
+    the pair holds the calls that check and finish the work on its chosen side too (single-call pairs put only a
+    ``write_file`` there, and taught a policy that never submits)."""
+    from composer_diloco.channels.dpo_recovery import recovery_pairs
+    from composer_diloco.channels.dpo_teachers import render_tool_call
+    from composer_diloco.policy import load_embedded_tokenizer
+    from composer_diloco.rollout.env_package import load_env_package
+    from composer_diloco.rollout.episodes import OpenEnvSession
+    from episode_support import scripted_episode
+
+    tok = load_embedded_tokenizer("envs.coding_env.server")
+    session = OpenEnvSession(server.url, max_tool_calls=8)
+    try:
+        question, tools = session.reset(4, "7")
+        steps = []
+        for name, args in [("read_file", {"path": "solution.py"}), ("run_tests", {})]:  # the starter fails its tests
+            content, kind, meta, _, _ = session.call(name, args)
+            text, _ = render_tool_call(tok, name, args)
+            steps.append((text[: -len(tok.eos_token)], content, kind, meta or {}))
+        assert steps[-1][2] == "execution_error" and steps[-1][3]["reason"] == "tests_failed", steps[-1]
+        episode = scripted_episode(tok, seed=4, episode_id="7", question=question, tools=tools, steps=steps)
+        (pair,), stats = recovery_pairs(tok, [episode], session, load_env_package("envs.coding_env").script)
+    finally:
+        session.close()
+    assert (pair.turn, pair.chosen_score, pair.rejected_score, stats.pairs) == (3, 1.0, 0.0, 1)
+    assert '"run_tests"' in tok.decode(pair.rejected_ids)
+    calls = tok.decode([t for t, m in zip(pair.chosen_ids, pair.chosen_mask) if m])
+    assert [name for name in ("write_file", "run_tests", "submit") if f'"{name}"' in calls] == \
+        ["write_file", "run_tests", "submit"], calls
+    assert calls.count(tok.eos_token) == 3  # three turns, each ended
+    replies = tok.decode([t for t, m in zip(pair.chosen_ids, pair.chosen_mask) if not m])
+    assert "passed" in replies, replies  # the env's reply to the recovery's run_tests, as context
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
 def test_concurrent_sessions_each_solve_their_episode(server):
     tasks = [make_task(0, "0", task_id=name) for name in ("gcd", "fizzbuzz", "caesar")]
     rewards: dict[int, float] = {}

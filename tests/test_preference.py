@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
@@ -477,3 +478,103 @@ def test_collect_pairs_batch_of_eight(server, session, tok, model):
     print(f"collect_pairs: 8 episodes, {stats.sites} sites, {stats.pairs} pairs in {elapsed:.2f} s")
     _check_stats(pairs, stats, n_sites=8, per_site=4)
     assert len(pairs) == 8 and all(p.chosen_source == "scripted" for p in pairs)
+
+
+# ------------------------------------------------------------------------------ recovery pairs (dpo_score = "recovery")
+@pytest.mark.timeout(60)
+def test_a_recovery_is_token_for_token_the_episode_that_follows_the_script(two_episodes, session, tok):
+    """Both episodes recovered by following the script after their failed call, so the recovery played from the site
+    is their own continuation: the same calls, replies and headers, token for token, the replies masked out (the
+    rollout's env mask), ending in the correct submit (reward 1)."""
+    from composer_diloco.channels.dpo_recovery import play_recovery
+
+    for ep in two_episodes:
+        (site,) = error_sites(ep)
+        spans = {s.turn: s for s in turn_spans(ep, tok.eos_token_id)}
+        start = spans[site + 2].start  # the first call after the failed one
+        recovery = play_recovery(session, ep, site, tok, TOOL_ENV.script)
+        assert recovery is not None and recovery.reward == 1.0, recovery
+        assert recovery.calls == (len(ep.turns) - 1 - (site + 2)) // 2 + 1
+        assert recovery.token_ids == (ep.prompt_ids + ep.completion_ids)[start:]
+        assert recovery.mask == ep.env_mask[start - len(ep.prompt_ids):]
+        assert recovery.mask[-1] == 1 and 0 in recovery.mask  # it ends on the submit's EOS; replies are context
+        assert "submit" in tok.decode([t for t, m in zip(recovery.token_ids, recovery.mask) if m])
+
+
+@pytest.mark.timeout(60)
+def test_recovery_pairs_one_per_site_chosen_the_recovery_rejected_the_failed_call(two_episodes, session, tok):
+    from composer_diloco.channels.dpo_recovery import recovery_pairs
+
+    episodes = list(two_episodes)
+    pairs, stats = recovery_pairs(tok, episodes, session, TOOL_ENV.script, max_sites=8)
+    assert [p.episode_id for p in pairs] == ["a", "b"]
+    assert (stats.sites, stats.pairs, stats.candidates, stats.replay_errors) == (2, 2, 4, 0)
+    for p, ep in zip(pairs, episodes):
+        (site,) = error_sites(ep)
+        ids = ep.prompt_ids + ep.completion_ids
+        span = next(s for s in turn_spans(ep, tok.eos_token_id) if s.turn == site)
+        assert p.turn == site and p.prompt_ids == site_contexts(ep, site, tok, None)[0]  # the student context
+        assert p.rejected_ids == ids[span.start: span.end] and p.rejected_source == "recorded"
+        assert (p.chosen_source, p.chosen_score, p.rejected_score) == ("recovery", 1.0, 0.0)
+        assert len(p.chosen_mask) == len(p.chosen_ids)
+    # a bar the recoveries' reward does not reach, and the cap on sites: counted, never silently dropped
+    none, stats = recovery_pairs(tok, episodes, session, TOOL_ENV.script, min_score_diff=1.5)
+    assert none == [] and stats.skipped_no_score_diff == 2
+    one, stats = recovery_pairs(tok, episodes, session, TOOL_ENV.script, max_sites=1)
+    assert [p.episode_id for p in one] == ["a"] and stats.sites_over_cap == 1
+    # a script that knows nothing of the episodes: no recovery, no pair
+    none, stats = recovery_pairs(tok, episodes, session, lambda seed, episode_id, question: None)
+    assert none == [] and stats.skipped_single_candidate == 2
+    with pytest.raises(ValueError, match="max_sites"):
+        recovery_pairs(tok, episodes, session, TOOL_ENV.script, max_sites=0)
+
+
+@pytest.mark.timeout(60)
+def test_dpo_rows_score_only_the_recoverys_calls(two_episodes, session, tok, model):
+    """The chosen row's response mask is the recovery's mask after the prompt (the replies add nothing to log p), and
+    the reference log-prob is the sum over exactly those tokens."""
+    from composer_diloco.channels.dpo import DpoStats
+    from composer_diloco.channels.dpo_recovery import recovery_pairs
+    from composer_diloco.channels.dpo_rows import dpo_rows
+    from composer_diloco.channels.losses import sequence_logprobs
+
+    pairs, _ = recovery_pairs(tok, list(two_episodes), session, TOOL_ENV.script)
+    stats = DpoStats()
+    rows = dpo_rows(pairs, model, pad_token_id=tok.pad_token_id or 0, max_length=4096, stats=stats)
+    assert stats.dpo_pairs == 2
+    for i, p in enumerate(pairs):
+        n = len(p.prompt_ids)
+        mask = rows["dpo_chosen_response_mask"][i]
+        assert mask[:n].sum() == 0 and mask[n: n + len(p.chosen_ids)].tolist() == list(p.chosen_mask)
+        assert mask[n + len(p.chosen_ids):].sum() == 0
+        rejected = rows["dpo_rejected_response_mask"][i]
+        assert rejected[n: n + len(p.rejected_ids)].sum() == len(p.rejected_ids)  # a single call: all of it
+        ids = rows["dpo_chosen_ids"][i: i + 1]
+        logits = model(input_ids=ids, attention_mask=rows["dpo_chosen_attention_mask"][i: i + 1]).logits.float()
+        expected = sequence_logprobs(logits, ids, mask[None])
+        assert torch.allclose(rows["dpo_ref_chosen_logps"][i], expected[0], atol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_the_dpo_channel_builds_recovery_pairs_and_refuses_an_env_without_a_script(two_episodes, session, tok, model):
+    """``[loss] dpo_score = "recovery"``: the channel's rows are the recovery pairs' (no sampled candidate); an env
+    package without a scripted solver is refused when the channel is built, in one line naming the package."""
+    import dataclasses
+
+    from composer_diloco.channels.base import ChannelContext
+    from composer_diloco.channels.dpo import DpoChannel, DpoStats
+    from composer_diloco.config import RunConfig
+
+    config = RunConfig(loss={"beta_dpo": 0.2, "dpo_score": "recovery"})
+    ctx = ChannelContext(config=config, model=model, tokenizer=tok, sessions=[session], env=TOOL_ENV,
+                         hints=DEFAULT_HINTS)
+    channel = DpoChannel.from_context(ctx)
+    stats = DpoStats()
+    rows = channel.build(model, list(two_episodes), stats)
+    assert stats.pair_stats.pairs == stats.dpo_pairs == 2 and rows["dpo_chosen_ids"].shape[0] == 2
+    assert rows["dpo_chosen_response_mask"].sum() < rows["dpo_chosen_attention_mask"].sum()  # replies are context
+    no_script = dataclasses.replace(TOOL_ENV, script=None)
+    with pytest.raises(ValueError, match=r"dpo_score = 'recovery' .* 'envs.tool_env' has none") as e:
+        DpoChannel.from_context(dataclasses.replace(ctx, env=no_script))
+    assert "\n" not in str(e.value)
+    assert RunConfig().digest() == RunConfig(loss={"dpo_score": "accepted"}).digest()  # the default's digest stays

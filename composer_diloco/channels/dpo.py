@@ -8,7 +8,8 @@ round's frozen global model theta_r (refreshed after every outer step, so every 
 ``disable_adapter()``), no copy, the same on every peer for the whole run.
 
 Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (what a candidate's
-replay is worth: any accepted call, or only a call of the env's script, `dpo_teachers.script_progress`), the
+replay is worth: any accepted call, or only a call of the env's script, `dpo_teachers.script_progress`; or
+``"recovery"``: one pair per site whose chosen is the env's whole scripted recovery, `dpo_recovery.recovery_pairs`), the
 ``[preference]`` section
 (`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
 Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
@@ -30,9 +31,11 @@ from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, Chann
                                            register_channel, split_rows)
 from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
+from composer_diloco.channels.dpo_recovery import recovery_pairs
 from composer_diloco.channels.dpo_teachers import ProgressFn, TeacherFn, make_teachers, script_progress
 from composer_diloco.channels.losses import dpo_sigmoid_loss, sequence_logprobs
 from composer_diloco.channels.dpo_rows import dpo_rows
+from composer_diloco.rollout.env_package import ScriptFn
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
@@ -131,6 +134,9 @@ class DpoChannel(LossChannel):
         policy: the trained policy whose weights the reference copies.
         progress: with ``[loss] dpo_score = "script_progress"``, the env's `script_progress` (an accepted call off
             the env's script scores 0.0); None scores every accepted call 1.0.
+        recovery: with ``[loss] dpo_score = "recovery"``, the env's scripted solver: the pairs are
+            `dpo_recovery.recovery_pairs` (chosen = the scripted recovery, rejected = the failed call) instead of
+            `collect_pairs`'s single calls.
     """
 
     name = "dpo"
@@ -140,11 +146,11 @@ class DpoChannel(LossChannel):
 
     def __init__(self, weight: float, *, config: RunConfig, reference_model: nn.Module, session: EnvSession,
                  tokenizer: Any, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module,
-                 progress: ProgressFn | None = None):
+                 progress: ProgressFn | None = None, recovery: ScriptFn | None = None):
         super().__init__(weight)
         self.config, self.reference_model, self.session = config, reference_model, session
         self.tokenizer, self.hints, self.teachers, self.policy = tokenizer, hints, teachers, policy
-        self.progress = progress
+        self.progress, self.recovery = progress, recovery
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
@@ -153,11 +159,18 @@ class DpoChannel(LossChannel):
         is its own reference with its adapters disabled (`AdaptersDisabled`: the base, no copy).
 
         Raises:
-            ValueError: an unknown ``[preference] teachers`` name (`make_teachers`).
+            ValueError: an unknown ``[preference] teachers`` name (`make_teachers`); ``dpo_score = "recovery"`` with
+                an env package that has no scripted solver.
         """
         cfg = ctx.config
         if cfg.loss.beta_dpo <= 0:
             return None
+        recovery = None
+        if cfg.loss.dpo_score == "recovery":
+            recovery = ctx.env.script
+            if recovery is None:
+                raise ValueError(f"[loss] dpo_score = 'recovery' plays the env's scripted solver, and env package "
+                                 f"{ctx.env.package!r} has none (expected a script() in its demos.py)")
         from composer_diloco.policy.lora import AdaptersDisabled, is_lora
         from composer_diloco.policy.precision import frozen_linears_to_bf16, is_autocast
 
@@ -174,18 +187,24 @@ class DpoChannel(LossChannel):
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
                    tokenizer=ctx.tokenizer,
                    teachers=make_teachers(cfg.preference.teachers, ctx.env),
-                   progress=script_progress(ctx.env) if cfg.loss.dpo_score == "script_progress" else None)
+                   progress=script_progress(ctx.env) if cfg.loss.dpo_score == "script_progress" else None,
+                   recovery=recovery)
 
     def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
         """Collect the step's pairs (samples from the global RNG, replays in the env), then their tensors with the
         reference log-probs; None when no pair survives."""
         cfg, p = self.config, self.config.preference
-        pairs, pair_stats = collect_pairs(
-            model, self.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
-            mode=p.mode, min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
-            max_sites=p.max_sites, max_turn_tokens=cfg.env.max_turn_tokens, temperature=cfg.grpo.temperature,
-            progress=self.progress,
-        )
+        if self.recovery is not None:
+            pairs, pair_stats = recovery_pairs(self.tokenizer, episodes, self.session, self.recovery,
+                                               max_sites=p.max_sites, min_score_diff=p.min_score_diff,
+                                               max_tool_reply_tokens=cfg.env.max_tool_reply_tokens)
+        else:
+            pairs, pair_stats = collect_pairs(
+                model, self.tokenizer, episodes, self.session, hints=self.hints, teachers=self.teachers,
+                mode=p.mode, min_score_diff=p.min_score_diff, max_pairs_per_turn=p.max_pairs_per_turn,
+                max_sites=p.max_sites, max_turn_tokens=cfg.env.max_turn_tokens, temperature=cfg.grpo.temperature,
+                progress=self.progress,
+            )
         stats.pair_stats.add(pair_stats)
         if not pairs:
             return None

@@ -61,6 +61,8 @@ class PreferencePair:
         rejected_ids: ``(Tl,)`` y_l: the worse candidate's.
         chosen_score, rejected_score: their scores, ``chosen_score > rejected_score``.
         chosen_source, rejected_source: their `Candidate.source`.
+        chosen_mask: ``(Tw,)`` 0/1, which of ``chosen_ids`` DPO scores (a multi-turn chosen, e.g. a recovery of
+            `composer_diloco.channels.dpo_recovery`, holds env replies that are context, not response); None = all.
     """
 
     episode_id: str
@@ -72,6 +74,7 @@ class PreferencePair:
     rejected_score: float
     chosen_source: str
     rejected_source: str
+    chosen_mask: tuple[int, ...] | None = None
 
     @property
     def score_diff(self) -> float:

@@ -21,7 +21,8 @@ def dpo_rows(pairs: Sequence[Any], reference_model: torch.nn.Module, *, pad_toke
     long (``prompt + chosen`` / ``prompt + rejected``, right-padded with ``pad_token_id``), their ``*_attention_mask``
     and ``*_response_mask`` (P, L) (1 on response tokens), and ``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``
     (P,) float32: the reference policy's summed response log-probs (nats, no grad, computed on its device, returned on
-    CPU). A pair whose longer response reaches ``max_length`` tokens is dropped (``stats.dpo_skipped_truncated``);
+    CPU). A pair's ``chosen_mask`` (a multi-turn chosen: its env replies are context) zeroes those tokens of the chosen
+    response mask. A pair whose longer response reaches ``max_length`` tokens is dropped (``stats.dpo_skipped_truncated``);
     the prompt is cut from the left to fit. Returns ``{}`` when no pair fits; counts kept pairs in
     ``stats.dpo_pairs``.
 
@@ -39,8 +40,8 @@ def dpo_rows(pairs: Sequence[Any], reference_model: torch.nn.Module, *, pad_toke
             stats.dpo_skipped_truncated += 1
             continue
         prompt = list(p.prompt_ids)[-(max_length - longest):]
-        rows_c.append((prompt + list(p.chosen_ids), len(prompt)))
-        rows_r.append((prompt + list(p.rejected_ids), len(prompt)))
+        rows_c.append((prompt + list(p.chosen_ids), len(prompt), getattr(p, "chosen_mask", None)))
+        rows_r.append((prompt + list(p.rejected_ids), len(prompt), None))
     if not rows_c:
         return {}
     out = {}
@@ -48,8 +49,8 @@ def dpo_rows(pairs: Sequence[Any], reference_model: torch.nn.Module, *, pad_toke
     for name, rows in (("chosen", rows_c), ("rejected", rows_r)):
         ids, att = pad_rows([r[0] for r in rows], pad_token_id)
         resp = torch.zeros_like(ids)
-        for row, (seq, n_prompt) in enumerate(rows):
-            resp[row, n_prompt:len(seq)] = 1
+        for row, (seq, n_prompt, mask) in enumerate(rows):
+            resp[row, n_prompt:len(seq)] = 1 if mask is None else torch.tensor(mask, dtype=resp.dtype)
         logits = reference_model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
         out[f"dpo_{name}_ids"], out[f"dpo_{name}_attention_mask"] = ids, att
         out[f"dpo_{name}_response_mask"] = resp
