@@ -47,7 +47,9 @@ from composer_diloco.channels.dpo_pairing import (
     build_pairs,
     check_pairing,
 )
-from composer_diloco.channels.replay import ReplayError, check_assistant_turn, error_sites, replay_to, score_candidate
+from composer_diloco.channels.replay import (
+    ReplayError, check_assistant_turn, error_sites, recorded_sites, replay_to, score_candidate,
+)
 from composer_diloco.channels.dpo_teachers import (
     SOURCES,
     TEACHERS,
@@ -217,28 +219,20 @@ def _find_sites(episodes: Sequence[Episode], tokenizer: Any, hints: HintRegistry
                 extra: PairStats) -> list[_Site]:
     """Step 1: the error sites (at most ``max_sites``) with their student/teacher contexts; the recorded turn is each
     site's first candidate. Counts ``sites_over_cap`` and ``no_hint`` into ``extra``."""
-    eos = tokenizer.eos_token_id
+    found, over_cap = recorded_sites(episodes, tokenizer.eos_token_id, max_sites)
+    extra.sites_over_cap += over_cap
     sites: list[_Site] = []
-    for ep in episodes:
-        found = error_sites(ep)
-        if not found:
-            continue
-        spans = {s.turn: s for s in turn_spans(ep, eos)}
-        ids = ep.prompt_ids + ep.completion_ids
-        for turn in found:
-            if len(sites) >= max_sites:
-                extra.sites_over_cap += 1
-                continue
-            reply = ep.turns[turn + 1]
-            hint = hints.hint(reply.error_kind, reply.error_meta) if hints is not None else None
-            if hints is not None and hint is None:
-                extra.no_hint += 1
-            span = spans[turn]
-            student, teacher = _contexts(ep, span, tokenizer, hint)
-            text = ep.turns[turn].content
-            site = _Site(ep, turn, student, teacher)
-            site.candidates.append(Candidate("recorded", text, ids[span.start: span.end], parse_tool_call(text)))
-            sites.append(site)
+    for found_site in found:
+        ep, turn, span = found_site.episode, found_site.turn, found_site.span
+        reply = ep.turns[turn + 1]
+        hint = hints.hint(reply.error_kind, reply.error_meta) if hints is not None else None
+        if hints is not None and hint is None:
+            extra.no_hint += 1
+        student, teacher = _contexts(ep, span, tokenizer, hint)
+        text = ep.turns[turn].content
+        site = _Site(ep, turn, student, teacher)
+        site.candidates.append(Candidate("recorded", text, found_site.recorded, parse_tool_call(text)))
+        sites.append(site)
     return sites
 
 

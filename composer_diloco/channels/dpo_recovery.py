@@ -28,9 +28,9 @@ from typing import Any
 
 from composer_diloco.channels.dpo_pairing import PairStats, PreferencePair
 from composer_diloco.channels.dpo_teachers import render_tool_call, script_remaining
-from composer_diloco.channels.replay import ReplayError, error_sites, replay_to
+from composer_diloco.channels.replay import ReplayError, recorded_sites, replay_to
 from composer_diloco.rollout.env_package import ScriptFn
-from composer_diloco.rollout.episode_tokens import tool_suffix_ids, turn_spans
+from composer_diloco.rollout.episode_tokens import tool_suffix_ids
 from composer_diloco.rollout.episodes import Episode, EnvSession, cut_reply
 
 __all__ = ["Recovery", "play_recovery", "recovery_pairs"]
@@ -126,34 +126,25 @@ def recovery_pairs(tokenizer: Any, episodes: Sequence[Episode], session: EnvSess
         raise ValueError(f"need max_sites >= 1 and min_score_diff >= 0; got {max_sites}, {min_score_diff}")
     stats = PairStats()
     pairs: list[PreferencePair] = []
-    for ep in episodes:
-        found = error_sites(ep)
-        if not found:
+    sites, stats.sites_over_cap = recorded_sites(episodes, tokenizer.eos_token_id, max_sites)
+    for site in sites:
+        stats.sites += 1
+        try:
+            recovery = play_recovery(session, site.episode, site.turn, tokenizer, script,
+                                     max_tool_reply_tokens=max_tool_reply_tokens)
+        except ReplayError as exc:
+            log.warning("dropping DPO site: %s", exc)
+            stats.replay_errors += 1
             continue
-        spans = {s.turn: s for s in turn_spans(ep, tokenizer.eos_token_id)}
-        ids = ep.prompt_ids + ep.completion_ids
-        for turn in found:
-            if stats.sites >= max_sites:
-                stats.sites_over_cap += 1
-                continue
-            stats.sites += 1
-            span = spans[turn]
-            try:
-                recovery = play_recovery(session, ep, turn, tokenizer, script,
-                                         max_tool_reply_tokens=max_tool_reply_tokens)
-            except ReplayError as exc:
-                log.warning("dropping DPO site: %s", exc)
-                stats.replay_errors += 1
-                continue
-            stats.candidates += 1 + (recovery is not None)
-            if recovery is None:
-                stats.skipped_single_candidate += 1
-                continue
-            if not (recovery.reward > 0.0 and recovery.reward >= min_score_diff):
-                stats.skipped_no_score_diff += 1
-                continue
-            pairs.append(PreferencePair(ep.episode_id, turn, ids[: span.start], recovery.token_ids,
-                                        ids[span.start: span.end], recovery.reward, 0.0, SOURCE, "recorded",
-                                        chosen_mask=tuple(recovery.mask)))
+        stats.candidates += 1 + (recovery is not None)
+        if recovery is None:
+            stats.skipped_single_candidate += 1
+            continue
+        if not (recovery.reward > 0.0 and recovery.reward >= min_score_diff):
+            stats.skipped_no_score_diff += 1
+            continue
+        pairs.append(PreferencePair(site.episode.episode_id, site.turn, site.student, recovery.token_ids,
+                                    site.recorded, recovery.reward, 0.0, SOURCE, "recorded",
+                                    chosen_mask=tuple(recovery.mask)))
     stats.pairs = len(pairs)
     return pairs, stats

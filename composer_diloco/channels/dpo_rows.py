@@ -40,7 +40,7 @@ def dpo_rows(pairs: Sequence[Any], reference_model: torch.nn.Module, *, pad_toke
             stats.dpo_skipped_truncated += 1
             continue
         prompt = list(p.prompt_ids)[-(max_length - longest):]
-        rows_c.append((prompt + list(p.chosen_ids), len(prompt), getattr(p, "chosen_mask", None)))
+        rows_c.append((prompt + list(p.chosen_ids), len(prompt), p.chosen_mask))
         rows_r.append((prompt + list(p.rejected_ids), len(prompt), None))
     if not rows_c:
         return {}

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 from composer_diloco.rollout.chat import ParsedCall
+from composer_diloco.rollout.episode_tokens import TurnSpan, turn_spans
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 
@@ -36,7 +39,8 @@ class Candidate:
 
 
 
-__all__ = ["Candidate", "ReplayError", "check_assistant_turn", "error_sites", "replay_to", "score_candidate"]
+__all__ = ["Candidate", "RecordedSite", "ReplayError", "check_assistant_turn", "error_sites", "recorded_sites", "replay_to",
+           "score_candidate"]
 
 
 class ReplayError(RuntimeError):
@@ -53,6 +57,56 @@ def error_sites(episode: Episode) -> list[int]:
         k for k in range(len(turns) - 1)
         if turns[k].role == "assistant" and turns[k + 1].role == "tool" and turns[k + 1].error_kind is not None
     ]
+
+
+@dataclass(frozen=True)
+class RecordedSite:
+    """A tool-error site of a played episode, located in its tokens.
+
+    Attributes:
+        episode: the played episode.
+        turn: index into ``episode.turns`` of the assistant turn whose call failed (`error_sites`).
+        span: that turn's tokens in ``episode.prompt_ids + episode.completion_ids`` (`turn_spans`).
+    """
+
+    episode: Episode
+    turn: int
+    span: TurnSpan
+
+    @property
+    def student(self) -> list[int]:
+        """``(S,)`` token ids before the failed turn: the context the policy generated it in (the student's)."""
+        return (self.episode.prompt_ids + self.episode.completion_ids)[: self.span.start]
+
+    @property
+    def recorded(self) -> list[int]:
+        """``(T,)`` the failed turn's token ids after its header, EOS included when present."""
+        return (self.episode.prompt_ids + self.episode.completion_ids)[self.span.start: self.span.end]
+
+
+def recorded_sites(episodes: Sequence[Episode], eos_token_id: int | None,
+                   max_sites: int) -> tuple[list[RecordedSite], int]:
+    """The tool-error sites of ``episodes`` in episode order, at most ``max_sites`` of them: where DPO's pairings
+    (`composer_diloco.channels.dpo_pairs`, `composer_diloco.channels.dpo_recovery`) look.
+
+    Returns:
+        ``(sites, over_cap)``: the sites kept, and how many more there were past ``max_sites``.
+    Raises:
+        ValueError: an episode's tokens do not match its turns (`turn_spans`).
+    """
+    sites: list[RecordedSite] = []
+    over_cap = 0
+    for ep in episodes:
+        found = error_sites(ep)
+        if not found:
+            continue
+        spans = {s.turn: s for s in turn_spans(ep, eos_token_id)}
+        for turn in found:
+            if len(sites) >= max_sites:
+                over_cap += 1
+            else:
+                sites.append(RecordedSite(ep, turn, spans[turn]))
+    return sites, over_cap
 
 
 def check_assistant_turn(episode: Episode, turn: int) -> None:
