@@ -5,7 +5,7 @@ embedded default policy, the default config with ``--rounds``/``--inner-steps``)
 off, the second on (`composer_diloco.outer.overlap`). The node's own metrics line gives, per round:
 
     inner_seconds    the inner phase (rollouts + H inner steps)
-    blocked_seconds  the seconds the inner loop stood still at the round's end (`nodes.node.Node.end_round`):
+    blocked_seconds  the seconds the inner loop stood still at the round's end (`composer_diloco.diloco.DiLoCoRounds.end_round`):
                      blocking, the whole sync; overlapped, the wait for the previous round's theta, the rebase and the
                      hand-off (the run's last round also waits for its own sync: it has nothing to overlap with)
     sync_seconds     the round's sync from ready (or hand-off) to theta (in the background when overlapped)
@@ -46,7 +46,7 @@ overlap = {overlap}
 
 
 def run_mode(out: Path, overlap: bool, rounds: int, inner_steps: int, nodes: int) -> list[dict]:
-    """One simulate run; returns the nodes' metrics lines (dicts of `nodes.node.Node._write_round`)."""
+    """One simulate run; returns the nodes' metrics lines (dicts of `nodes.node.Node.round_ended`)."""
     mode = "overlapped" if overlap else "blocking"
     run_dir = out / mode
     config = out / f"{mode}.toml"

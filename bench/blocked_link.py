@@ -96,13 +96,13 @@ def build_policy(out: Path, layers: int, seed: int = 0) -> int:
 
 
 class _StandInStats:
-    """The `composer_diloco.inner.step.RoundStats` surface that `Node.end_round` reads, for a phase with no
+    """The `composer_diloco.inner.step.RoundStats` surface that a round reads (`composer_diloco.diloco`), for a phase with no
     episodes: ``samples`` is the all-reduce weight the phase claims."""
 
     episodes_env_error = 0
     no_tool_call = False
     longest_episode_tokens = 0  # (`composer_diloco.policy.memory_plan.round_memory`)
-    generated_tokens = 0  # (`nodes.node.phase_record`)
+    generated_tokens = 0  # (`composer_diloco.diloco.InnerPhase.record`)
     channel_stats: dict = {}
 
     def __init__(self, samples: int):
@@ -113,7 +113,7 @@ class _StandInStats:
 
 
 class _StandInTrainer:
-    """What `Node.end_round` calls on its trainer."""
+    """What a round calls on its trainer (`composer_diloco.diloco.InnerTrainer`)."""
 
     def __init__(self, samples: int):
         self.samples = samples
@@ -126,11 +126,13 @@ class _StandInTrainer:
 
 
 def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int):
+    from composer_diloco.diloco import DiLoCoRounds
     from nodes.node import Node
 
     class StandInNode(Node):
         """`nodes.node.Node` whose inner phase is one random step on every parameter (std 1e-4) and a sleep to
-        ``inner_s`` seconds; everything after the phase (`Node.end_round` and on) is the node's own. Round 0
+        ``inner_s`` seconds; everything after the phase (`composer_diloco.diloco.DiLoCoRounds.end_round` and on) is
+        the node's own. Round 0
         starts on every node together: once all ``nodes`` have joined (each touches ``<run dir>/.ready-<name>``),
         at ``start_at`` (epoch s) at the latest."""
 
@@ -146,17 +148,19 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int
                 if self.stop.event.wait(0.05):
                     break
             gen = torch.Generator().manual_seed(sum(map(ord, self.options.name)))
-            self._start_inner_phase()
+            rounds = self.rounds = DiLoCoRounds(peer, config, self.stop.event, self, self.clock, overlap=self.overlap)
+            rounds.attach(self.trainer)
+            rounds.start_inner_phase()
             while not self.stop.event.is_set():
                 with torch.no_grad():
                     for p in self.model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen), alpha=1e-4)
-                self.stop.event.wait(max(0.0, self._round_started + inner_s - time.monotonic()))
-                self._steps_in_round = config.inner_steps
-                self.end_round(self.model)
+                self.stop.event.wait(max(0.0, rounds.started + inner_s - time.monotonic()))
+                rounds.steps = config.inner_steps
+                rounds.end_round(self.model)
                 if peer.round >= config.rounds:
                     break
-            self.end_training(self.model)
+            rounds.finish(self.model)
             if peer.round >= config.rounds and not self.stop.event.is_set():
                 peer.serve_until_settled(self.stop.event, config.network.averaging_timeout_s + 5.0)
             return peer.round - first

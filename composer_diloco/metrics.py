@@ -4,7 +4,7 @@ Fields every peer writes: ``round``, ``peers``, ``sync_seconds`` and its parts `
 (`composer_diloco.outer.peer.OUTER_PHASES`), ``bytes_sent``, ``global_sha256``, ``status``,
 ``peer``, ``role``; nodes add ``samples``, ``mean_reward``, ``success_rate``, ``episodes_without_tool_call``,
 ``episodes_env_error``, ``loss_grpo``, ``inner_seconds`` and its parts ``inner_phase_seconds``
-(`composer_diloco.inner.trainer.INNER_PHASES`), ``generated_tokens``, ``generated_tokens_per_s``, ``memory_peak_bytes`` / ``memory_planned_bytes`` /
+(`composer_diloco.timing.INNER_PHASES`), ``generated_tokens``, ``generated_tokens_per_s``, ``memory_peak_bytes`` / ``memory_planned_bytes`` /
 ``episode_tokens_max`` (`composer_diloco.policy.memory_plan.round_memory`) and each loss channel's keys
 (`composer_diloco.channels.base.LossChannel.round_record`: ``loss_sdpo``, ``sdpo_sites``, ``sdpo_skipped``, ``loss_dpo``, ``dpo_pairs``, ``pair_stats`` for the built-in SDPO
 and DPO channels).

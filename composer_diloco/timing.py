@@ -19,7 +19,20 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["PhaseClock", "cuda_sync_for"]
+__all__ = ["INNER_PHASES", "PhaseClock", "cuda_sync_for"]
+
+INNER_PHASES = {
+    "generation": "the policy decoding the episodes' turns (with tokenizing the contexts and parsing the calls)",
+    "env": "env resets and tool calls of the rollout (continuous batching: only while no turn is decoding)",
+    "scoring": "TRL scoring the step's episodes: rewards, advantages, its own log-prob passes (the KL reference's "
+               "when [grpo] beta > 0)",
+    "sdpo": "the SDPO channel's build: error sites, hinted teacher rows, verification replays",
+    "dpo": "the DPO channel's build: candidate samples, env replays, pairs, reference log-probs",
+    "forward_backward": "forward and backward of every micro-batch: TRL's GRPO loss plus the channels' terms",
+    "optimizer": "AdamW's step",
+    "trainer": "transformers' Trainer between these: data loading, gradient clipping, logging, callbacks",
+}
+"""The parts of a node's inner phase (`PhaseClock` phases; the metrics line's ``inner_phase_seconds``)."""
 
 
 def cuda_sync_for(device: str | object) -> Callable[[], None] | None:

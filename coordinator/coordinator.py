@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer_diloco.config import ConfigError, RunConfig, config_diff
-from composer_diloco.outer.peer import DiLoCoPeer
+from composer_diloco.diloco import follow_rounds
+from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.report import Reporter, check_trackers
@@ -345,8 +346,7 @@ class Coordinator:
     def _load_outer_state(self, folder: Path) -> None:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
         lora_base = self.peer.base_sha256 if self.config.lora is not None else None  # a LoRA checkpoint's base
-        self.peer.round = restore_outer_state(folder, self.peer.global_model, lora_base)
-        self.peer._update_priority()
+        self.peer.resume_at(restore_outer_state(folder, self.peer.global_model, lora_base))
         self.swarm.set_round(self.peer.round)
         log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round,
                  self.peer.global_model.sha256()[:12])
@@ -384,21 +384,24 @@ class Coordinator:
         return peer.round - first
 
     def _serve_rounds(self) -> None:
+        """The run's rounds, the coordinator's side (`composer_diloco.diloco.follow_rounds`), each recorded by
+        `_round_ended`."""
+        follow_rounds(self.peer, self.config.rounds, self.stop.event, self._round_ended)
+
+    def _round_ended(self, result: SyncResult) -> None:
+        """One round's metrics line and status, the peers seen, and a checkpoint every ``checkpoint_every`` rounds
+        and at the run's last."""
         config, peer = self.config, self.peer
-        while peer.round < config.rounds and not self.stop.event.is_set():
-            result = peer.sync(None, 0.0, stop=self.stop.event)
-            if result is None:
-                break
-            live = self.swarm.live_peers()  # for the tracker's table and for `composer-coordinator status`
-            self.metrics.write({**result.record(PEER_NAME, "coordinator"), "samples": 0,
-                                "weight_total": result.weight_total, "time": time.time()}, peers=live)
-            self.swarm.set_info(publish=True, **round_facts(result, live, self.swarm.info.get("group", [])))
-            log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
-                     result.weight_total, result.global_sha256[:12])
-            self._write_known_peers()
-            if peer.round % config.checkpoint_every == 0 or peer.round == config.rounds:
-                path = self._save()
-                log.info("checkpoint %s", path)
+        live = self.swarm.live_peers()  # for the tracker's table and for `composer-coordinator status`
+        self.metrics.write({**result.record(PEER_NAME, "coordinator"), "samples": 0,
+                            "weight_total": result.weight_total, "time": time.time()}, peers=live)
+        self.swarm.set_info(publish=True, **round_facts(result, live, self.swarm.info.get("group", [])))
+        log.info("round %d done: %d peers, %.0f samples, sha256 %s", result.round, result.peers,
+                 result.weight_total, result.global_sha256[:12])
+        self._write_known_peers()
+        if peer.round % config.checkpoint_every == 0 or peer.round == config.rounds:
+            path = self._save()
+            log.info("checkpoint %s", path)
 
     def _linger(self) -> None:
         """At the run's end: a node whose last all-reduce failed takes our state (`recovery.after_failed_round`),

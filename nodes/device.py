@@ -2,7 +2,7 @@
 
 Both come from the node's own ``composer-node join`` options, so nodes of one run may differ (a CPU box next to an
 H100): the run config fixes what must agree (the model, the loss, G = ``num_generations``), each node picks how it
-fits its hardware, and `Node.end_round` weights its pseudo-gradient by the episodes it actually trained.
+fits its hardware, and `composer_diloco.diloco.DiLoCoRounds` weights its pseudo-gradient by the episodes it actually trained.
 """
 
 from __future__ import annotations

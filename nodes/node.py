@@ -1,9 +1,9 @@
 """The node life cycle: join the DHT, read the run config, fetch the global model, train round after round.
 
-One round on a node, in order (the calls are in `RoundCallback.on_step_end` and `Node.end_round`):
+One round on a node, in order (`composer_diloco.diloco.DiLoCoRounds`; read it there):
     H x [rollouts against the env -> GRPO + loss channels -> AdamW step]   (TRL GRPOTrainer, `ComposerGRPOTrainer`)
     pseudo-gradient -> barrier -> all-reduce -> outer Nesterov step -> load theta into the policy  (`DiLoCoPeer`)
-    one line in <run-dir>/<name>/metrics.jsonl                   (`composer_diloco.inner.step.RoundStats.record`)
+    one line in <run-dir>/<name>/metrics.jsonl                                           (`Node.round_ended`)
 
 Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT starts (health, protocol, tools), one
 reset per ``--env-url`` with the run's ``reset_kwargs`` before the model is built or downloaded (a node's own env
@@ -21,13 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
-from transformers import TrainerCallback
 
-
-from composer_diloco import faults
 from composer_diloco.config import RunConfig, config_diff
+from composer_diloco.diloco import DiLoCoRounds, InnerPhase
 from composer_diloco.outer.peer import DiLoCoPeer
 from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
@@ -43,7 +40,8 @@ from composer_diloco.outer.swarm import (
     NoPeerAnswered, Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
 from composer_diloco.inner.step import RoundStats
-from composer_diloco.inner.trainer import INNER_PHASES, ComposerGRPOTrainer, grpo_args
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, grpo_args
+from composer_diloco.outer.peer import SyncResult
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
@@ -131,13 +129,11 @@ class Node:
         self.own_dir = Path(options.run_dir) / options.name  # metrics, identity key, error feedback, lock
         self._new_identity = False  # the identity key was made by this start (`join`): nobody else can hold it
         self.metrics = MetricsWriter(self.own_dir / "metrics.jsonl")
-        self._round_started = time.monotonic()
-        self._steps_in_round = 0
         self.tool_calls = ToolCallTally()
         self.memory_plan = None  # composer_diloco.policy.memory_plan.MemoryPlan, once `plan_memory` ran
         self.overlap = None  # composer_diloco.outer.overlap.OverlappedSync when the run's [outer] overlap is on
-        self._phases: dict[int, dict] = {}  # overlap: the metrics of each handed-off round's inner phase, by round
         self.clock = PhaseClock("trainer")  # the inner phase's parts (`INNER_PHASES`); remade on the device in train
+        self.rounds: DiLoCoRounds | None = None  # the round loop (`composer_diloco.diloco`), made in train
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -392,7 +388,7 @@ class Node:
         not fit.
 
         Also starts `PeakMemory` (its CPU baseline: the process before the policy is built), which each round's
-        metrics line reads (`_write_round`).
+        metrics line reads (`round_ended`).
 
         Returns:
             the `MemoryPlan`, or None when the model config could not be read.
@@ -465,14 +461,16 @@ class Node:
         self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
         engine = self.rollout_engine
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
+        self.rounds = DiLoCoRounds(peer, config, self.stop.event, self, self.clock, overlap=self.overlap)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
-            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self), *self._tracker_callbacks()],
+            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self.rounds), *self._tracker_callbacks()],
             tasks=self.tasks,
             task_shard=self.task_shard, clock=self.clock, rollout_engine=engine,
         )
+        self.rounds.attach(self.trainer)
         first = peer.round
-        self._start_inner_phase()
+        self.rounds.start_inner_phase()
         if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
             self.memory_peak.reset()
         self.trainer.train()
@@ -507,12 +505,6 @@ class Node:
         log.warning("no coordinator is alive at the end of the run: saved the final global model to %s "
                     "(`composer-coordinator start --resume --run-dir %s` continues from it)", folder, own_dir)
 
-    def _start_inner_phase(self) -> None:
-        """Start the clocks of an inner phase: ``inner_seconds`` and its parts (`PhaseClock`) count from now."""
-        self.clock.take()
-        self._round_started = time.monotonic()
-        self.swarm.set_info(phase="inner")  # rollouts and training (`composer-coordinator status`)
-
     def _tracker_callbacks(self) -> list:
         """With ``[report]``: TRL's own step metrics, averaged per round, to the trackers (after `RoundCallback`,
         whose step ends the round)."""
@@ -522,79 +514,33 @@ class Node:
 
         return [TrlLogsToTracker(self.metrics.reporter)]
 
-    def out_of_time(self) -> bool:
-        """True once this round's inner phase has used ``network.round_budget_s`` (never when it is unset)."""
-        budget = self.config.network.round_budget_s
-        return budget is not None and time.monotonic() - self._round_started >= budget
+    # -- what a round tells the node (`composer_diloco.diloco.RoundHost`) ---------------------------------------
+    def round_phase(self, phase: str) -> None:
+        """The round entered ``"inner"`` or ``"sync"``: published in this node's DHT info (`composer-coordinator
+        status`)."""
+        self.swarm.set_info(phase=phase)
 
-    def end_round(self, model: torch.nn.Module) -> None:
-        """Close the current inner phase: sync with the swarm (blocking, or handed off to the background with
-        ``[outer] overlap``) and write each finished round's metrics line.
-
-        ``blocked_seconds`` in the line: the wall seconds the inner loop stood still at the end of that round's inner
-        phase (blocking: the whole sync; overlapped: waiting for the previous round's theta, the fold and the hand-off;
-        for the run's last round also its own sync).
-        """
-        parts = self.clock.take()
-        entered = time.monotonic()
-        self.swarm.set_info(phase="sync")  # `composer-coordinator status`
-        inner_seconds = entered - self._round_started
-        stats = self.trainer.take_round_stats()  # episodes, per-step losses, channel counts of the round
-        samples = stats.samples
-        self.tool_calls.add(stats, self.peer.round, self.options.name)
+    def inner_phase_ended(self, phase: InnerPhase) -> None:
+        """Before the round's sync: count its parsed tool calls (`ToolCallTally`) and warn of env failures."""
+        stats = phase.stats
+        self.tool_calls.add(stats, phase.round, self.options.name)
         if stats.episodes_env_error:
             log.warning("round %d: the env failed %d of the %d episodes (ended with reward 0, see the warnings above)",
-                        self.peer.round, stats.episodes_env_error, samples)
-        phase = {"stats": stats, "inner_seconds": inner_seconds, "inner_steps": self._steps_in_round,
-                 "inner_phase_seconds": parts}
-        if self.overlap is not None:
-            self._end_overlapped(model, phase, entered)
-        else:
-            result = self.peer.sync(model, float(samples), stop=self.stop.event)
-            if result is None:
-                return
-            self.trainer.refresh_reference()
-            phase["blocked_seconds"] = time.monotonic() - entered
-            self._write_round(result, phase)
-        self._steps_in_round = 0
-        self._start_inner_phase()
+                        phase.round, stats.episodes_env_error, stats.samples)
 
-    def _end_overlapped(self, model: torch.nn.Module, phase: dict, entered: float) -> None:
-        """`end_round` with ``[outer] overlap``: fold the round in flight into the policy and hand this one off
-        (`composer_diloco.outer.overlap.OverlappedSync.end_round`); a dropped phase writes no line of its own."""
-        ended = self.overlap.end_round(model, float(phase["stats"].samples))
-        if ended.handed_off is not None:
-            self._phases[ended.handed_off] = phase
-        elif ended.settled:
-            log.warning("%s: the inner phase of %d steps was dropped (theta of round %d loaded)", self.options.name,
-                        phase["inner_steps"], self.peer.round)
-        phase["blocked_seconds"] = time.monotonic() - entered
-        self._settle_overlapped(ended.settled)
-        self.trainer.refresh_reference()  # the policy moved: the rebase or theta
-
-    def _settle_overlapped(self, settled: list) -> None:
-        """Write the metrics line of each background round that ended (`composer_diloco.outer.overlap.Settled`)."""
-        for done in settled:
-            phase = self._phases.pop(done.round, None)
-            if done.result is not None and phase is not None:
-                self._write_round(done.result, phase, fold=done.fold)
-
-    def _write_round(self, result, phase: dict, fold: str | None = None) -> None:
-        """One round's metrics line (`SyncResult` ``result`` of the inner phase ``phase``) and its log line."""
+    def round_ended(self, result: SyncResult, phase: InnerPhase, fold: str | None = None) -> None:
+        """One round's metrics line (`SyncResult.record` + `InnerPhase.record`, the memory it used, ``fold`` with
+        ``[outer] overlap``) and its log line; the codec's state saved and the peers seen remembered first."""
         from composer_diloco.policy.memory_plan import round_memory
 
         self._save_codec_state(result.round)
-        stats, inner_seconds = phase["stats"], phase["inner_seconds"]
+        stats = phase.stats
         peak = getattr(self, "memory_peak", None)  # the peak since the previous line (a round's inner phase + sync)
         memory, warnings = round_memory(self.memory_plan, peak.take() if peak is not None else None, stats)
         for line in warnings:
             log.warning("%s round %d: %s", self.options.name, result.round, line)
-        record = {
-            **result.record(self.options.name, "node"), **stats.record(), "inner_steps": phase["inner_steps"],
-            "inner_seconds": round(inner_seconds, 3), "blocked_seconds": round(phase["blocked_seconds"], 3),
-            "deadline_hit": phase["inner_steps"] < self.config.inner_steps, "time": time.time(), **memory,
-            **phase_record(phase["inner_phase_seconds"], stats.generated_tokens),
-        }
+        record = {**result.record(self.options.name, "node"), **phase.record(self.config.inner_steps),
+                  "time": time.time(), **memory}
         if fold is not None:
             record["fold"] = fold
         self.metrics.write(record)
@@ -603,26 +549,13 @@ class Node:
         self._remember_peers()
         log.info("round %d: reward %.3f, success %.2f, loss %+.4f, inner %.1f s, sync %.1f s, blocked %.1f s, "
                  "%d peers, %s%s", result.round, record["mean_reward"], record["success_rate"], record["loss_grpo"],
-                 inner_seconds, result.sync_seconds, phase["blocked_seconds"], result.peers, result.status,
+                 phase.seconds, result.sync_seconds, phase.blocked_seconds, result.peers, result.status,
                  f" ({fold})" if fold else "")
         if result.status == "alone":  # no other peer reached: say what it waits for, every round it lasts
             seen = sorted({p.name for p in self.swarm.live_peers() if p.name != self.options.name})
             log.warning("round %d: stepped alone: no other peer joined its all-reduce (live peers seen: %s); it keeps "
                         "re-dialing --peer %s and every peer it has seen, and averages again once one answers",
                         result.round, ", ".join(seen) or "none", " ".join(self.options.peers))
-
-    def end_training(self, model: torch.nn.Module | None) -> None:
-        """The trainer stopped (the run's end, a stop, steps run out): with ``[outer] overlap``, wait for the round in
-        flight and load theta into the policy, as the blocking path leaves it; writes that round's line."""
-        if self.overlap is None:
-            return
-        entered = time.monotonic()
-        done = self.overlap.drain(model)
-        if done is not None:
-            phase = self._phases.get(done.round)
-            if phase is not None:  # the trainer stood still for this wait too
-                phase["blocked_seconds"] = phase.get("blocked_seconds", 0.0) + time.monotonic() - entered
-            self._settle_overlapped([done])
 
     # -- leaving ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -633,48 +566,6 @@ class Node:
             s.close()
         self.sessions = []
         self.stop.run_cleanups()
-
-
-_PHASE_ORDER = {name: i for i, name in enumerate(INNER_PHASES)}  # a round's order; a phase not listed goes last
-
-
-def phase_record(inner: dict[str, float], generated_tokens: int) -> dict:
-    """The metrics line's inner-phase timing keys: ``inner_phase_seconds`` (the inner phase by part, `INNER_PHASES`;
-    they add up to ``inner_seconds``; seconds, rounded to 4 decimals) and ``generated_tokens_per_s`` (per second of
-    the ``generation`` part; 0.0 when there was none). The sync's parts are `SyncResult.record`'s."""
-    generation = inner.get("generation", 0.0)
-    return {
-        "inner_phase_seconds": {k: round(inner[k], 4) for k in sorted(inner, key=lambda k: _PHASE_ORDER.get(k, 99))},
-        "generated_tokens_per_s": round(generated_tokens / generation, 1) if generation > 0 else 0.0,
-    }
-
-
-class RoundCallback(TrainerCallback):
-    """Ends a DiLoCo round after H inner steps or at the round's time budget (``network.round_budget_s``,
-    checked after each step), and stops training at the run's end or on a stop request."""
-
-    def __init__(self, node: Node):
-        self.node = node
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        """After each inner step: count it, end the round at H steps or the time budget, stop at the run's end."""
-        node = self.node
-        node._steps_in_round += 1
-        faults.point("inner_step_end")
-        if node.stop.event.is_set():
-            control.should_training_stop = True
-            return control
-        if node._steps_in_round >= node.config.inner_steps or node.out_of_time():
-            node.end_round(model)
-        if node.peer.round >= node.config.rounds or node.stop.event.is_set():
-            control.should_training_stop = True
-        return control
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        """The trainer stopped: an overlapped round still in flight is waited for and theta loaded
-        (`Node.end_training`)."""
-        self.node.end_training(model)
-        return control
 
 
 def _model_config(config: RunConfig):
@@ -721,4 +612,4 @@ def _policy_skeleton(config: RunConfig):
     return load_policy(config.model, seed=config.seed, warmstart_steps=0)
 
 
-__all__ = ["Node", "NodeError", "NodeOptions", "RoundCallback", "SwarmError", "ToolCallTally", "TrainedOnNothing"]
+__all__ = ["Node", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]

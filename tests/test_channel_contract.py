@@ -163,7 +163,7 @@ def test_registry_rules(sft_registered):
 
 
 def test_round_stats_record_keeps_the_metrics_keys_of_before():
-    """The keys `Node.end_round` wrote by hand before the channels were modules, with the same values."""
+    """The keys `composer_diloco.diloco.DiLoCoRounds` wrote by hand before the channels were modules, with the same values."""
     from composer_diloco.channels.dpo import DpoStats
     from composer_diloco.channels.dpo_pairing import PairStats
     from composer_diloco.channels.sdpo_sites import SdpoStats

@@ -23,7 +23,7 @@ def assert_phases_add_up(metrics: dict, channels: set[str]) -> None:
     """Every node round's ``inner_phase_seconds`` add up to its ``inner_seconds`` and every peer's
     ``outer_phase_seconds`` to its ``sync_seconds``, within 5%; the loss channels that are on (and only they) have a
     part; ``generated_tokens_per_s`` is the generated tokens over the generation part."""
-    from composer_diloco.inner.trainer import INNER_PHASES
+    from composer_diloco.timing import INNER_PHASES
     from composer_diloco.outer.peer import OUTER_PHASES
 
     for name, records in metrics.items():

@@ -17,7 +17,7 @@ runner = CliRunner()
 
 
 def node_record(name: str, rnd: int, reward: float, samples: int = 8) -> dict:
-    """The fields `nodes.node.Node.end_round` writes (values made up)."""
+    """The fields `composer_diloco.diloco.DiLoCoRounds.end_round` writes (values made up)."""
     return {
         "round": rnd, "peer": name, "role": "node", "peers": 3, "samples": samples, "mean_reward": reward,
         "success_rate": reward / 2, "tool_errors_per_episode": 0.25, "loss_grpo": -0.1 + 0.01 * rnd,

@@ -47,20 +47,6 @@ from composer_diloco.timing import PhaseClock
 
 log = logging.getLogger(__name__)
 
-INNER_PHASES = {
-    "generation": "the policy decoding the episodes' turns (with tokenizing the contexts and parsing the calls)",
-    "env": "env resets and tool calls of the rollout (continuous batching: only while no turn is decoding)",
-    "scoring": "TRL scoring the step's episodes: rewards, advantages, its own log-prob passes (the KL reference's "
-               "when [grpo] beta > 0)",
-    "sdpo": "the SDPO channel's build: error sites, hinted teacher rows, verification replays",
-    "dpo": "the DPO channel's build: candidate samples, env replays, pairs, reference log-probs",
-    "forward_backward": "forward and backward of every micro-batch: TRL's GRPO loss plus the channels' terms",
-    "optimizer": "AdamW's step",
-    "trainer": "transformers' Trainer between these: data loading, gradient clipping, logging, callbacks",
-}
-"""The parts of a node's inner phase (`PhaseClock` phases; the metrics line's ``inner_phase_seconds``)."""
-
-
 def env_reward(prompts: list, completions: list, env_reward: list[float], **_: Any) -> list[float]:
     """Reward function for TRL: the environment's final reward of each episode (1.0 solved, else 0.0)."""
     return [float(r) for r in env_reward]
@@ -160,7 +146,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
             whether it is on).
         tasks: the ``[tasks]`` dataset (`TaskSet`), whose rows the episodes play; None: the env's reset gives the task.
         task_shard: this node's part of ``tasks`` (``--task-shard``), or None (see `TaskSet.order`).
-        clock: the node's `PhaseClock` (`INNER_PHASES` names what each phase counts); None: a clock of its own.
+        clock: the node's `PhaseClock` (`composer_diloco.timing.INNER_PHASES` names what each phase counts); None: a clock of its own.
         rollout_engine: how episodes decode (`composer_diloco.rollout.play.play_episodes`'s ``engine``).
 
     Raises:
@@ -270,6 +256,28 @@ class ComposerGRPOTrainer(GRPOTrainer):
         """The round's `RoundStats` since the previous call; a fresh one collects the next round."""
         out, self.round_stats = self.round_stats, RoundStats(self._channel_types, self.episodes_per_step)
         return out
+
+
+class RoundCallback(TrainerCallback):
+    """TRL's side of a node's DiLoCo rounds (`composer_diloco.diloco.DiLoCoRounds`, where the round is): after each
+    of the trainer's steps the rounds count it and may end a round; they say when training must stop. When the
+    trainer stops, an overlapped round in flight is waited for and theta loaded (`DiLoCoRounds.finish`).
+
+    Args:
+        rounds: the node's `DiLoCoRounds`.
+    """
+
+    def __init__(self, rounds: Any):
+        self.rounds = rounds
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.rounds.after_inner_step(model):
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.rounds.finish(model)
+        return control
 
 
 class _OptimizerPhase(TrainerCallback):

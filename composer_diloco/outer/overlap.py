@@ -182,8 +182,7 @@ class OverlappedSync:
     # -- internals ------------------------------------------------------------------------------------------
     def _load_theta(self, model: nn.Module) -> None:
         """theta into the policy, under the peer's lock (a background round given up on may still step theta)."""
-        with self.peer._lock:
-            self.peer.global_model.load_into(model)
+        self.peer.load_theta_into(model)
 
     def _normal(self, done: _InFlight) -> bool:
         """True when theta is the outer step of exactly the round handed off (nothing to fail closed on)."""
@@ -200,7 +199,7 @@ class OverlappedSync:
                 flight.anchor = self.peer.handed_off_weights()
                 flight.result = self.peer.complete(handoff, stop=self.stop)
                 if flight.result is not None and flight.result.status == "averaged":
-                    with self.peer._lock:  # off the trainer's critical path: the fold is then one add per element
+                    with self.peer.theta_lock:  # off the trainer's critical path: the fold is then one add per element
                         _correction(self.peer.global_model.params, flight.anchor)
             except BaseException as e:  # raised in the foreground at the next fold
                 flight.error = e

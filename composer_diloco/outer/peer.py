@@ -331,6 +331,26 @@ class DiLoCoPeer:
         self.averager.state_sharing_priority = -1.0 if not self.holds_theta else \
             self.round + (0.5 if self.swarm.role == "coordinator" else 0.0)
 
+    @property
+    def theta_lock(self) -> threading.Lock:
+        """The lock that guards theta and the outer optimizer state: every writer holds it, and so does every chunk a
+        peer downloads. Hold it to read or rebase against theta while a background round may step it
+        (`composer_diloco.outer.overlap`)."""
+        return self._lock
+
+    def load_theta_into(self, model: nn.Module) -> None:
+        """theta into ``model`` (any device/dtype), under `theta_lock` (a background round given up on may still
+        step theta)."""
+        with self._lock:
+            self.global_model.load_into(model)
+
+    def resume_at(self, round_: int) -> None:
+        """Take ``round_`` as this peer's round after theta and the outer state were restored from a checkpoint
+        (`composer_diloco.checkpoint.restore_outer_state`): the round its manifest and state-sharing priority say."""
+        with self._lock:
+            self.round = round_
+        self._update_priority()
+
     def layout(self) -> list[list]:
         """``[[name, shape], ...]`` of the global params: what two peers of one run must share."""
         return [[n, list(p.shape)] for n, p in zip(self.global_model.names, self.global_model.params)]

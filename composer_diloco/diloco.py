@@ -1,0 +1,249 @@
+"""A DiLoCo round, from the end of one inner phase to the start of the next, in one place (DiLoCo, arXiv 2311.08105).
+
+A node's round (`DiLoCoRounds`; `composer_diloco.inner.trainer.RoundCallback` calls it after each of TRL's steps):
+
+    H inner steps: rollouts -> collator -> composite loss -> AdamW      (TRL GRPOTrainer: `ComposerGRPOTrainer`)
+    1. close the inner phase: its stats, steps and seconds               `DiLoCoRounds._close_inner_phase`
+    2. sync with the swarm
+       blocking:   heal check -> pseudo-gradient Delta_i = theta - theta_i -> barrier -> weighted all-reduce
+                   -> outer step theta <- OuterOpt(theta, Delta) -> theta loaded into the policy     `DiLoCoPeer.sync`
+       overlapped: the round in flight settles and its theta is folded into the policy, this round's Delta_i is
+                   handed to a background thread that runs the rest                   `OverlappedSync.end_round`
+    3. the channels learn that the policy moved (DPO's reference policy)  `InnerTrainer.refresh_reference`
+    4. one record per round that ended                                    `RoundHost.round_ended`
+    5. the next inner phase starts                                        `DiLoCoRounds.start_inner_phase`
+
+The coordinator's round is step 2 alone, with no policy (`follow_rounds`): it contributes a zero pseudo-gradient of
+weight 0 and applies the same outer step, so it holds the canonical theta.
+
+Failure behaviour, call by call:
+- `DiLoCoPeer.sync` does not raise on a failed round: it ends it "resynced" (a peer's state downloaded) or "alone"
+  (its own pseudo-gradient), by `composer_diloco.outer.recovery`'s rules; a stop at the barrier returns None, and
+  the round then ends with no record and no new inner phase (the trainer stops at this step). It raises
+  `ArchitectureMismatch` when the state it must take belongs to another model: that ends the node.
+- `OverlappedSync.end_round` fails closed: a background round that did not end "averaged" into the next round drops
+  the overlapped phase's progress and loads theta (its record says ``fold: "dropped"``); the background thread's
+  exception is raised here, at the next fold.
+- A record that fails to write (a full disk) raises out of the callback and ends the node, as any error of the
+  trainer's loop does: no round is reported that was not written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import nn
+
+from composer_diloco import faults
+from composer_diloco.config import RunConfig
+from composer_diloco.outer.overlap import OverlappedSync
+from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
+from composer_diloco.timing import INNER_PHASES, PhaseClock
+
+if TYPE_CHECKING:  # the coordinator imports this module, and none of the inner loop's
+    from composer_diloco.inner.step import RoundStats
+
+__all__ = ["DiLoCoRounds", "InnerPhase", "InnerTrainer", "RoundHost", "follow_rounds"]
+
+log = logging.getLogger(__name__)
+
+_PHASE_ORDER = {name: i for i, name in enumerate(INNER_PHASES)}  # a round's order; a phase not listed goes last
+
+
+@dataclass
+class InnerPhase:
+    """One inner phase of a node, closed at its round's end.
+
+    Attributes:
+        round: the round it trained (the peer's round when it ended).
+        stats: its episodes, per-step losses and channel counts (`RoundStats`).
+        steps: inner steps taken (``inner_steps`` H, or fewer when ``network.round_budget_s`` ended it).
+        seconds: wall seconds from its start to its end.
+        parts: ``seconds`` by part (`INNER_PHASES`), seconds.
+        ended: `time.monotonic` at its end, seconds.
+        blocked_seconds: wall seconds the inner loop stood still from ``ended`` on (blocking: the whole sync;
+            overlapped: waiting for the previous round's theta, the fold and the hand-off; for the run's last round
+            also its own sync).
+    """
+
+    round: int
+    stats: RoundStats
+    steps: int
+    seconds: float
+    parts: dict[str, float]
+    ended: float = 0.0
+    blocked_seconds: float = 0.0
+
+    def record(self, inner_steps: int) -> dict:
+        """The phase's keys of a round's metrics line (`SyncResult.record` gives the sync's): the stats'
+        (`RoundStats.record`), ``inner_steps``, ``inner_seconds`` and ``blocked_seconds`` (seconds, 3 decimals),
+        ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H), ``inner_phase_seconds`` (by part, 4
+        decimals, in `INNER_PHASES` order) and ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0
+        when there was none)."""
+        generation = self.parts.get("generation", 0.0)
+        tokens = self.stats.generated_tokens
+        return {
+            **self.stats.record(), "inner_steps": self.steps, "inner_seconds": round(self.seconds, 3),
+            "blocked_seconds": round(self.blocked_seconds, 3), "deadline_hit": self.steps < inner_steps,
+            "inner_phase_seconds": {k: round(self.parts[k], 4)
+                                    for k in sorted(self.parts, key=lambda k: _PHASE_ORDER.get(k, 99))},
+            "generated_tokens_per_s": round(tokens / generation, 1) if generation > 0 else 0.0,
+        }
+
+
+class InnerTrainer(Protocol):
+    """What a round asks of the inner loop's trainer (`ComposerGRPOTrainer`)."""
+
+    def take_round_stats(self) -> RoundStats:
+        """The round's stats since the previous call."""
+
+    def refresh_reference(self) -> None:
+        """The policy moved (theta loaded, or a rebase): channels that keep a reference policy follow it."""
+
+
+class RoundHost(Protocol):
+    """What a round tells the process it runs in (`nodes.node.Node`): where it is, and each round's outcome."""
+
+    def round_phase(self, phase: str) -> None:
+        """The node entered ``"inner"`` (rollouts and training) or ``"sync"`` (`composer-coordinator status`)."""
+
+    def inner_phase_ended(self, phase: InnerPhase) -> None:
+        """An inner phase closed, before its sync (the node's tool-call tally, its env-failure warning)."""
+
+    def round_ended(self, result: SyncResult, phase: InnerPhase, fold: str | None) -> None:
+        """Round ``result.round`` ended after ``phase``; ``fold`` is how an overlapped round reached the policy
+        (`composer_diloco.outer.overlap.Fold`), None in blocking mode. The node writes its metrics line."""
+
+
+class DiLoCoRounds:
+    """A node's rounds (module docstring): counts inner steps, ends a round after H of them or at the round's time
+    budget (``network.round_budget_s``, checked after each step), syncs, and says when the trainer must stop (the
+    run's end, a stop request). The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
+    `after_inner_step` and `finish`; a loop without TRL calls them the same way (`bench/blocked_link.py`).
+
+    Args:
+        peer: the node's `DiLoCoPeer` (global model, outer optimizer, averager).
+        config: the run config (``rounds``, ``inner_steps``, ``network.round_budget_s``).
+        stop: the node's stop event (a barrier wait gives up when it is set).
+        host: the node (`RoundHost`).
+        clock: the inner phase's `PhaseClock` (its parts are taken at each phase's end).
+        overlap: the background sync with ``[outer] overlap``, None for blocking rounds.
+
+    Attributes:
+        trainer: the `InnerTrainer`, set by `attach` (the trainer is built with this callback in it).
+        steps: inner steps taken in the current phase.
+        started: `time.monotonic` at the current inner phase's start, seconds.
+    """
+
+    def __init__(self, peer: DiLoCoPeer, config: RunConfig, stop: threading.Event, host: RoundHost,
+                 clock: PhaseClock, overlap: OverlappedSync | None = None):
+        self.peer, self.config, self.stop, self.host = peer, config, stop, host
+        self.clock, self.overlap = clock, overlap
+        self.trainer: InnerTrainer | None = None
+        self.steps = 0
+        self.started = time.monotonic()
+        self._handed_off: dict[int, InnerPhase] = {}  # overlap: each handed-off round's inner phase, by round
+
+    def attach(self, trainer: InnerTrainer) -> None:
+        """Set the trainer whose inner phases these rounds close."""
+        self.trainer = trainer
+
+    # -- the round -------------------------------------------------------------------------------------------------
+    def start_inner_phase(self) -> None:
+        """Step 5 (and the first phase's start): ``seconds`` and the clock's parts count from now."""
+        self.clock.take()
+        self.steps = 0
+        self.started = time.monotonic()
+        self.host.round_phase("inner")
+
+    def out_of_time(self) -> bool:
+        """True once this inner phase has used ``network.round_budget_s`` (never when it is unset)."""
+        budget = self.config.network.round_budget_s
+        return budget is not None and time.monotonic() - self.started >= budget
+
+    def end_round(self, model: nn.Module) -> None:
+        """Steps 1 to 5 of the module docstring, blocking or overlapped.
+
+        Raises:
+            ArchitectureMismatch: from the sync (a peer's state of another model).
+        """
+        phase = self._close_inner_phase()                                       # 1.
+        if self.overlap is None:
+            result = self.peer.sync(model, float(phase.stats.samples), stop=self.stop)  # 2. ... theta loaded
+            if result is None:
+                return  # stopped at the barrier: no record, no new phase
+            self.trainer.refresh_reference()                                    # 3.
+            phase.blocked_seconds = time.monotonic() - phase.ended
+            self.host.round_ended(result, phase, None)                          # 4.
+        else:
+            out = self.overlap.end_round(model, float(phase.stats.samples))     # 2. fold round r-1, hand round r off
+            if out.handed_off is not None:
+                self._handed_off[out.handed_off] = phase
+            elif out.settled:
+                log.warning("%s: the inner phase of %d steps was dropped (theta of round %d loaded)",
+                            self.peer.swarm.name, phase.steps, self.peer.round)
+            phase.blocked_seconds = time.monotonic() - phase.ended
+            self._record_settled(out.settled)                                   # 4. the rounds that ended here
+            self.trainer.refresh_reference()                                    # 3. the rebase, or theta
+        self.start_inner_phase()                                                # 5.
+
+    def finish(self, model: nn.Module | None) -> None:
+        """The trainer stopped (the run's end, a stop, steps run out): with ``[outer] overlap``, wait for the round in
+        flight and load theta into the policy, as the blocking path leaves it, and record that round."""
+        if self.overlap is None:
+            return
+        entered = time.monotonic()
+        done = self.overlap.drain(model)
+        if done is not None:
+            phase = self._handed_off.get(done.round)
+            if phase is not None:  # the trainer stood still for this wait too
+                phase.blocked_seconds += time.monotonic() - entered
+            self._record_settled([done])
+
+    def _close_inner_phase(self) -> InnerPhase:
+        parts = self.clock.take()
+        ended = time.monotonic()  # what follows is the round's end: the inner loop stands still from here
+        self.host.round_phase("sync")
+        phase = InnerPhase(round=self.peer.round, stats=self.trainer.take_round_stats(), steps=self.steps,
+                           seconds=ended - self.started, parts=parts, ended=ended)
+        self.host.inner_phase_ended(phase)
+        return phase
+
+    def _record_settled(self, settled: list) -> None:
+        """Record each background round that ended (`composer_diloco.outer.overlap.Settled`); a dropped phase was
+        never handed off and has no record of its own."""
+        for done in settled:
+            phase = self._handed_off.pop(done.round, None)
+            if done.result is not None and phase is not None:
+                self.host.round_ended(done.result, phase, done.fold)
+
+    def after_inner_step(self, model: nn.Module) -> bool:
+        """After each inner step: count it, end the round at H steps or the time budget (`end_round`). Returns True
+        when training must stop: the run's last round is done, or a stop was requested."""
+        self.steps += 1
+        faults.point("inner_step_end")
+        if self.stop.is_set():
+            return True
+        if self.steps >= self.config.inner_steps or self.out_of_time():
+            self.end_round(model)
+        return self.peer.round >= self.config.rounds or self.stop.is_set()
+
+
+def follow_rounds(peer: DiLoCoPeer, rounds: int, stop: threading.Event,
+                  round_ended: Callable[[SyncResult], Any]) -> None:
+    """The coordinator's rounds, until ``rounds`` or ``stop``: step 2 with no policy (a zero pseudo-gradient of weight
+    0, the same mean and outer step as every node), then ``round_ended(result)`` (its metrics line, checkpoints).
+
+    Raises:
+        ArchitectureMismatch: from `DiLoCoPeer.sync`.
+    """
+    while peer.round < rounds and not stop.is_set():
+        result = peer.sync(None, 0.0, stop=stop)
+        if result is None:
+            return  # stopped at the barrier
+        round_ended(result)
