@@ -77,6 +77,8 @@ class Arm:
         base: a config file (relative to the repository) under the arm's own keys, e.g. ``configs/coding.toml``
             for the coding env: its env, sequence length, temperature and inner lr stay; the arm's keys win.
         dpo_score: ``[loss] dpo_score`` (None: the config's, "accepted"), e.g. "recovery" (issue 40).
+        warmstart: the ``[warmstart]`` section's lines verbatim (TOML), e.g. a longer warm start that teaches hint
+            use (``hint_rate``, issue 40), or None for the config's.
     """
 
     name: str
@@ -95,6 +97,7 @@ class Arm:
     base: str | None = None
     inner_lr: float | None = None
     dpo_score: str | None = None
+    warmstart: str | None = None
 
     def samples_per_round(self) -> int:
         """Episodes trained per round by the whole swarm."""
@@ -122,6 +125,7 @@ class Arm:
                 f"[loss]\nalpha_sdpo = {self.alpha_sdpo}\nbeta_dpo = {self.beta_dpo}\n"
                 + (f'dpo_score = "{self.dpo_score}"\n' if self.dpo_score is not None else "")
                 + (f"[inner]\nlr = {self.inner_lr}\n" if self.inner_lr is not None else "")
+                + (f"[warmstart]\n{self.warmstart.strip()}\n" if self.warmstart else "")
                 + f"[outer]\n{outer}{'overlap = true' + chr(10) if self.overlap else ''}"
                 f"[network]\nmatchmaking_time_s = 1.0\n")
         if self.base is None:
@@ -228,6 +232,21 @@ ARMS = [
     Arm("grpo-blocks-d32-int8-N4-H16", nodes=4, inner_steps=16, averaging=True, compression="shared-blocks",
         codec_options='density = 0.03125\nvalues = "int8"', **GRPO),
 ]
+# issue 40 item 3: the channels on a warm start whose policy was taught to read SDPO's hint (hint_rate 1: every failed
+# call of a demonstration is followed by the hint; 300 steps, where its teacher beats its student by +0.46 ± 0.12,
+# BENCHMARKS.md 1c), against the same 300-step warm start without hints; N = 2, H = 4 (the README's run) and N = 4,
+# H = 16
+HINTED, UNHINTED = "steps = 300\nhint_rate = 1.0", "steps = 300"
+ARMS += [
+    Arm("ws300-grpo-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, warmstart=UNHINTED, **GRPO),
+    Arm("ws300-sdpo-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, warmstart=UNHINTED, beta_dpo=0.0),
+    Arm("hint1-grpo-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, warmstart=HINTED, **GRPO),
+    Arm("hint1-sdpo-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, warmstart=HINTED, beta_dpo=0.0),
+    Arm("hint1-composite-avg-N2-H4", nodes=2, inner_steps=4, averaging=True, warmstart=HINTED),
+    Arm("hint1-grpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, warmstart=HINTED, **GRPO),
+    Arm("hint1-sdpo-avg-N4-H16", nodes=4, inner_steps=16, averaging=True, warmstart=HINTED, beta_dpo=0.0),
+]
+
 SMOKE_ARMS = [Arm("diloco-N2-H2", nodes=2, inner_steps=2)]
 
 
@@ -368,6 +387,11 @@ def plot(summary: dict[str, dict], figures: Path) -> list[Path]:
                                   ["sync-N2", "diloco-N2-H4", "diloco-N2-H16", "diloco-N2-H64", "avg-N2-H16"]),
         "learning_channels.png": ("Loss channels, N = 2, H = 16, averaging",
                                   ["grpo-N2-H16", "grpo+sdpo-N2-H16", "avg-N2-H16"]),
+        "learning_hinted.png": ("SDPO on a warm start taught to read its hints (hint1) and without (ws300), N = 2, H = 4",
+                                ["ws300-grpo-avg-N2-H4", "ws300-sdpo-avg-N2-H4", "hint1-grpo-avg-N2-H4",
+                                 "hint1-sdpo-avg-N2-H4", "hint1-composite-avg-N2-H4"]),
+        "learning_hinted_n4.png": ("SDPO on a warm start taught to read its hints, N = 4, H = 16",
+                                   ["hint1-grpo-avg-N4-H16", "hint1-sdpo-avg-N4-H16"]),
         "learning_outer_h4.png": ("Outer optimizers, GRPO alone, N = 4, H = 4",
                                   ["grpo-avg-N4-H4", "grpo-nesterov-lr0.5-m0.5-N4-H4",
                                    "grpo-heavyball-lr0.5-m0.5-N4-H4", "grpo-nesterov-lr0.2-m0.8-N4-H4",

@@ -22,10 +22,10 @@ Failure behaviour, call by call:
   the round then ends with no record and no new inner phase (the trainer stops at this step). It raises
   `ArchitectureMismatch` when the state it must take belongs to another model: that ends the node.
 - `OverlappedSync.end_round` fails closed: a background round that did not end "averaged" into the next round drops
-  the overlapped phase's progress and loads theta (its record says ``fold: "dropped"``); the background thread's
-  exception is raised here, at the next fold.
-- A record that fails to write (a full disk) raises out of the callback and ends the node, as any error of the
-  trainer's loop does: no round is reported that was not written.
+  the overlapped phase's progress and loads theta (the settled round's record says ``fold: "dropped"``; the dropped
+  phase was never handed off and has no record); the background thread's exception is raised here, at the next fold.
+- An error of the host's record (a full disk) propagates out of the trainer's step, as any error of the trainer's
+  loop does: a round is not reported done that was not written.
 """
 
 from __future__ import annotations
