@@ -154,6 +154,17 @@ class DiLoCoRounds:
         self.trainer = trainer
 
     # -- the round -------------------------------------------------------------------------------------------------
+    def after_inner_step(self, model: nn.Module) -> bool:
+        """After each inner step: count it, end the round at H steps or the time budget (`end_round`). Returns True
+        when training must stop: the run's last round is done, or a stop was requested."""
+        self.steps += 1
+        faults.point("inner_step_end")
+        if self.stop.is_set():
+            return True
+        if self.steps >= self.config.inner_steps or self.out_of_time():
+            self.end_round(model)
+        return self.peer.round >= self.config.rounds or self.stop.is_set()
+
     def start_inner_phase(self) -> None:
         """Step 5 (and the first phase's start): ``seconds`` and the clock's parts count from now."""
         self.clock.take()
@@ -221,17 +232,6 @@ class DiLoCoRounds:
             phase = self._handed_off.pop(done.round, None)
             if done.result is not None and phase is not None:
                 self.host.round_ended(done.result, phase, done.fold)
-
-    def after_inner_step(self, model: nn.Module) -> bool:
-        """After each inner step: count it, end the round at H steps or the time budget (`end_round`). Returns True
-        when training must stop: the run's last round is done, or a stop was requested."""
-        self.steps += 1
-        faults.point("inner_step_end")
-        if self.stop.is_set():
-            return True
-        if self.steps >= self.config.inner_steps or self.out_of_time():
-            self.end_round(model)
-        return self.peer.round >= self.config.rounds or self.stop.is_set()
 
 
 def follow_rounds(peer: DiLoCoPeer, rounds: int, stop: threading.Event,
