@@ -1,13 +1,13 @@
 """The channels' rows: SDPO sites and their alignment (episodes and raw traces, two chat templates:
 `channels.sdpo_sites`), DPO rows with the reference log-probs (`channels.dpo_rows`)."""
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 from trl.chat_template_utils import get_training_chat_template
 
 from composer_diloco.channels.dpo import DpoStats
+from composer_diloco.channels.dpo_pairing import PreferencePair
 from composer_diloco.channels.dpo_rows import dpo_rows
 from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder
 from composer_diloco.rollout.episode_tokens import tool_suffix_ids
@@ -194,11 +194,9 @@ def test_truncation_keeps_the_region_or_drops_the_site(qwen_tok):
     assert stats.sdpo_sites == 0 and stats.sdpo_skipped_truncated == 8
 
 
-@dataclass
-class Pair:
-    prompt_ids: list
-    chosen_ids: list
-    rejected_ids: list
+def Pair(prompt_ids: list, chosen_ids: list, rejected_ids: list) -> PreferencePair:
+    """A `PreferencePair` of these tokens (the rest of its fields do not reach the rows)."""
+    return PreferencePair("e0", 1, prompt_ids, chosen_ids, rejected_ids, 1.0, 0.0, "policy", "recorded")
 
 
 def test_dpo_tensors_and_reference_logps(qwen_tok):
