@@ -96,8 +96,8 @@ def build_policy(out: Path, layers: int, seed: int = 0) -> int:
 
 
 class _StandInStats:
-    """The `composer_diloco.inner.step.RoundStats` surface that a round reads (`composer_diloco.diloco`), for a phase with no
-    episodes: ``samples`` is the all-reduce weight the phase claims."""
+    """The `composer_diloco.inner.step.RoundStats` surface that a round reads (`composer_diloco.diloco`), for a phase
+    with no episodes: ``samples`` is the all-reduce weight the phase claims."""
 
     episodes_env_error = 0
     no_tool_call = False
@@ -132,9 +132,8 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int
     class StandInNode(Node):
         """`nodes.node.Node` whose inner phase is one random step on every parameter (std 1e-4) and a sleep to
         ``inner_s`` seconds; everything after the phase (`composer_diloco.diloco.DiLoCoRounds.end_round` and on) is
-        the node's own. Round 0
-        starts on every node together: once all ``nodes`` have joined (each touches ``<run dir>/.ready-<name>``),
-        at ``start_at`` (epoch s) at the latest."""
+        the node's own. Round 0 starts on every node together: once all ``nodes`` have joined (each touches
+        ``<run dir>/.ready-<name>``), at ``start_at`` (epoch s) at the latest."""
 
         def train(self) -> int:
             config, peer = self.config, self.peer
@@ -148,7 +147,7 @@ def _make_standin_node(inner_s: float, start_at: float, samples: int, nodes: int
                 if self.stop.event.wait(0.05):
                     break
             gen = torch.Generator().manual_seed(sum(map(ord, self.options.name)))
-            rounds = self.rounds = DiLoCoRounds(peer, config, self.stop.event, self, self.clock, overlap=self.overlap)
+            rounds = self.rounds = DiLoCoRounds(peer, self.stop.event, self, self.clock, overlap=self.overlap)
             rounds.attach(self.trainer)
             rounds.start_inner_phase()
             while not self.stop.event.is_set():

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import nn
 
 from composer_diloco import faults
-from composer_diloco.config import RunConfig
 from composer_diloco.outer.overlap import OverlappedSync
 from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
 from composer_diloco.timing import INNER_PHASES, PhaseClock
@@ -127,8 +126,8 @@ class DiLoCoRounds:
     `after_inner_step` and `finish`; a loop without TRL calls them the same way (`bench/blocked_link.py`).
 
     Args:
-        peer: the node's `DiLoCoPeer` (global model, outer optimizer, averager).
-        config: the run config (``rounds``, ``inner_steps``, ``network.round_budget_s``).
+        peer: the node's `DiLoCoPeer` (global model, outer optimizer, averager; its run config gives ``rounds``,
+            ``inner_steps`` and ``network.round_budget_s``).
         stop: the node's stop event (a barrier wait gives up when it is set).
         host: the node (`RoundHost`).
         clock: the inner phase's `PhaseClock` (its parts are taken at each phase's end).
@@ -140,9 +139,9 @@ class DiLoCoRounds:
         started: `time.monotonic` at the current inner phase's start, seconds.
     """
 
-    def __init__(self, peer: DiLoCoPeer, config: RunConfig, stop: threading.Event, host: RoundHost,
-                 clock: PhaseClock, overlap: OverlappedSync | None = None):
-        self.peer, self.config, self.stop, self.host = peer, config, stop, host
+    def __init__(self, peer: DiLoCoPeer, stop: threading.Event, host: RoundHost, clock: PhaseClock,
+                 overlap: OverlappedSync | None = None):
+        self.peer, self.config, self.stop, self.host = peer, peer.config, stop, host
         self.clock, self.overlap = clock, overlap
         self.trainer: InnerTrainer | None = None
         self.steps = 0

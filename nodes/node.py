@@ -25,7 +25,7 @@ from torch import nn
 
 from composer_diloco.config import RunConfig, config_diff
 from composer_diloco.diloco import DiLoCoRounds, InnerPhase
-from composer_diloco.outer.peer import DiLoCoPeer
+from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
 from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wait_for_env
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
@@ -41,7 +41,6 @@ from composer_diloco.outer.swarm import (
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, grpo_args
-from composer_diloco.outer.peer import SyncResult
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
@@ -461,7 +460,7 @@ class Node:
         self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
         engine = self.rollout_engine
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
-        self.rounds = DiLoCoRounds(peer, config, self.stop.event, self, self.clock, overlap=self.overlap)
+        self.rounds = DiLoCoRounds(peer, self.stop.event, self, self.clock, overlap=self.overlap)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args, callbacks=[RoundCallback(self.rounds), *self._tracker_callbacks()],

@@ -127,8 +127,8 @@ def recovery_pairs(tokenizer: Any, episodes: Sequence[Episode], session: EnvSess
     stats = PairStats()
     pairs: list[PreferencePair] = []
     sites, stats.sites_over_cap = recorded_sites(episodes, tokenizer.eos_token_id, max_sites)
+    stats.sites = len(sites)  # replay failures included (``replay_errors``)
     for site in sites:
-        stats.sites += 1
         try:
             recovery = play_recovery(session, site.episode, site.turn, tokenizer, script,
                                      max_tool_reply_tokens=max_tool_reply_tokens)

@@ -39,8 +39,8 @@ class Candidate:
 
 
 
-__all__ = ["Candidate", "RecordedSite", "ReplayError", "check_assistant_turn", "error_sites", "recorded_sites", "replay_to",
-           "score_candidate"]
+__all__ = ["Candidate", "RecordedSite", "ReplayError", "check_assistant_turn", "error_sites", "recorded_sites",
+           "replay_to", "score_candidate"]
 
 
 class ReplayError(RuntimeError):

@@ -146,7 +146,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
             whether it is on).
         tasks: the ``[tasks]`` dataset (`TaskSet`), whose rows the episodes play; None: the env's reset gives the task.
         task_shard: this node's part of ``tasks`` (``--task-shard``), or None (see `TaskSet.order`).
-        clock: the node's `PhaseClock` (`composer_diloco.timing.INNER_PHASES` names what each phase counts); None: a clock of its own.
+        clock: the node's `PhaseClock` (`composer_diloco.timing.INNER_PHASES` names what each phase counts); None: a
+            clock of its own.
         rollout_engine: how episodes decode (`composer_diloco.rollout.play.play_episodes`'s ``engine``).
 
     Raises:

@@ -144,13 +144,13 @@ class OverlappedSync:
                     log.warning("%s: the overlapped round %d ended %s (round %d now): dropping this phase's local "
                                 "progress and loading theta", self.peer.swarm.name, done.round, done.result.status,
                                 self.peer.round)
-                self._load_theta(model)
+                self.peer.load_theta_into(model)
                 out.settled.append(Settled(done.round, done.result, "dropped"))
                 return out
             _apply_correction(model, done.anchor)  # the background turned a into theta_{t+1} - a
             out.settled.append(Settled(done.round, done.result, "rebased"))
         if self.peer.round >= self.peer.config.rounds or self.stop.is_set():
-            self._load_theta(model)
+            self.peer.load_theta_into(model)
             return out
         self._start(model, weight)
         out.handed_off = self._inflight.round
@@ -167,7 +167,7 @@ class OverlappedSync:
         """
         done = self._wait() if self._inflight is not None else None
         if model is not None:
-            self._load_theta(model)
+            self.peer.load_theta_into(model)
         return None if done is None else Settled(done.round, done.result, "final")
 
     def close(self) -> None:
@@ -180,10 +180,6 @@ class OverlappedSync:
                             flight.round, self.join_timeout_s)
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _load_theta(self, model: nn.Module) -> None:
-        """theta into the policy, under the peer's lock (a background round given up on may still step theta)."""
-        self.peer.load_theta_into(model)
-
     def _normal(self, done: _InFlight) -> bool:
         """True when theta is the outer step of exactly the round handed off (nothing to fail closed on)."""
         r = done.result
