@@ -55,6 +55,7 @@ from composer_diloco.channels.dpo_teachers import make_teachers, render_tool_cal
 from composer_diloco.channels.losses import sequence_logprobs
 from composer_diloco.config import RunConfig, load_config
 from composer_diloco.channels.sdpo_sites import SdpoStats, SiteFinder, peer_demos, successful_calls
+from composer_diloco.channels.sdpo import SdpoSettings
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, grpo_args, play_rollout
 from composer_diloco.policy.load import load_run_policy
 from composer_diloco.rollout.chat import parse_tool_call
@@ -232,7 +233,8 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
         played = []
         # tasks in GRPO groups (each played num_generations times, as a node's step plays them) when the teacher
         # sees a successful peer attempt of the group; else one episode per task
-        group = config.grpo.num_generations if config.loss.sdpo_peer_demo_reward is not None else 1
+        peer_demo_reward = SdpoSettings.of(config.loss).sdpo_peer_demo_reward
+        group = config.grpo.num_generations if peer_demo_reward is not None else 1
         all_keys = [(config.seed, f"diag-{i // group}") for i in range(episodes)]
         for first in range(0, episodes, config.batch_size):
             played += play_rollout(trainer, sessions, config, all_keys[first:first + config.batch_size])[0]
@@ -240,7 +242,7 @@ def diagnose(config: RunConfig, *, episodes: int, samples: int, seed: int) -> di
         scripted = make_teachers(["scripted"], env)["scripted"]
         sdpo = _sdpo(model, tok, played, sessions[0], trainer.hints, scripted, env.script, samples,
                      config.env.max_turn_tokens, config.grpo.temperature, config.max_seq_len,
-                     config.loss.sdpo_peer_demo_reward)
+                     peer_demo_reward)
         rng = torch.get_rng_state()  # the DPO candidates' draws, the same for both scores
         dpo = _dpo(model, tok, played, sessions[0], trainer.hints, make_teachers(config.preference.teachers, env),
                    env.script, config)
@@ -274,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(a.config) if a.config else RunConfig()
     if a.hint_rate is not None:
         config = config.model_copy(update={"warmstart": config.warmstart.model_copy(update={"hint_rate": a.hint_rate})})
-    if a.peer_demo_reward is not None:
-        config = config.model_copy(update={"loss": config.loss.model_copy(
-            update={"sdpo_peer_demo_reward": a.peer_demo_reward})})
     if a.hint_rate is not None or a.peer_demo_reward is not None:
-        config = RunConfig.model_validate(config.model_dump())  # a bad value: the config's one-line error
+        data = config.model_dump()
+        if a.peer_demo_reward is not None:
+            data["loss"]["sdpo_peer_demo_reward"] = a.peer_demo_reward
+        config = RunConfig.model_validate(data)  # a bad value: the config's one-line error
     result = diagnose(config, episodes=a.episodes, samples=a.samples, seed=a.seed)
     text = json.dumps(result, indent=1)
     print(text)

@@ -146,14 +146,17 @@ def measure(model_dir: Path, rows: int, seq_len: int, lora: bool, reference: boo
     """Measure one inner step of the folder's model on CPU in a fresh process (`measure_training_bytes` with
     ``MALLOC_MMAP_THRESHOLD_=65536``): ``rows`` GRPO rows, ``sdpo_rows`` SDPO sites and ``dpo_pairs`` DPO pairs of
     ``seq_len`` tokens (``response_tokens`` of each SDPO/DPO row scored), next to the plan's state, activation and
-    reference-pass bytes (`activation_bytes`, `reference_pass_bytes`)."""
+    reference-pass bytes (`activation_bytes` with the channels' `LossChannel.memory`, DPO's `reference_pass_bytes`)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     code = f"""
 import json, torch
 from transformers import AutoModelForCausalLM, AutoConfig
 from composer_diloco.config import LoraSection
-from composer_diloco.policy.memory_plan import (activation_bytes, measure_training_bytes, model_shape, plan_memory,
-                                                reference_pass_bytes)
+from composer_diloco.channels.dpo import DpoChannel, DpoSettings, reference_pass_bytes
+from composer_diloco.channels.sdpo import SdpoChannel, SdpoSettings
+from composer_diloco.config import RunConfig
+from composer_diloco.policy.memory_plan import (StepShape, activation_bytes, measure_training_bytes, model_shape,
+                                                plan_memory)
 lora = LoraSection(**{LORA!r}) if {lora} else None
 cfg = AutoConfig.from_pretrained({str(model_dir)!r})
 m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, dtype=torch.float32)
@@ -163,9 +166,12 @@ if lora is not None:
 meas = measure_training_bytes(m, rows={rows}, seq_len={seq_len}, reference={reference}, lora=lora is not None,
                               sdpo_rows={sdpo_rows}, dpo_pairs={dpo_pairs}, response_tokens={response_tokens})
 shape = model_shape(cfg, lora)
-plan = plan_memory(shape, micro_batch={rows}, seq_len={seq_len}, sdpo=False, dpo_reference={reference})
-act = activation_bytes(shape, {rows}, {seq_len}, sdpo_rows={sdpo_rows}, dpo_rows=2 * {dpo_pairs},
-                       response_tokens={response_tokens})
+step = lambda b: StepShape(shape=shape, micro_batch=b, grad_accum=1, seq_len={seq_len}, response_tokens={response_tokens})
+pairs = RunConfig(preference=dict(max_sites=max({dpo_pairs}, 1), max_pairs_per_turn=1))  # DPO plans the config's pairs
+sdpo = [SdpoChannel.memory(SdpoSettings(), pairs, step({sdpo_rows}))] if {sdpo_rows} else []
+dpo = [DpoChannel.memory(DpoSettings(), pairs, step(1))]
+plan = plan_memory(shape, micro_batch={rows}, seq_len={seq_len}, channels=dpo if {reference} else [])
+act = activation_bytes(shape, {rows}, {seq_len}, channels=sdpo + (dpo if {dpo_pairs} else []))
 print(json.dumps(dict(measured=meas, plan_state=plan.optimizer + plan.reference, plan_gradients=plan.gradients,
                       plan_activations=act, plan_peak=plan.optimizer + plan.reference
                       + max(act + plan.gradients // 4, plan.gradients + plan.step_transient),

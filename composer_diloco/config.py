@@ -2,7 +2,8 @@
 
 Override order, highest first: a command-line flag, then the TOML file given with ``--config``, then the
 defaults below (which run the embedded default: tiny model, shipped tokenizer, ``envs/tool_env``).
-Every model forbids unknown keys, so a typo in a TOML file is an error that names the key.
+Every model forbids unknown keys, so a typo in a TOML file is an error that names the key (a ``[loss]`` key is
+checked by the loss channel that declares it: `LossConfig`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
+from composer_diloco.channels.settings import check_loss_keys, loss_key_default, loss_settings
 from composer_diloco.outer import outer_choice
 
 
@@ -105,54 +107,32 @@ class GRPOSettings(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling, as TRL.")
 
 
-class LossConfig(_Section):
-    """The composite inner loss: total = GRPO + alpha_sdpo * SDPO + beta_dpo * DPO.
+class LossConfig(BaseModel):
+    """The composite inner loss's ``[loss]`` table: total = GRPO + sum over channels of weight_c * L_c.
 
-    Each field belongs to one loss channel module, which alone reads it: ``alpha_sdpo`` and ``sdpo_*`` to
-    `composer_diloco.channels.sdpo`, ``beta_dpo`` and ``dpo_beta`` to `composer_diloco.channels.dpo`. (The fields stay
-    here, not in those modules, so that reading a config imports no torch.)
+    Every key belongs to the loss channel that declares it (`composer_diloco.channels.settings.ChannelSettings`, in the
+    channel's own module): SDPO's ``alpha_sdpo`` and ``sdpo_*`` in `composer_diloco.channels.sdpo`, DPO's
+    ``beta_dpo``, ``dpo_beta`` and ``dpo_score`` in `composer_diloco.channels.dpo`; a channel reads its own with
+    ``Settings.of(config.loss)``. Both channels default off (BENCHMARKS.md 1c). A table that sets no key is checked
+    without importing a channel (so reading the default config imports no torch); one that sets keys imports the
+    channels (and torch) to check them, with the same one-line errors as any field, and keeps the keys that differ
+    from their defaults (so two tables that mean the same compare equal). Published, it lists every channel's keys,
+    set or default (`composer_diloco.channels.settings.loss_settings`).
     """
 
-    # Both channels default off: on tool_env no variant beat GRPO alone beyond noise, the published SDPO and DPO lowered
-    # the held-out gain (BENCHMARKS.md 1b: composite -0.008 mean vs GRPO alone +0.042 over 6 runs; 1c: the table of
-    # fixed variants), SDPO alone collapsed 2 of 3 runs (section 1a, item 4), and DPO broke the coding env (README,
-    # "The coding env": greedy 0.40 -> 0.02). 0.2 is the weight those rows used; set it to turn a channel on.
-    alpha_sdpo: float = Field(0.0, ge=0, description="Weight of SDPO hint distillation at tool-error sites (0 = off; "
-                                                     "off by default, BENCHMARKS.md 1c).")
-    beta_dpo: float = Field(0.0, ge=0, description="Weight of trace-replay DPO (0 = off; off by default, BENCHMARKS.md "
-                                                   "1c).")
-    sdpo_jsd_beta: float = Field(
-        1.0, ge=0, le=1, description="Generalized JSD beta (TRL GKD): 0 forward KL(T||S), 1 reverse KL(S||T), SDPO's."
-    )
-    sdpo_temperature: float = Field(1.0, gt=0, description="Softmax temperature of the SDPO divergence.")
-    sdpo_token_clip: float | None = Field(None, gt=0, description="Clamp each token's divergence at this value.")
-    sdpo_top_k: int | None = Field(None, ge=1, description="Restrict the divergence to the top-k tokens.")
-    sdpo_verify_samples: int = Field(
-        0, ge=0, le=64,
-        description="Replay-verified SDPO: at each site sample this many recovery turns from the student and from the "
-                    "hinted teacher, score them in the env, and keep the site only if the teacher scores higher "
-                    "(0 = off, every site kept). BENCHMARKS.md 1c: the warm start's teacher is not better on average.",
-    )
-    sdpo_peer_demo_reward: float | None = Field(
-        None,
-        description="SDPO's teacher also sees a successful attempt at the same task: the calls of another episode of "
-                    "the step's GRPO group whose reward is at least this, before the error hint (SDPO's reprompting "
-                    "with successful peer rollouts, arXiv 2601.20802). None = the error hint only. A teacher that "
-                    "knows more than the student (issue 40); the warm start shows the same hints with "
-                    "[warmstart] hint_rate.",
-    )
-    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
-    dpo_score: Literal["accepted", "script_progress", "recovery"] = Field(
-        "accepted",
-        description="A DPO candidate's score: 'accepted' = 1 for any call the env runs without error; "
-                    "'script_progress' = 1 only for a call of the env package's script still to make (0 like an error "
-                    "otherwise; envs without a script score as 'accepted'). BENCHMARKS.md 1c: 22% of the warm "
-                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers. "
-                    "'recovery': one pair per error site, chosen = the env's scripted remainder played to the "
-                    "episode's end (its replies masked out), scored by the episode's reward, rejected = the failed "
-                    "call (channels/dpo_recovery.py: on the coding env single-call pairs teach a writer that never "
-                    "submits); needs an env with a scripted solver.",
-    )
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _each_key_checked_by_its_channel(cls, data: Any, handler: Any) -> "LossConfig":
+        if isinstance(data, dict) and data:
+            # the channels check their keys (importing them, and torch); a key at its default is dropped: one form
+            data = {k: v for k, v in check_loss_keys(data).items() if v != loss_key_default(k)}
+        return handler(data)
+
+    @model_serializer(mode="plain")
+    def _every_channels_keys(self) -> dict[str, Any]:
+        return loss_settings(self)
 
 
 class PreferenceConfig(_Section):
@@ -479,8 +459,8 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
         ``[sparse_codec]``), with ``outer.overlap`` off, without ``env.max_tool_reply_tokens``, or with the
-        ``network.state_*`` settings at their defaults, without ``[report]``, with ``warmstart.hint_rate`` 0, or without ``loss.sdpo_peer_demo_reward``, has no such key, so its JSON and `digest` are those of a config
-        written before it existed."""
+        ``network.state_*`` settings at their defaults, without ``[report]``, or with ``warmstart.hint_rate`` 0 has no such key, so its JSON and `digest` are those of a config written
+        before it existed (a loss channel's later keys likewise: `ChannelSettings.omit_at_default`)."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec", "codec_options"):  # absent sections keep the JSON of configs written before them
             if data.get(optional) in (None, {}):
@@ -496,8 +476,6 @@ class RunConfig(_Section):
             data.pop("report")
         if not data["warmstart"].get("hint_rate"):  # a warm start without hints: likewise
             data["warmstart"].pop("hint_rate", None)
-        if data["loss"].get("sdpo_peer_demo_reward") is None:  # SDPO's error hint only: likewise
-            data["loss"].pop("sdpo_peer_demo_reward", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

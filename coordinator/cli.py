@@ -44,13 +44,14 @@ def _check(config: Path | None, rounds: int | None, model: str | None, secret_fi
     from composer_diloco.policy.model_name import check_model_name
     from composer_diloco.report import check_trackers
 
-    try:
+    try:  # the option forms first: a config that sets [loss] keys imports the loss channels (torch) to check them
+        check_listen_and_announce(listen, announce or [])
+        secret = load_secret(secret_file)
         cfg = load_config(config, rounds=rounds, model=model)
         if cfg.model is not None:
             check_model_name(cfg.model)
-        check_listen_and_announce(listen, announce or [])
         check_trackers(cfg)
-        return cfg, load_secret(secret_file)
+        return cfg, secret
     except (ConfigError, SecretError, PolicyLoadError, AddressError) as e:
         typer.echo(f"composer-coordinator: error: {e}", err=True)
         raise typer.Exit(1) from None

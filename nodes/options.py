@@ -242,6 +242,7 @@ class NodeOptions:
         if self.join_timeout_s <= 0:
             raise OptionError(f"--join-timeout {self.join_timeout_s}: expected seconds > 0")
         deadline, chunk = parse_join_deadline(self.join_deadline), parse_chunk_size(self.state_chunk_size)
-        return CheckedOptions(shard=TaskShard.parse(self.task_shard) if self.task_shard else None,
-                              expected_config=load_config(self.expected_config) if self.expected_config else None,
-                              secret=load_secret(self.secret_file), join_deadline_s=deadline, state_chunk_bytes=chunk)
+        shard, secret = TaskShard.parse(self.task_shard) if self.task_shard else None, load_secret(self.secret_file)
+        # the config last: one that sets [loss] keys imports the loss channels (torch) to check them
+        return CheckedOptions(shard=shard, secret=secret, join_deadline_s=deadline, state_chunk_bytes=chunk,
+                              expected_config=load_config(self.expected_config) if self.expected_config else None)

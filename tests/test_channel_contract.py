@@ -1,7 +1,8 @@
 """The loss-channel contract (`composer_diloco.channels.base`): a channel defined in this file alone (SFT on the
-step's successful episodes) is registered and trains in one real inner step of `ComposerGRPOTrainer.train()`, and
-shows up in the metrics line, the round table and the plots, with no production file edited. Also: the one counting
-pattern (`Counts`) and the registry's rules."""
+step's successful episodes, with its own ``[loss]`` keys) is registered and trains in one real inner step of
+`ComposerGRPOTrainer.train()`, shows up in the metrics line, the round table and the plots, has its keys checked by the
+run config and its rows counted by the memory plan, with no production file edited. Also: the one counting pattern
+(`Counts`) and the registry's rules."""
 
 from __future__ import annotations
 
@@ -10,19 +11,21 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from pydantic import Field, ValidationError
 from test_heterogeneous import PEER, LocalSession, group_scripts, scripted_sampler
 
 from composer_diloco.channels.base import (
     ChannelContext,
     ChannelMetrics,
     ChannelPart,
+    ChannelSettings,
     Counts,
     LossChannel,
     register_channel,
     registered_channels,
     unregister_channel,
 )
-from composer_diloco.config import LossConfig, RunConfig
+from composer_diloco.config import ConfigError, LossConfig, RunConfig, load_config
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, episode_dataset, grpo_args
 from composer_diloco.metrics import format_table, round_table, table_columns
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer
@@ -36,6 +39,14 @@ class SftStats(Counts):
     sft_skipped_failed: int = 0
 
 
+class SftSettings(ChannelSettings):
+    """The channel's ``[loss]`` keys: its weight and the reward an episode needs to be imitated."""
+
+    weight_key = "sft_weight"
+    sft_weight: float = Field(0.0, ge=0)
+    sft_min_reward: float = Field(1.0, le=1)
+
+
 class SftChannel(LossChannel):
     """Supervised fine-tuning on the policy tokens of the step's solved episodes: mean token NLL (nats)."""
 
@@ -43,16 +54,22 @@ class SftChannel(LossChannel):
     metrics = ChannelMetrics(loss_key="loss_sft", count_key="sft_episodes", loss_title="SFT loss",
                              count_title="sft eps", plot_label="SFT loss")
     stats_type = SftStats
+    settings_type = SftSettings
     calls: list[int] = []
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> SftChannel | None:
-        return cls(weight=0.3)
+        settings = SftSettings.of(ctx.config.loss)
+        if settings.sft_weight <= 0:
+            return None
+        channel = cls(weight=settings.sft_weight)
+        channel.min_reward = settings.sft_min_reward
+        return channel
 
     def build(self, model: torch.nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict | None:
         rows = []
         for ep in episodes:
-            if ep.reward < 1.0:
+            if ep.reward < self.min_reward:
                 stats.sft_skipped_failed += 1
                 continue
             stats.sft_episodes += 1
@@ -102,7 +119,7 @@ def test_a_channel_defined_in_a_test_trains_one_real_inner_step(tmp_path, monkey
     assert registered_channels()[-1] is SftChannel
     tok = load_default_tokenizer()
     model = build_tiny_model(tok, seed=0)
-    config = RunConfig(loss=LossConfig(alpha_sdpo=0.0, beta_dpo=0.0))  # GRPO + the new channel only
+    config = RunConfig(loss=LossConfig(alpha_sdpo=0.0, beta_dpo=0.0, sft_weight=0.3))  # GRPO + the new channel only
     args = grpo_args(config, output_dir=tmp_path, max_steps=1, use_cpu=True, bf16=False, micro_batch=4, grad_accum=2)
     rows = episode_dataset(config, PEER, 2)
     scripts = [s for row in rows for s in group_scripts(config.seed, row["episode_id"])]
@@ -132,6 +149,44 @@ def test_a_channel_defined_in_a_test_trains_one_real_inner_step(tmp_path, monkey
     from coordinator.plot import losses_figure
 
     assert len(losses_figure({"node-0": [line]}).axes) == 4  # GRPO, SDPO, DPO, SFT
+
+
+def test_a_channels_keys_and_memory_rows_are_declared_by_the_channel_alone(tmp_path, sft_registered):
+    """A registered channel's ``[loss]`` keys are checked with the run config's one-line errors, published with it,
+    and its rows enter the memory plan (the default `LossChannel.memory`: one row per episode with its logits)."""
+    from composer_diloco.policy import load_default_tokenizer, tiny_model_config
+    from composer_diloco.policy.memory_plan import plan_for_run
+
+    path = tmp_path / "c.toml"
+    path.write_text("[loss]\nsft_weight = -1\n")
+    with pytest.raises(ConfigError, match=r"field 'loss.sft_weight': Input should be greater than or equal to 0"):
+        load_config(path)
+    path.write_text("[loss]\nsft_weight = 0.3\nsft_min_reward = 0.5\n")
+    config = load_config(path)
+    assert (SftSettings.of(config.loss).sft_weight, SftSettings.of(config.loss).sft_min_reward) == (0.3, 0.5)
+    assert RunConfig.from_json(config.to_json()) == config and '"sft_min_reward": 0.5' in config.to_json()
+    assert LossConfig(sft_weight=0.0) == LossConfig()  # a key at its default is the table without it
+
+    model_config = tiny_model_config(load_default_tokenizer(), 0)
+    kw = dict(micro_batch=4, grad_accum=2, device="cpu", bf16=False, gradient_checkpointing=False, free=None)
+    with_sft, without = plan_for_run(config, model_config, **kw), plan_for_run(RunConfig(), model_config, **kw)
+    assert (with_sft.rows, without.rows) == (8, 4) and "4 GRPO + 4 SFT rows" in with_sft.describe()
+    assert with_sft.activations > without.activations and with_sft.weights == without.weights
+
+    unregister_channel("sft")  # no channel declares the key any more
+    with pytest.raises(ConfigError, match=r"field 'loss.sft_weight': Extra inputs are not permitted"):
+        load_config(path)
+    register_channel(SftChannel)
+
+
+def test_two_channels_cannot_declare_one_key(sft_registered):
+    class Clash(SftChannel):
+        name = "sft2"
+
+    with pytest.raises(ValueError, match="'sft_min_reward' is already declared by channel 'sft'"):
+        register_channel(Clash)
+    with pytest.raises(ValidationError, match="sft_min_reward"):
+        LossConfig(sft_min_reward=2)
 
 
 def test_counts_add_merge_and_refuse_other_types():

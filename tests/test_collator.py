@@ -243,8 +243,7 @@ def test_episode_record_views_and_length_errors(qwen_tok):
 def test_the_sdpo_channel_shows_its_teacher_a_solving_peer_of_the_group(qwen_tok):
     """``[loss] sdpo_peer_demo_reward``: the teacher rows of a failed episode hold the successful calls of another
     episode of its GRPO group (same key), before the error hint; without the setting, the hint only."""
-    from composer_diloco.channels.sdpo import SdpoChannel
-    from composer_diloco.config import LossConfig
+    from composer_diloco.channels.sdpo import SdpoChannel, SdpoSettings
 
     task = make_task(0, "g1")
     failing = scripted_episode(qwen_tok, seed=0, episode_id="g1", question=task.question, tools=TOOL_SCHEMAS,
@@ -255,7 +254,7 @@ def test_the_sdpo_channel_shows_its_teacher_a_solving_peer_of_the_group(qwen_tok
                               steps=solved_steps, reward=1.0)
     demo = f'A successful attempt called: lookup {{"item": "{task.x}"}}; lookup {{"item": "{task.y}"}}.'
     for setting, expected in ((None, None), (1.0, demo)):
-        channel = SdpoChannel(0.2, SiteFinder(qwen_tok), LossConfig(alpha_sdpo=0.2, sdpo_peer_demo_reward=setting))
+        channel = SdpoChannel(0.2, SiteFinder(qwen_tok), SdpoSettings(alpha_sdpo=0.2, sdpo_peer_demo_reward=setting))
         rows = channel.build(None, [failing, solved], SdpoStats())
         teacher = qwen_tok.decode(rows["sdpo_teacher_ids"][0])
         assert rows["sdpo_teacher_ids"].shape[0] == 1 and "unknown tool" not in teacher.split("<tool_response>")[0]

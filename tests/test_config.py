@@ -1,5 +1,6 @@
 """The run config: defaults run the embedded default, TOML is validated field by field."""
 
+import json
 import subprocess
 import sys
 
@@ -106,3 +107,25 @@ def test_the_all_reduce_time_limit_grows_with_the_pseudo_gradient():
     assert net.allreduce_timeout_s(3_600_000) == pytest.approx(net.averaging_timeout_s + 0.72)
     slow = NetworkConfig(state_min_rate_mb_s=1.0)
     assert slow.allreduce_timeout_s(10_000_000) == pytest.approx(slow.averaging_timeout_s + 20.0)
+
+
+def test_loss_keys_are_checked_by_their_channels_and_published_as_before(tmp_path):
+    """``[loss]`` keys are declared by the channel modules (`SdpoSettings`, `DpoSettings`), checked with the config's
+    one-line error, and published with every channel key at its value: the JSON (and digest) of configs written when
+    the keys were fields of config.py."""
+    path = tmp_path / "c.toml"
+    path.write_text("[loss]\nalpha_sdpo = 0.2\nsdpo_top_k = 0\n")
+    with pytest.raises(ConfigError, match=r"field 'loss.sdpo_top_k': Input should be greater than or equal to 1 "
+                                          r"\(got 0\)"):
+        load_config(path)
+    path.write_text("[loss]\nalpha_sdpo = 0.2\ndpo_scor = 'recovery'\n")
+    with pytest.raises(ConfigError, match=r"field 'loss.dpo_scor': Extra inputs are not permitted"):
+        load_config(path)
+    published = json.loads(RunConfig().to_json())["loss"]
+    assert published == {"alpha_sdpo": 0.0, "beta_dpo": 0.0, "dpo_beta": 0.1, "dpo_score": "accepted",
+                         "sdpo_jsd_beta": 1.0, "sdpo_temperature": 1.0, "sdpo_token_clip": None, "sdpo_top_k": None,
+                         "sdpo_verify_samples": 0}  # sdpo_peer_demo_reward: left out at its default (None)
+    path.write_text("[loss]\nalpha_sdpo = 0.2\nbeta_dpo = 0.2\nsdpo_peer_demo_reward = 1\n")
+    config = load_config(path)
+    assert json.loads(config.to_json())["loss"]["sdpo_peer_demo_reward"] == 1.0
+    assert RunConfig.from_json(config.to_json()) == config

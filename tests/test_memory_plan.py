@@ -53,7 +53,14 @@ if section is not None:
     model = apply_lora(model, section)
 torch.set_num_threads(1)
 measured = measure_training_bytes(model, rows=4, seq_len=512, reference=True, lora=lora, bf16=bf16)
-plan = plan_memory(model_shape(cfg, section), micro_batch=4, seq_len=512, sdpo=False, bf16=bf16)
+shape = model_shape(cfg, section)
+from dataclasses import replace
+from composer_diloco.channels.dpo import DpoChannel, DpoSettings
+from composer_diloco.config import RunConfig
+from composer_diloco.policy.memory_plan import StepShape
+dpo = DpoChannel.memory(DpoSettings(), RunConfig(), StepShape(shape, 4, 1, 512, 512, bf16))
+reference_only = replace(dpo, rows=0, backward_rows=0, peak=0, kept=0, phase=0)  # as measured: the copy, no pair
+plan = plan_memory(shape, micro_batch=4, seq_len=512, bf16=bf16, channels=[reference_only])
 print(json.dumps({"measured": measured, "state": plan.optimizer + plan.reference, "gradients": plan.gradients,
                   "activations": plan.activations, "peak": plan.optimizer + plan.reference + plan.training_peak}))
 """
@@ -504,7 +511,8 @@ def test_a_gpu_plan_covers_the_h200_full_fine_tuning_peak():
     assert gpu.step_transient == 4 * gpu.shape.params_trainable
     assert cpu.step_transient == 8 * cpu.shape.largest_trainable and cpu.workspace == 0
     single_tensor = max(gpu.activations + gpu.gradients // 4, gpu.gradients + 8 * gpu.shape.largest_trainable)
-    logged = gpu.weights + gpu.optimizer + gpu.reference + max(single_tensor, gpu.rollout, gpu.reference_pass)
+    phases = [c.phase for c in gpu.channels]  # DPO's reference pass
+    logged = gpu.weights + gpu.optimizer + gpu.reference + max(single_tensor, gpu.rollout, *phases)
     assert round(logged / 1e9, 2) == 12.28  # the plan that run logged, reproduced
     assert 13.49e9 <= gpu.device_bytes < 1.05 * 13.49e9  # now it covers the peak, and not by much
     assert "cuBLAS workspaces" in gpu.describe() and "cuBLAS" not in cpu.describe()

@@ -10,7 +10,7 @@ from conftest import SMOKE
 from episode_support import scripted_episode, tool_call_text
 from pydantic import ValidationError
 
-from composer_diloco.channels.sdpo import SdpoChannel
+from composer_diloco.channels.sdpo import SdpoChannel, SdpoSettings
 from composer_diloco.channels.hints import DEFAULT_HINTS
 from composer_diloco.channels.sdpo_verify import site_scores, verify_sites
 from composer_diloco.config import LossConfig, RunConfig, load_config
@@ -97,7 +97,7 @@ def test_a_site_whose_teacher_is_no_better_is_dropped_and_counted(policy, sessio
 
     for k in (0, 4):
         config = RunConfig.model_validate({"loss": {"sdpo_verify_samples": k}})
-        channel = SdpoChannel(0.2, SiteFinder(tok, hints=DEFAULT_HINTS), config.loss, session=session,
+        channel = SdpoChannel(0.2, SiteFinder(tok, hints=DEFAULT_HINTS), SdpoSettings.of(config.loss), session=session,
                               config=config)
         stats = SdpoStats()
         torch.manual_seed(1)
@@ -114,6 +114,6 @@ def test_config_and_channel_refuse_bad_verification_settings(policy):
         LossConfig(sdpo_verify_samples=65)
     _, tok = policy
     with pytest.raises(ValueError, match="needs an env session"):
-        SdpoChannel(0.2, SiteFinder(tok), LossConfig(sdpo_verify_samples=2))
+        SdpoChannel(0.2, SiteFinder(tok), SdpoSettings(sdpo_verify_samples=2))
     with pytest.raises(ValueError, match="samples >= 1"):
         site_scores(None, tok, [], None, samples=0, max_turn_tokens=40, temperature=1.0)

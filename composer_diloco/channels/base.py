@@ -3,12 +3,19 @@
 The inner loss of one optimizer step is ``GRPO + sum_c weight_c * L_c`` (GRPO is TRL's own loss, untouched). A
 channel ``c`` owns everything about its term:
 
-1. whether it is on and with what settings: `LossChannel.from_context` reads the run config (``None`` = off);
+1. its settings: ``[loss]`` keys declared by its `ChannelSettings` (``settings_type``), which the run config checks with
+   the rest of the config (`composer_diloco.config.LossConfig`); whether it is on: `LossChannel.from_context`
+   (``None`` = off, its weight is 0);
 2. its rows, built from the step's played episodes after TRL scored them: `LossChannel.build`;
 3. how its rows split into the K micro-batches of the step, each with a weight, so that
    ``sum_k weight_k * L_c(part_k) == L_c(whole batch)``: `LossChannel.split`;
 4. its loss on one part, a scalar mean over the part: `LossChannel.loss`;
-5. its metrics: the metrics-line keys, the round table's columns and the plot's panel (`ChannelMetrics`).
+5. its metrics: the metrics-line keys, the round table's columns and the plot's panel (`ChannelMetrics`);
+6. what it adds to a node's memory plan: `LossChannel.memory` (`ChannelMemory`), counted before the node joins
+   (`composer_diloco.policy.memory_plan`).
+
+A channel with one setting is one new module here: its ``ChannelSettings`` subclass, its ``LossChannel`` subclass;
+no other file names it.
 
 Register a channel with `register_channel` (a class decorator); the trainer (`composer_diloco.inner.trainer`), the
 round statistics (`composer_diloco.inner.round_stats`), the round table (`composer_diloco.metrics`) and the plots
@@ -21,8 +28,6 @@ Counts (sites kept, pairs skipped, ...) all use one pattern: a dataclass of numb
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -30,13 +35,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from composer_diloco.channels.settings import ChannelSettings, declare_settings, discover_channels, forget_settings
+from composer_diloco.policy.memory_sizes import ChannelMemory
+
 if TYPE_CHECKING:
     from composer_diloco.config import RunConfig
+    from composer_diloco.policy.memory_sizes import StepShape
     from composer_diloco.rollout.env_package import EnvPackage
     from composer_diloco.rollout.episodes import Episode, EnvSession
 
-__all__ = ["ChannelContext", "ChannelMetrics", "ChannelPart", "Counts", "LossChannel", "pad_id", "pad_rows",
-           "register_channel", "registered_channels", "unregister_channel"]
+__all__ = ["ChannelContext", "ChannelMemory", "ChannelMetrics", "ChannelPart", "ChannelSettings", "Counts", "LossChannel",
+           "pad_id", "pad_rows", "register_channel", "registered_channels", "unregister_channel"]
 
 
 @dataclass
@@ -159,6 +168,7 @@ class LossChannel(ABC):
         name: the channel's short name (``"sdpo"``): a key of the step's rows and of the registry.
         metrics: its `ChannelMetrics`.
         stats_type: its `Counts` type (what `build` counts; ``stats_type()`` is the all-zero record).
+        settings_type: its `ChannelSettings` type (its ``[loss]`` keys).
 
     Attributes:
         weight: the term's coefficient in the composite loss (alpha_sdpo, beta_dpo, ...), > 0 when built.
@@ -167,6 +177,7 @@ class LossChannel(ABC):
     name: ClassVar[str]
     metrics: ClassVar[ChannelMetrics]
     stats_type: ClassVar[type[Counts]] = Counts
+    settings_type: ClassVar[type[ChannelSettings]]
 
     def __init__(self, weight: float):
         self.weight = weight
@@ -211,6 +222,23 @@ class LossChannel(ABC):
         """Called right after each outer step (theta of the new round loaded); DPO refreshes its reference here."""
 
     @classmethod
+    def memory(cls, settings: ChannelSettings, config: RunConfig, step: StepShape) -> ChannelMemory:
+        """What the channel adds to a node's memory plan when it is on (its weight > 0), before the node joins.
+
+        The default plans it like a GRPO term: one row per episode of the micro-batch, each at the planned length,
+        holding fp32 logits twice at its peak (the logits and their log-softmax) and once for backward. A channel
+        whose rows or tensors differ overrides it with its own counts (SDPO, DPO).
+
+        Args:
+            settings: its ``[loss]`` settings; config: the run config.
+            step: the sizes the plan uses (model shape, micro-batch, row length, precision).
+        """
+        rows = step.micro_batch
+        logits = rows * step.seq_len * step.shape.vocab * 4
+        return ChannelMemory(name=cls.name, label=cls.name.upper(), rows=rows, backward_rows=rows, peak=2 * logits,
+                             kept=logits)
+
+    @classmethod
     def round_record(cls, loss_mean: float, stats: Counts | None) -> dict[str, Any]:
         """The channel's keys of a node's metrics line: ``{loss_key: loss_mean, count_key: rows built}`` plus
         whatever a subclass adds. ``stats`` is None when the channel was off for the whole round."""
@@ -231,11 +259,16 @@ def register_channel(cls: type[LossChannel]) -> type[LossChannel]:
         ValueError: another class is registered under ``cls.name``.
     """
     if not (isinstance(cls, type) and issubclass(cls, LossChannel)) or not isinstance(getattr(cls, "name", None), str) \
-            or not isinstance(getattr(cls, "metrics", None), ChannelMetrics):
-        raise TypeError(f"{cls!r}: expected a LossChannel subclass with a str `name` and a ChannelMetrics `metrics`")
+            or not isinstance(getattr(cls, "metrics", None), ChannelMetrics) \
+            or not (isinstance(getattr(cls, "settings_type", None), type)
+                    and issubclass(cls.settings_type, ChannelSettings)
+                    and cls.settings_type.weight_key in cls.settings_type.model_fields):
+        raise TypeError(f"{cls!r}: expected a LossChannel subclass with a str `name`, a ChannelMetrics `metrics` and a "
+                        "ChannelSettings `settings_type` whose weight_key is one of its fields")
     other = _REGISTRY.get(cls.name)
     if other is not None and other is not cls:
         raise ValueError(f"loss channel {cls.name!r} is already registered ({other.__module__}.{other.__qualname__})")
+    declare_settings(cls.name, cls.settings_type)  # its [loss] keys: a key another channel declares is refused
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -243,6 +276,7 @@ def register_channel(cls: type[LossChannel]) -> type[LossChannel]:
 def unregister_channel(name: str) -> None:
     """Remove the channel registered as ``name`` (tests that register their own). Unknown names are ignored."""
     _REGISTRY.pop(name, None)
+    forget_settings(name)
 
 
 def registered_channels() -> tuple[type[LossChannel], ...]:
@@ -252,9 +286,7 @@ def registered_channels() -> tuple[type[LossChannel], ...]:
     package registers itself (its ``@register_channel``) with no other file edited; a channel defined elsewhere
     registers when its module is imported.
     """
-    package = importlib.import_module("composer_diloco.channels")
-    for info in pkgutil.iter_modules(package.__path__):  # here, not at package import: no import cycle
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    discover_channels()
     builtin = [c for c in _REGISTRY.values() if c.__module__ in _BUILTIN]
     builtin.sort(key=lambda c: _BUILTIN.index(c.__module__))
     return tuple(builtin + [c for c in _REGISTRY.values() if c.__module__ not in _BUILTIN])

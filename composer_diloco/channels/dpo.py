@@ -7,13 +7,15 @@ round's frozen global model theta_r (refreshed after every outer step, so every 
 ``[lora]`` run the reference is the base model instead: the policy itself with its adapters disabled (peft's
 ``disable_adapter()``), no copy, the same on every peer for the whole run.
 
-Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (what a candidate's
+Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (`DpoSettings`, declared here) (what a candidate's
 replay is worth: any accepted call, or only a call of the env's script, `dpo_teachers.script_progress`; or
 ``"recovery"``: one pair per site whose chosen is the env's whole scripted recovery, `dpo_recovery.recovery_pairs`), the
 ``[preference]`` section
 (`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
 Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
 Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStats` by name; ``{}`` when off).
+Memory: the reference copy (full fine-tuning), the reference pass over the step's pairs, and per micro-batch the
+pairs' chosen and rejected rows with their logits (`DpoChannel.memory`).
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import math
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from composer_diloco.channels.base import (ChannelContext, ChannelMetrics, ChannelPart, Counts, LossChannel, pad_id,
-                                           register_channel, split_rows)
+from composer_diloco.channels.base import (ChannelContext, ChannelMemory, ChannelMetrics, ChannelPart, ChannelSettings,
+                                           Counts, LossChannel, pad_id, register_channel, split_rows)
 from composer_diloco.channels.dpo_pairing import PairStats
 from composer_diloco.channels.dpo_pairs import collect_pairs
 from composer_diloco.channels.dpo_recovery import recovery_pairs
@@ -39,9 +43,56 @@ from composer_diloco.rollout.env_package import ScriptFn
 from composer_diloco.rollout.episodes import Episode, EnvSession
 
 if TYPE_CHECKING:
-    from composer_diloco.config import LossConfig, RunConfig
+    from composer_diloco.config import RunConfig
+    from composer_diloco.policy.memory_sizes import ModelShape, StepShape
 
-__all__ = ["DPO_KEYS", "DpoChannel", "DpoStats", "dpo_loss", "split_dpo"]
+__all__ = ["DPO_KEYS", "K_DPO_VOCAB", "K_REFERENCE_LOGITS", "DpoChannel", "DpoSettings", "DpoStats", "dpo_loss",
+           "reference_pass_bytes", "split_dpo"]
+
+
+class DpoSettings(ChannelSettings):
+    """DPO's ``[loss]`` keys (its pairing settings are the ``[preference]`` section,
+    `composer_diloco.config.PreferenceConfig`). Off by default: the published DPO lowered the held-out gain on
+    tool_env (BENCHMARKS.md 1c) and broke the coding env (README, "The coding env": greedy 0.40 -> 0.02)."""
+
+    weight_key = "beta_dpo"
+
+    beta_dpo: float = Field(0.0, ge=0, description="Weight of trace-replay DPO (0 = off; off by default, BENCHMARKS.md "
+                                                   "1c).")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (Rafailov et al. 2023).")
+    dpo_score: Literal["accepted", "script_progress", "recovery"] = Field(
+        "accepted",
+        description="A DPO candidate's score: 'accepted' = 1 for any call the env runs without error; "
+                    "'script_progress' = 1 only for a call of the env package's script still to make (0 like an error "
+                    "otherwise; envs without a script score as 'accepted'). BENCHMARKS.md 1c: 22% of the warm "
+                    "start's chosen calls under 'accepted' are off-script, e.g. arithmetic on made-up numbers. "
+                    "'recovery': one pair per error site, chosen = the env's scripted remainder played to the "
+                    "episode's end (its replies masked out), scored by the episode's reward, rejected = the failed "
+                    "call (channels/dpo_recovery.py: on the coding env single-call pairs teach a writer that never "
+                    "submits); needs an env with a scripted solver.",
+    )
+
+
+K_DPO_VOCAB = 2.0
+"""fp32 vocab-sized tensors DPO keeps per response token for backward (the selected rows and their logsumexp's
+input: `sequence_logprobs`; measured on CPU)."""
+K_REFERENCE_LOGITS = 2.5
+"""fp32 ``(pairs, row, vocab)`` logits alive at DPO's reference pass's peak: the chosen rows' kept while the rejected
+rows' are computed, and half a copy more (measured on CPU at Qwen3-0.6B's size: 2.47); under bf16 a quarter more for
+the bf16 logits before their fp32 copy."""
+
+
+def reference_pass_bytes(shape: ModelShape, pairs: int, seq_len: int, *, bf16: bool = False,
+                         response_tokens: int | None = None) -> int:
+    """Bytes of DPO's reference log-probs over ``pairs`` pairs of ``seq_len``-token rows, all at once
+    (`composer_diloco.channels.dpo_rows.dpo_rows`): the chosen rows' fp32 logits, the rejected rows' fp32 logits and,
+    under bf16, their bf16 logits before the copy, plus half a row of logits of the forward's own
+    (`K_REFERENCE_LOGITS`); the no-grad forward's per-layer temporaries (``(4 * hidden + 3 * intermediate) * 4`` bytes
+    a token) and `sequence_logprobs`' two fp32 copies of the response rows."""
+    response = seq_len if response_tokens is None else min(response_tokens, seq_len)
+    logits = pairs * seq_len * shape.vocab * 4 * K_REFERENCE_LOGITS * (1.25 if bf16 else 1.0)
+    forward = pairs * seq_len * (4 * shape.hidden + 3 * shape.intermediate) * 4
+    return int(logits + forward + 2 * pairs * response * shape.vocab * 4)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +118,7 @@ class DpoStats(Counts):
     pair_stats: PairStats = field(default_factory=PairStats)
 
 
-def dpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: LossConfig) -> torch.Tensor:
+def dpo_loss(model: nn.Module, t: dict[str, torch.Tensor], cfg: DpoSettings) -> torch.Tensor:
     """DPO sigmoid loss (arXiv 2305.18290, Eq. (7)) of the policy's summed response log-probs against the reference
     log-probs `dpo_rows` computed with the round's frozen global model.
 
@@ -143,6 +194,7 @@ class DpoChannel(LossChannel):
     metrics = ChannelMetrics(loss_key="loss_dpo", count_key="dpo_pairs", loss_title="DPO loss",
                              count_title="pairs", plot_label="DPO loss")
     stats_type = DpoStats
+    settings_type = DpoSettings
 
     def __init__(self, weight: float, *, config: RunConfig, reference_model: nn.Module, session: EnvSession,
                  tokenizer: Any, hints: Any, teachers: dict[str, TeacherFn], policy: nn.Module,
@@ -151,6 +203,7 @@ class DpoChannel(LossChannel):
         self.config, self.reference_model, self.session = config, reference_model, session
         self.tokenizer, self.hints, self.teachers, self.policy = tokenizer, hints, teachers, policy
         self.progress, self.recovery = progress, recovery
+        self.settings = DpoSettings.of(config.loss)
 
     @classmethod
     def from_context(cls, ctx: ChannelContext) -> DpoChannel | None:
@@ -162,11 +215,11 @@ class DpoChannel(LossChannel):
             ValueError: an unknown ``[preference] teachers`` name (`make_teachers`); ``dpo_score = "recovery"`` with
                 an env package that has no scripted solver.
         """
-        cfg = ctx.config
-        if cfg.loss.beta_dpo <= 0:
+        cfg, settings = ctx.config, DpoSettings.of(ctx.config.loss)
+        if settings.beta_dpo <= 0:
             return None
         recovery = None
-        if cfg.loss.dpo_score == "recovery":
+        if settings.dpo_score == "recovery":
             recovery = ctx.env.script
             if recovery is None:
                 raise ValueError(f"[loss] dpo_score = 'recovery' plays the env's scripted solver, and env package "
@@ -183,11 +236,11 @@ class DpoChannel(LossChannel):
             if is_autocast(ctx.model):
                 log.info("DPO reference: a frozen copy of the policy, its linear weights in bf16 (%.1f MB saved)",
                          frozen_linears_to_bf16(reference) / 1e6)
-        return cls(cfg.loss.beta_dpo, config=cfg, reference_model=reference,
+        return cls(settings.beta_dpo, config=cfg, reference_model=reference,
                    session=ctx.sessions[0], hints=ctx.hints, policy=ctx.model,
                    tokenizer=ctx.tokenizer,
                    teachers=make_teachers(cfg.preference.teachers, ctx.env),
-                   progress=script_progress(ctx.env) if cfg.loss.dpo_score == "script_progress" else None,
+                   progress=script_progress(ctx.env) if settings.dpo_score == "script_progress" else None,
                    recovery=recovery)
 
     def build(self, model: nn.Module, episodes: Sequence[Episode], stats: Counts) -> dict[str, torch.Tensor] | None:
@@ -217,7 +270,7 @@ class DpoChannel(LossChannel):
 
     def loss(self, model: nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """`dpo_loss` on one part (a mean over pairs)."""
-        return dpo_loss(model, rows, self.config.loss)
+        return dpo_loss(model, rows, self.settings)
 
     @torch.no_grad()
     def after_outer_step(self) -> None:
@@ -227,6 +280,24 @@ class DpoChannel(LossChannel):
             return
         for ref, cur in zip(self.reference_model.parameters(), self.policy.parameters(), strict=True):
             ref.copy_(cur)
+
+    @classmethod
+    def memory(cls, settings: DpoSettings, config: RunConfig, step: StepShape) -> ChannelMemory:
+        """Pairs per step at most ``[preference] max_sites * max_pairs_per_turn`` (`collect_pairs` keeps no more),
+        dealt over the micro-batches: ``2 * ceil(pairs / grad_accum)`` rows each (chosen and rejected), whose logits
+        are alive at its peak with `K_DPO_VOCAB` vocab-sized tensors per response token; the reference, a frozen copy
+        of the policy under full fine-tuning (``4 P``, ``4 P - 2 L`` with its linear weights in bf16) and none with
+        ``[lora]`` (the base); and the reference pass over all the step's pairs (`reference_pass_bytes`)."""
+        pref, shape = config.preference, step.shape
+        pairs = pref.max_sites * pref.max_pairs_per_turn
+        rows = 2 * math.ceil(pairs / step.grad_accum)
+        return ChannelMemory(
+            name=cls.name, label="DPO", rows=rows, backward_rows=rows // 2,
+            peak=step.vocab_row * rows * K_DPO_VOCAB + rows * step.seq_len * shape.vocab * step.logit_bytes,
+            kept=step.vocab_row * rows * K_DPO_VOCAB,
+            copy=0 if shape.lora else 4 * shape.params_total - (2 * shape.linear if step.bf16 else 0),
+            phase=reference_pass_bytes(shape, pairs, step.seq_len, bf16=step.bf16, response_tokens=step.response_tokens),
+            phase_label="DPO reference pass")
 
     @classmethod
     def round_record(cls, loss_mean: float, stats: Counts | None) -> dict[str, Any]:

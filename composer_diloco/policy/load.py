@@ -292,6 +292,8 @@ def load_run_policy(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedToken
     Raises:
         PolicyLoadError: as :func:`load_policy`.
     """
+    from composer_diloco.channels.sdpo import SdpoSettings  # the warm start shows SDPO's teacher its hints
+
     return load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
                        env=config.env.server_module, hint_rate=config.warmstart.hint_rate, hints=config.hints,
-                       peer_demo=config.loss.sdpo_peer_demo_reward is not None)
+                       peer_demo=SdpoSettings.of(config.loss).sdpo_peer_demo_reward is not None)

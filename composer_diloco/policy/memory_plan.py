@@ -9,19 +9,20 @@ Device (the policy's device: a GPU, or host RAM for ``--device cpu``)
     weights      4 P   fp32 master weights; ``--dtype bf16`` (autocast) stores the frozen linear weights in bf16
                        (`composer_diloco.policy.precision`): with ``[lora]`` the base's, 4 P - 2 L_frozen
     optimizer    8 T   torch AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32, like the parameters)
-    reference    4 P   full fine-tuning with ``[loss] beta_dpo > 0``: the DPO reference is a frozen deep copy of the
-                       policy (`composer_diloco.channels.dpo`), 4 P - 2 L under bf16 (L: the linear-only weights,
-                       stored in bf16); ``[grpo] beta > 0`` adds TRL's own reference, another 4 P. With ``[lora]``
-                       both are the base with adapters disabled: 0 bytes.
+    reference    4 P   ``[grpo] beta > 0``: TRL's own reference, a copy of the policy; a loss channel's model copy
+                       (`ChannelMemory.copy`): with ``[loss] beta_dpo > 0`` DPO's reference is a frozen deep copy
+                       of the policy (`composer_diloco.channels.dpo`), 4 P - 2 L under bf16 (L: the linear-only
+                       weights, stored in bf16). With ``[lora]`` both are the base with adapters disabled: 0 bytes.
                        The SDPO teacher is the policy itself (no copy) in either mode.
-    + the largest of the three phases of an inner step (`MemoryPlan.phase_peak`), each over the state above:
+    + the largest of the phases of an inner step (`MemoryPlan.phase_peak`), each over the state above:
     rollout      the step's ``episodes_per_step`` episodes are generated as one batch (`play_episodes`): their KV
                  cache, ``2 * layers * kv_dim`` values per token of a row (bf16 under autocast, else fp32), and each
                  turn's sampling scores, ``K_SCORES`` fp32 ``(episodes, max_turn_tokens, vocab)`` tensors (the
                  scores ``generate`` returns, their stack, their log-softmax: `generate_turns`)
-    reference    DPO's reference log-probs of the step's pairs, all at once (`composer_diloco.channels.dpo_rows.dpo_rows`): the
-    pass         chosen rows' fp32 logits stay alive while the rejected rows' are computed, ``K_REFERENCE_LOGITS *
-                 pairs * row * vocab * 4`` bytes (a quarter more under bf16: the bf16 logits before their fp32 copy)
+    a channel's  `ChannelMemory.phase`: DPO's reference log-probs of the step's pairs, all at once
+    own phase    (`composer_diloco.channels.dpo_rows.dpo_rows`): the chosen rows' fp32 logits stay alive while the
+                 rejected rows' are computed, ``K_REFERENCE_LOGITS * pairs * row * vocab * 4`` bytes (a quarter more
+                 under bf16: the bf16 logits before their fp32 copy; `composer_diloco.channels.dpo.reference_pass_bytes`)
     training     one micro-batch's forward/backward and the AdamW step (`MemoryPlan.training_peak`): gradients
                  4 T, activations (below), AdamW's temporaries.
 
@@ -47,7 +48,8 @@ Host RAM (`composer_diloco.outer`: always CPU, fp32)
     it moves to a GPU; on a CPU node that copy *is* the device's weights; plus `RUNTIME_HOST_BYTES` of the process's
     own beyond these tensors.
 
-**Rows.** A micro-batch holds ``--batch-size`` GRPO rows (its episodes), as many SDPO student rows (``alpha_sdpo > 0``:
+**Rows** (each channel's declared by its `LossChannel.memory`). A micro-batch holds ``--batch-size`` GRPO rows (its
+episodes), as many SDPO student rows (``alpha_sdpo > 0``:
 one site per episode on average, the planning assumption: an episode has at most ``max_tool_calls - 1`` sites, and a
 policy that fails and recovers on most turns can need more, which `nodes.node.Node` warns about when a round has more
 sites than episodes) and ``2 * ceil(max_sites * max_pairs_per_turn / grad_accum)`` DPO rows (``beta_dpo > 0``: a bound,
@@ -69,11 +71,13 @@ a prompt the plan cannot bound before the first reset, rows are planned at ``max
                 while the channel's loss is computed (SDPO: the student's and the teacher's; DPO: the chosen rows'
                 while the rejected rows' are computed), SDPO's divergence holds ``K_SDPO_PEAK`` fp32 vocab-sized
                 tensors per response token (at most ``max_turn_tokens`` a row) and keeps ``K_SDPO_SAVED`` of them for
-                backward, DPO keeps ``K_DPO_VOCAB``.
-    The loss's forward runs GRPO, then SDPO, then DPO, and backward the other way round, so the plan takes the largest
-    of three moments: GRPO's rows with the fused head's tile; every row up to SDPO's with SDPO's logits and divergence;
-    every row with what SDPO keeps and DPO's logits; plus backward's temporaries for one forward's rows
-    (``(3 * hidden + 2 * intermediate) * 4`` bytes a token).
+                backward, DPO keeps ``K_DPO_VOCAB``. Each channel declares these counts in its own module
+                (`composer_diloco.channels.base.LossChannel.memory`, a `ChannelMemory`); this module names none.
+    The loss's forward runs GRPO, then each channel (SDPO, then DPO), and backward the other way round, so the plan
+    takes the largest of these moments: GRPO's rows with the fused head's tile; for each channel, every row up to its
+    own with what the earlier channels keep and its own peak (SDPO: its logits and divergence; DPO: what SDPO keeps
+    and DPO's logits); plus backward's temporaries for one forward's rows (``(3 * hidden + 2 * intermediate) * 4``
+    bytes a token).
 The training rows' padded width is the longest row of the step (TRL pads the prompt and completion parts to the step's
 longest); with prompts of different lengths it can pass the planned row by their difference.
 
@@ -95,15 +99,17 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_diloco.outer.codecs import codec_entry
+from composer_diloco.policy.memory_sizes import ChannelMemory, ModelShape, StepShape
 
 if TYPE_CHECKING:
     from composer_diloco.config import LoraSection, RunConfig
 
-__all__ = ["CUDA_WORKSPACE_BYTES", "DEVICE_MEMORY_ENV", "BatchChoice", "DeviceMemoryError", "MemoryPlan", "ModelShape", "PeakMemory",
-           "RowBound", "activation_bytes", "check_plan", "choose_batch", "device_free_bytes",
+__all__ = ["CUDA_WORKSPACE_BYTES", "ChannelMemory", "DEVICE_MEMORY_ENV", "BatchChoice", "DeviceMemoryError", "MemoryPlan", "ModelShape", "PeakMemory",
+           "RowBound", "StepShape", "activation_bytes", "check_plan", "choose_batch", "device_free_bytes",
            "measure_training_bytes", "model_shape", "plan_for_run", "plan_inputs", "plan_memory", "refusal",
            "row_bound"]
 
@@ -138,22 +144,6 @@ K_TILE = {"cpu": 8.5, "cuda": 2.0}
 scaled copies, exp, their products; backward: the probabilities, the gradient and their temporaries; measured on CPU),
 on CUDA a Triton kernel folds it in place (the bf16 tile and the weight chunk's cast: 2 is an upper bound, not
 measured here)."""
-K_SDPO_PEAK = 9.0
-"""fp32 vocab-sized tensors per SDPO response token while the divergence is computed (`sdpo_loss`: the student's and
-the teacher's selected logits and their copies, both log-softmaxes, the KL terms; `generalized_jsd` with beta 0 or 1;
-measured on CPU)."""
-K_SDPO_SAVED = 3.0
-"""Of those, what SDPO keeps for backward (both log-softmaxes, the KL's input)."""
-K_SDPO_MIXTURE = (13.0, 6.0)
-"""`K_SDPO_PEAK` and `K_SDPO_SAVED` for 0 < ``sdpo_jsd_beta`` < 1: the mixture's log-probabilities and both KL terms
-(measured on CPU)."""
-K_DPO_VOCAB = 2.0
-"""fp32 vocab-sized tensors DPO keeps per response token for backward (the selected rows and their logsumexp's
-input: `sequence_logprobs`; measured on CPU)."""
-K_REFERENCE_LOGITS = 2.5
-"""fp32 ``(pairs, row, vocab)`` logits alive at DPO's reference pass's peak: the chosen rows' kept while the rejected
-rows' are computed, and half a copy more (measured on CPU at Qwen3-0.6B's size: 2.47); under bf16 a quarter more for
-the bf16 logits before their fp32 copy."""
 K_SCORES = 3
 """fp32 ``(episodes, max_turn_tokens, vocab)`` tensors of a turn's sampling (`generate_turns`: ``generate``'s scores,
 their stack, their log-softmax)."""
@@ -184,36 +174,6 @@ def _size(n: int | float) -> str:
 
 class DeviceMemoryError(RuntimeError):
     """The plan does not fit the device: the message is one line naming the need, the free memory and what fits."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the plan needs, read from a model config (built on the ``meta`` device: no memory, no download).
-
-    Attributes:
-        params_total: parameters of the policy, tied tensors once (P).
-        params_trainable: parameters that train (T): all of them, or the LoRA adapters.
-        layers, hidden, intermediate, vocab: the decoder's sizes.
-        q_dim, kv_dim: heads x head_dim and kv_heads x head_dim (hidden and hidden when the config has no such field).
-        largest_trainable: elements of the largest trainable tensor (the embedding with full fine-tuning).
-        lora: whether ``params_trainable`` counts adapters.
-        linear: elements of the weights only linear layers use (not a tied embedding): what a bf16 node stores in
-            bf16 when they are frozen (`composer_diloco.policy.precision.bf16_linear_params`).
-        frozen_linear: those of them frozen in this mode (the LoRA base's; 0 with full fine-tuning).
-    """
-
-    params_total: int
-    params_trainable: int
-    layers: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    q_dim: int = 0
-    kv_dim: int = 0
-    largest_trainable: int = 0
-    lora: bool = False
-    linear: int = 0
-    frozen_linear: int = 0
 
 
 _SHAPES: dict[tuple[str, str | None], ModelShape] = {}  # model_shape's results by (config JSON, [lora] JSON)
@@ -437,48 +397,43 @@ def decoder_bytes_per_token(shape: ModelShape, *, bf16: bool = False, gradient_c
 
 
 def activation_bytes(shape: ModelShape, rows: int, seq_len: int, *, bf16: bool = False,
-                     gradient_checkpointing: bool = False, sdpo_rows: int = 0, dpo_rows: int = 0,
-                     response_tokens: int | None = None, sdpo_mixture: bool = False, device: str = "cpu") -> int:
+                     gradient_checkpointing: bool = False, channels: Sequence[ChannelMemory] = (),
+                     device: str = "cpu") -> int:
     """Estimated peak bytes of one micro-batch's forward/backward above the state (module docstring, "Activations").
 
-    The loss's forward runs GRPO, then SDPO, then DPO; backward runs them in the opposite order (autograd runs the
-    later graph first). So the peak is the largest of: GRPO's rows with its fused LM head's tile (GRPO's head runs
-    first in forward and last in backward); every row up to SDPO with SDPO's two logits; every row with DPO's two
-    logits; each plus backward's temporaries for one forward's rows.
+    The loss's forward runs GRPO, then each loss channel in registration order; backward runs them in the opposite
+    order (autograd runs the later graph first). So the peak is the largest of: GRPO's rows with its fused LM head's
+    tile (GRPO's head runs first in forward and last in backward); for each channel, every row up to it with what
+    the earlier channels keep and its own peak (`ChannelMemory`); each plus backward's temporaries for one forward's
+    rows.
 
     Args:
         shape: the model's sizes.
         rows: GRPO rows (the micro-batch's episodes); seq_len: every row's padded length in tokens.
-        bf16: bf16 autocast (the decoder's share is ``BF16_DECODER_SHARE`` of fp32's; SDPO/DPO logits in bf16).
+        bf16: bf16 autocast (the decoder's share is ``BF16_DECODER_SHARE`` of fp32's).
         gradient_checkpointing: keep only each layer's input, recompute the rest in backward.
-        sdpo_rows: SDPO student rows; dpo_rows: DPO rows (chosen and rejected: twice the pairs).
-        response_tokens: tokens per SDPO/DPO row whose vocab-sized tensors are kept (a turn: ``max_turn_tokens``);
-            None: ``seq_len``.
-        sdpo_mixture: SDPO's generalized JSD has 0 < beta < 1 (the mixture: `K_SDPO_MIXTURE`).
+        channels: the loss channels that are on, in registration order (`LossChannel.memory`).
         device: ``cpu...`` or ``cuda...`` (how the fused LM head folds its tile: `K_TILE`).
     Raises:
         ValueError: a negative row count or a ``seq_len`` below 1.
     """
-    if min(rows, sdpo_rows, dpo_rows) < 0 or seq_len < 1:
-        raise ValueError(f"rows {rows}, sdpo_rows {sdpo_rows}, dpo_rows {dpo_rows}, seq_len {seq_len}: expected "
-                         "rows >= 0 and seq_len >= 1")
-    response = seq_len if response_tokens is None else min(response_tokens, seq_len)
+    if min([rows] + [c.rows for c in channels]) < 0 or seq_len < 1:
+        raise ValueError(f"rows {rows}, channel rows {[c.rows for c in channels]}, seq_len {seq_len}: expected rows "
+                         ">= 0 and seq_len >= 1")
     per_token = decoder_bytes_per_token(shape, bf16=bf16, gradient_checkpointing=gradient_checkpointing)
-    logit_bytes, vocab_row = (2 if bf16 else 4), 4 * shape.vocab * response  # one row's fp32 response logits
-    backward = max(rows, sdpo_rows, dpo_rows // 2) * seq_len * (3 * shape.hidden + 2 * shape.intermediate) * 4
-    grpo, sdpo, dpo = (n * seq_len * per_token for n in (rows, sdpo_rows, dpo_rows))
-    sdpo_peak, sdpo_kept = K_SDPO_MIXTURE if sdpo_mixture else (K_SDPO_PEAK, K_SDPO_SAVED)
+    backward = max([rows] + [c.backward_rows for c in channels]) * seq_len * \
+        (3 * shape.hidden + 2 * shape.intermediate) * 4
+    grpo = rows * seq_len * per_token
     # GRPO's fused head: its tile temporaries, and with full fine-tuning after another channel's backward the fresh
     # fp32 gradient of the (trainable) head it accumulates into the existing one
     tile = K_TILE["cuda" if device.startswith("cuda") else "cpu"] * 4 * min(rows * seq_len, FUSED_TOKEN_TILE) * \
         min(shape.vocab, FUSED_VOCAB_CHUNK) if rows else 0
-    head = 4 * shape.vocab * shape.hidden if not shape.lora and (sdpo_rows or dpo_rows) else 0
-    peaks = [grpo + tile + head,
-             # SDPO: the student's and the teacher's logits, and the divergence's tensors per response token
-             grpo + sdpo + sdpo_rows * (2 * seq_len * shape.vocab * logit_bytes + sdpo_peak * vocab_row),
-             # DPO: what SDPO keeps, and the chosen rows' logits while the rejected rows' are computed
-             grpo + sdpo + sdpo_kept * vocab_row * sdpo_rows + dpo + vocab_row * dpo_rows * K_DPO_VOCAB
-             + dpo_rows * seq_len * shape.vocab * logit_bytes]
+    head = 4 * shape.vocab * shape.hidden if not shape.lora and any(c.rows for c in channels) else 0
+    peaks, alive = [grpo + tile + head], grpo
+    for c in channels:  # each channel's peak over what the earlier ones keep for backward
+        own = c.rows * seq_len * per_token
+        peaks.append(alive + own + c.peak)
+        alive = alive + own + c.kept
     return int(max(peaks) + backward)
 
 
@@ -487,19 +442,6 @@ def rollout_bytes(shape: ModelShape, episodes: int, seq_len: int, turn_tokens: i
     a turn's ``K_SCORES`` sampling-score tensors (module docstring, "rollout")."""
     kv = 2 * shape.layers * (shape.kv_dim or shape.hidden) * (2 if bf16 else 4)
     return int(episodes * seq_len * kv + K_SCORES * episodes * turn_tokens * shape.vocab * 4)
-
-
-def reference_pass_bytes(shape: ModelShape, pairs: int, seq_len: int, *, bf16: bool = False,
-                         response_tokens: int | None = None) -> int:
-    """Bytes of DPO's reference log-probs over ``pairs`` pairs of ``seq_len``-token rows, all at once
-    (`composer_diloco.channels.dpo_rows.dpo_rows`): the chosen rows' fp32 logits, the rejected rows' fp32 logits and, under bf16,
-    their bf16 logits before the copy, plus half a row of logits of the forward's own (`K_REFERENCE_LOGITS`); the
-    no-grad forward's per-layer temporaries (``(4 * hidden + 3 * intermediate) * 4`` bytes a token) and
-    `sequence_logprobs`' two fp32 copies of the response rows."""
-    response = seq_len if response_tokens is None else min(response_tokens, seq_len)
-    logits = pairs * seq_len * shape.vocab * 4 * K_REFERENCE_LOGITS * (1.25 if bf16 else 1.0)
-    forward = pairs * seq_len * (4 * shape.hidden + 3 * shape.intermediate) * 4
-    return int(logits + forward + 2 * pairs * response * shape.vocab * 4)
 
 
 # -- the plan -----------------------------------------------------------------------------------------------------
@@ -512,15 +454,17 @@ class MemoryPlan:
         device: where the policy trains (``cpu`` or ``cuda:N (name)``).
         micro_batch, grad_accum: ``--batch-size``, ``--grad-accum``.
         seq_len: tokens of every planned row (`row_bound`); row_source: how that length was reached.
-        rows_grpo, rows_sdpo, rows_dpo: a micro-batch's rows by channel.
+        rows_grpo: a micro-batch's GRPO rows (its episodes).
+        channels: what each loss channel that is on adds (`ChannelMemory`: its rows, model copy and phase), in
+            registration order.
         episodes_per_step, turn_tokens: the rollout's batch and ``max_turn_tokens``.
         bf16, gradient_checkpointing: the node's ``--dtype bf16`` and gradient checkpointing.
-        weights, gradients, optimizer, reference, activations: device bytes by item.
+        weights, gradients, optimizer, reference, activations: device bytes by item (``reference``: the model copies
+            of TRL's GRPO reference and of the channels, e.g. DPO's).
         step_transient: AdamW's temporaries at the optimizer step: two of the largest trainable tensor on a CPU, a
             copy of every trainable tensor on a GPU (module docstring).
         workspace: a GPU's cuBLAS workspaces (`CUDA_WORKSPACE_BYTES`); 0 on a CPU.
         rollout: the rollout phase's bytes over the state (KV cache and sampling scores).
-        reference_pass: DPO's reference log-probs pass's bytes over the state (0 without DPO).
         host: host bytes of the outer loop (theta, pseudo-gradient, outer state, a state download's transients) and
             the process's own (`RUNTIME_HOST_BYTES`).
         host_model: host bytes of the policy as loaded (fp32, before it moves to a GPU; the device's own weights on
@@ -535,8 +479,6 @@ class MemoryPlan:
     grad_accum: int
     seq_len: int
     rows_grpo: int
-    rows_sdpo: int
-    rows_dpo: int
     bf16: bool
     gradient_checkpointing: bool
     weights: int
@@ -548,7 +490,7 @@ class MemoryPlan:
     host: int
     host_model: int
     rollout: int = 0
-    reference_pass: int = 0
+    channels: tuple[ChannelMemory, ...] = ()
     workspace: int = 0
     episodes_per_step: int = 0
     turn_tokens: int = 0
@@ -558,8 +500,8 @@ class MemoryPlan:
 
     @property
     def rows(self) -> int:
-        """A micro-batch's rows that train: GRPO, SDPO student, DPO chosen and rejected."""
-        return self.rows_grpo + self.rows_sdpo + self.rows_dpo
+        """A micro-batch's rows that train: GRPO's and every channel's (SDPO student, DPO chosen and rejected)."""
+        return self.rows_grpo + sum(c.rows for c in self.channels)
 
     @property
     def on_cpu(self) -> bool:
@@ -576,8 +518,9 @@ class MemoryPlan:
 
     @property
     def phase_peak(self) -> int:
-        """The largest of an inner step's three phases over the state: rollout, DPO reference pass, training."""
-        return max(self.training_peak, self.rollout, self.reference_pass)
+        """The largest of an inner step's phases over the state: rollout, training, and a channel's own (DPO's
+        reference pass)."""
+        return max([self.training_peak, self.rollout] + [c.phase for c in self.channels])
 
     @property
     def device_bytes(self) -> int:
@@ -608,8 +551,7 @@ class MemoryPlan:
 
     def rows_text(self) -> str:
         """``4 GRPO + 4 SDPO + 4 DPO rows x 530 tokens`` (channels that are off left out)."""
-        parts = [f"{n} {name}" for n, name in ((self.rows_grpo, "GRPO"), (self.rows_sdpo, "SDPO"),
-                                              (self.rows_dpo, "DPO")) if n or name == "GRPO"]
+        parts = [f"{self.rows_grpo} GRPO"] + [f"{c.rows} {c.label}" for c in self.channels if c.rows]
         return f"{' + '.join(parts)} rows x {self.seq_len} tokens"
 
     def describe(self) -> str:
@@ -624,20 +566,17 @@ class MemoryPlan:
                 f"{_size(self.gradients)}, activations {_size(self.activations)} for {self.rows_text()}, "
                 f"micro-batch {self.micro_batch} x {self.grad_accum}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{', gradient checkpointing' if self.gradient_checkpointing else ''}"
-                f"; rollout {_size(self.rollout)}: {self.episodes_per_step} episodes; DPO reference pass "
-                f"{_size(self.reference_pass)}); rows: {self.row_source or f'{self.seq_len} tokens'}; host "
+                f"; rollout {_size(self.rollout)}: {self.episodes_per_step} episodes"
+                f"{''.join(f'; {c.phase_label} {_size(c.phase)}' for c in self.channels if c.phase_label)}); rows: {self.row_source or f'{self.seq_len} tokens'}; host "
                 f"{_size(self.host_bytes)} (outer loop and process {_size(self.host)}); {free}")
 
 
-def _dpo_rows(dpo_pairs: int, grad_accum: int) -> int:
-    return 2 * math.ceil(dpo_pairs / grad_accum) if dpo_pairs else 0
-
-
 def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq_len: int, device: str = "cpu",
-                bf16: bool = False, gradient_checkpointing: bool = False, sdpo: bool = True, dpo_pairs: int = 0,
-                dpo_reference: bool = True, grpo_reference: bool = False, outer_state_tensors: int = 1,
-                local_state_tensors: int = 0, turn_tokens: int | None = None, sdpo_mixture: bool = False,
-                row_source: str = "", free: int | None = None, free_source: str = "") -> MemoryPlan:
+                bf16: bool = False, gradient_checkpointing: bool = False,
+                channels: Sequence[ChannelMemory] | Callable[[StepShape], Sequence[ChannelMemory]] = (),
+                grpo_reference: bool = False, outer_state_tensors: int = 1, local_state_tensors: int = 0,
+                turn_tokens: int | None = None, row_source: str = "", free: int | None = None,
+                free_source: str = "") -> MemoryPlan:
     """The plan for one node (module docstring for each formula).
 
     Args:
@@ -646,8 +585,8 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         seq_len: tokens per row (`row_bound`).
         device: the device's name, for the log; ``cpu...`` makes host and device one pool.
         bf16, gradient_checkpointing: the node's precision and checkpointing.
-        sdpo: SDPO is on (one student row per episode); dpo_pairs: DPO pairs per step at most (0: off).
-        dpo_reference: DPO keeps a reference policy (full fine-tuning: a copy; LoRA: none).
+        channels: the loss channels that are on (`ChannelMemory`, in registration order), or a function of the
+            step's sizes that gives them (`channel_memory`); () = GRPO alone.
         grpo_reference: TRL keeps a GRPO KL reference (``[grpo] beta > 0``; full fine-tuning: another copy).
         outer_state_tensors: tensors of theta's size the outer optimizer keeps (SGD momentum 1, Adam 2, averaging 0):
             part of the run's state, so a resync downloads them again.
@@ -655,7 +594,6 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
             error feedback and its next value: 2).
         turn_tokens: tokens per assistant turn (``max_turn_tokens``: the SDPO/DPO response rows and each sampling
             turn); None: ``seq_len``.
-        sdpo_mixture: SDPO's ``sdpo_jsd_beta`` is strictly between 0 and 1 (`activation_bytes`).
         row_source: how ``seq_len`` was reached, for the log.
         free, free_source: the device's free bytes and where they came from (`device_free_bytes`).
     Raises:
@@ -664,30 +602,26 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
     if micro_batch < 1 or grad_accum < 1 or seq_len < 1:
         raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum}, seq_len {seq_len}: expected >= 1")
     turn = seq_len if turn_tokens is None else turn_tokens
+    if callable(channels):
+        channels = channels(StepShape(shape=shape, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len,
+                                      response_tokens=min(turn, seq_len), bf16=bf16))
     p, t = shape.params_total, shape.params_trainable
     on_cpu = device.startswith("cpu")
-    # bf16 (`composer_diloco.policy.precision`): frozen linear weights take 2 bytes, the LoRA base's and the DPO
+    # bf16 (`composer_diloco.policy.precision`): frozen linear weights take 2 bytes, the LoRA base's and a channel's
     # reference copy's; TRL's own GRPO reference is loaded by TRL (4 P)
     weights = 4 * p - (2 * shape.frozen_linear if bf16 else 0)
-    dpo_copy = 0 if shape.lora or not dpo_reference else 4 * p - (2 * shape.linear if bf16 else 0)
     grpo_copy = 0 if shape.lora or not grpo_reference else 4 * p
-    sdpo_rows, dpo_rows = (micro_batch if sdpo else 0), _dpo_rows(dpo_pairs, grad_accum)
     episodes = micro_batch * grad_accum
     return MemoryPlan(
         shape=shape, device=device, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len,
-        rows_grpo=micro_batch, rows_sdpo=sdpo_rows, rows_dpo=dpo_rows, bf16=bf16,
-        gradient_checkpointing=gradient_checkpointing,
-        weights=weights, gradients=4 * t, optimizer=8 * t, reference=dpo_copy + grpo_copy,
+        rows_grpo=micro_batch, channels=tuple(channels), bf16=bf16, gradient_checkpointing=gradient_checkpointing,
+        weights=weights, gradients=4 * t, optimizer=8 * t, reference=sum(c.copy for c in channels) + grpo_copy,
         activations=activation_bytes(shape, micro_batch, seq_len, bf16=bf16,
-                                     gradient_checkpointing=gradient_checkpointing, sdpo_rows=sdpo_rows,
-                                     dpo_rows=dpo_rows, response_tokens=turn, sdpo_mixture=sdpo_mixture,
-                                     device=device),
+                                     gradient_checkpointing=gradient_checkpointing, channels=channels, device=device),
         # torch's AdamW: single-tensor on a CPU, foreach (a copy of every trainable tensor) on a GPU
         step_transient=2 * 4 * shape.largest_trainable if on_cpu else 4 * t,
         workspace=0 if on_cpu else CUDA_WORKSPACE_BYTES,
         rollout=rollout_bytes(shape, episodes, seq_len, turn, bf16=bf16),
-        reference_pass=reference_pass_bytes(shape, dpo_pairs, seq_len, bf16=bf16, response_tokens=turn)
-        if dpo_pairs else 0,
         episodes_per_step=episodes, turn_tokens=turn, row_source=row_source,
         # theta, the pseudo-gradient buffer, the outer state, the node's own state (error feedback), and a resync's
         # download buffers (theta + outer state)
@@ -695,6 +629,16 @@ def plan_memory(shape: ModelShape, *, micro_batch: int, grad_accum: int = 1, seq
         host_model=4 * p,
         free=free,
         free_source=free_source)
+
+
+def channel_memory(config: RunConfig) -> Callable[[StepShape], list[ChannelMemory]]:
+    """The run's loss channels that are on (weight > 0), as a function of the step's sizes giving what each adds to
+    the plan (`composer_diloco.channels.base.LossChannel.memory`, in registration order). Imports the channels."""
+    from composer_diloco.channels.base import registered_channels
+
+    on = [(c, c.settings_type.of(config.loss)) for c in registered_channels()]
+    on = [(c, settings) for c, settings in on if settings.weight > 0]
+    return lambda step: [c.memory(settings, config, step) for c, settings in on]
 
 
 def _outer_state_tensors(config: RunConfig) -> int:
@@ -717,17 +661,13 @@ def plan_for_run(config: RunConfig, model_config: Any, *, micro_batch: int, grad
     """
     section = config.lora if lora is True else (lora or None)
     shape = model_shape(model_config, section)
-    pref = config.preference
     inputs = inputs or PlanInputs()
     row = row_bound(config, prompt_tokens=inputs.prompt_tokens, reply_scaffold_tokens=inputs.reply_scaffold_tokens)
     return plan_memory(
         shape, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=row.tokens, device=device, bf16=bf16,
-        gradient_checkpointing=gradient_checkpointing, sdpo=config.loss.alpha_sdpo > 0,
-        dpo_pairs=pref.max_sites * pref.max_pairs_per_turn if config.loss.beta_dpo > 0 else 0,
-        dpo_reference=config.loss.beta_dpo > 0, grpo_reference=config.grpo.beta > 0,
-        outer_state_tensors=_outer_state_tensors(config),
-        local_state_tensors=codec_entry(config.compression).local_state_tensors,
-        turn_tokens=config.env.max_turn_tokens, sdpo_mixture=0 < config.loss.sdpo_jsd_beta < 1,
+        gradient_checkpointing=gradient_checkpointing, channels=channel_memory(config),
+        grpo_reference=config.grpo.beta > 0, outer_state_tensors=_outer_state_tensors(config),
+        local_state_tensors=codec_entry(config.compression).local_state_tensors, turn_tokens=config.env.max_turn_tokens,
         row_source=row.source, free=free, free_source=free_source)
 
 
@@ -1052,7 +992,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
     from composer_diloco.channels.dpo import dpo_loss
     from composer_diloco.channels.sdpo import sdpo_loss
     from composer_diloco.channels.losses import sequence_logprobs
-    from composer_diloco.config import LossConfig
+    from composer_diloco.channels.dpo import DpoSettings
+    from composer_diloco.channels.sdpo import SdpoSettings
 
     def rss(field: str) -> int:
         value = _status_bytes(field)
@@ -1132,7 +1073,6 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     loss = -out.log_probs.sum() / labels.ne(-100).sum()
     del out
-    cfg = LossConfig(sdpo_jsd_beta=sdpo_beta)
     if sdpo_rows:
         s_ids, s_mask, _ = rows_of(sdpo_rows, seq_len)
         t_ids, t_mask, _ = rows_of(sdpo_rows, seq_len)
@@ -1140,7 +1080,8 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
         loss = loss + sdpo_loss(model, {"sdpo_student_ids": s_ids, "sdpo_student_attention_mask": s_mask,
                                         "sdpo_teacher_ids": t_ids, "sdpo_teacher_attention_mask": t_mask,
                                         "student_response_idx": idx, "teacher_response_idx": idx,
-                                        "student_response_valid": torch.ones_like(idx, dtype=torch.bool)}, cfg)
+                                        "student_response_valid": torch.ones_like(idx, dtype=torch.bool)},
+                                SdpoSettings(sdpo_jsd_beta=sdpo_beta))
     if dpo_pairs:
         c_ids, c_mask, c_resp = rows_of(dpo_pairs, seq_len)
         r_ids, r_mask, r_resp = rows_of(dpo_pairs, seq_len)
@@ -1148,7 +1089,7 @@ def measure_training_bytes(model: Any, *, rows: int, seq_len: int, reference: bo
                                        "dpo_chosen_response_mask": c_resp, "dpo_rejected_ids": r_ids,
                                        "dpo_rejected_attention_mask": r_mask, "dpo_rejected_response_mask": r_resp,
                                        "dpo_ref_chosen_logps": torch.zeros(dpo_pairs),
-                                       "dpo_ref_rejected_logps": torch.zeros(dpo_pairs)}, cfg)
+                                       "dpo_ref_rejected_logps": torch.zeros(dpo_pairs)}, DpoSettings())
     loss.backward()
     opt.step()
     peak = rss("VmHWM:") - base
@@ -1167,8 +1108,8 @@ def round_memory(plan: MemoryPlan | None, peak_bytes: int | None, stats: Any) ->
     Returns:
         ``({"memory_peak_bytes", "memory_planned_bytes", "episode_tokens_max"}, warnings)``: the planned figure is
         `MemoryPlan.planned_peak` (None without a plan); a warning (one line each) when the peak passed the plan,
-        an episode was longer than the planned rows, or SDPO found more sites than episodes (the plan assumes one
-        site per episode).
+        an episode was longer than the planned rows, or a channel counted more rows than episodes where the plan
+        assumes one per episode (`ChannelMemory.count_key`: SDPO's sites).
     """
     longest = int(stats.longest_episode_tokens)
     fields = {"memory_peak_bytes": peak_bytes, "memory_planned_bytes": None if plan is None else plan.planned_peak,
@@ -1181,8 +1122,11 @@ def round_memory(plan: MemoryPlan | None, peak_bytes: int | None, stats: Any) ->
     if longest > plan.seq_len:
         warnings.append(f"an episode of {longest} tokens is longer than the memory plan's rows of {plan.seq_len} "
                         f"({plan.row_source}): the plan may be short")
-    sites = getattr(stats.channel_stats.get("sdpo"), "sdpo_sites", 0)
-    if plan.rows_sdpo and sites > stats.samples:
-        warnings.append(f"SDPO found {sites} sites in {stats.samples} episodes: the memory plan assumes one per "
-                        "episode and may be short")
+    for c in plan.channels:
+        if c.count_key is None:
+            continue
+        count = getattr(stats.channel_stats.get(c.name), c.count_key, 0)
+        if c.rows and count > stats.samples:
+            warnings.append(f"{c.label} found {count} {c.count_key.removeprefix(c.name + '_')} in {stats.samples} "
+                            "episodes: the memory plan assumes one per episode and may be short")
     return fields, warnings
