@@ -155,8 +155,8 @@ from composer_diloco.config import LoraSection
 from composer_diloco.channels.dpo import DpoChannel, DpoSettings, reference_pass_bytes
 from composer_diloco.channels.sdpo import SdpoChannel, SdpoSettings
 from composer_diloco.config import RunConfig
-from composer_diloco.policy.memory_plan import (StepShape, activation_bytes, measure_training_bytes, model_shape,
-                                                plan_memory)
+from composer_diloco.policy.memory_measure import measure_training_bytes
+from composer_diloco.policy.memory_plan import StepShape, activation_bytes, model_shape, plan_memory
 lora = LoraSection(**{LORA!r}) if {lora} else None
 cfg = AutoConfig.from_pretrained({str(model_dir)!r})
 m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, dtype=torch.float32)

@@ -39,7 +39,8 @@ import json, sys, torch
 from transformers import Qwen3Config
 from composer_diloco.config import LoraSection
 from composer_diloco.policy import build_tiny_model, load_default_tokenizer, tiny_model_config
-from composer_diloco.policy.memory_plan import measure_training_bytes, model_shape, plan_memory
+from composer_diloco.policy.memory_measure import measure_training_bytes
+from composer_diloco.policy.memory_plan import model_shape, plan_memory
 kind, lora, bf16 = sys.argv[1], sys.argv[2] == "lora", sys.argv[3] == "bf16"
 tok = load_default_tokenizer()
 small = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from composer_diloco.rollout.env_package import EnvPackage
     from composer_diloco.rollout.episodes import Episode, EnvSession
 
-__all__ = ["ChannelContext", "ChannelMemory", "ChannelMetrics", "ChannelPart", "ChannelSettings", "Counts", "LossChannel",
-           "pad_id", "pad_rows", "register_channel", "registered_channels", "unregister_channel"]
+__all__ = ["ChannelContext", "ChannelMemory", "ChannelMetrics", "ChannelPart", "ChannelSettings", "Counts",
+           "LossChannel", "pad_id", "pad_rows", "register_channel", "registered_channels", "unregister_channel"]
 
 
 @dataclass

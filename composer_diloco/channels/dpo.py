@@ -7,11 +7,11 @@ round's frozen global model theta_r (refreshed after every outer step, so every 
 ``[lora]`` run the reference is the base model instead: the policy itself with its adapters disabled (peft's
 ``disable_adapter()``), no copy, the same on every peer for the whole run.
 
-Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (`DpoSettings`, declared here) (what a candidate's
+Config: ``[loss] beta_dpo`` (the weight; 0 = off), ``dpo_beta`` (DPO's beta) and ``dpo_score`` (what a candidate's
 replay is worth: any accepted call, or only a call of the env's script, `dpo_teachers.script_progress`; or
-``"recovery"``: one pair per site whose chosen is the env's whole scripted recovery, `dpo_recovery.recovery_pairs`), the
-``[preference]`` section
-(`composer_diloco.config.PreferenceConfig`), ``[env] max_turn_tokens`` and ``[grpo] temperature`` for the samples.
+``"recovery"``: one pair per site whose chosen is the env's whole scripted recovery, `dpo_recovery.recovery_pairs`),
+declared here (`DpoSettings`); the ``[preference]`` section (`composer_diloco.config.PreferenceConfig`), ``[env]
+max_turn_tokens`` and ``[grpo] temperature`` for the samples.
 Teachers come from the env contract (`composer_diloco.rollout.env_package.EnvPackage.script` for ``"scripted"``).
 Metrics: ``loss_dpo``, ``dpo_pairs`` (pairs collated), ``pair_stats`` (`PairStats` by name; ``{}`` when off).
 Memory: the reference copy (full fine-tuning), the reference pass over the step's pairs, and per micro-batch the
@@ -296,7 +296,8 @@ class DpoChannel(LossChannel):
             peak=step.vocab_row * rows * K_DPO_VOCAB + rows * step.seq_len * shape.vocab * step.logit_bytes,
             kept=step.vocab_row * rows * K_DPO_VOCAB,
             copy=0 if shape.lora else 4 * shape.params_total - (2 * shape.linear if step.bf16 else 0),
-            phase=reference_pass_bytes(shape, pairs, step.seq_len, bf16=step.bf16, response_tokens=step.response_tokens),
+            phase=reference_pass_bytes(shape, pairs, step.seq_len, bf16=step.bf16,
+                                       response_tokens=step.response_tokens),
             phase_label="DPO reference pass")
 
     @classmethod
