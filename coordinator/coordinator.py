@@ -328,7 +328,7 @@ class Coordinator:
         if not self.peer.load_state_from_peers(timeout_s=timeout_s, min_round=from_round + 1):
             return False
         self.peer.global_model.load_into(self.model)
-        self.swarm.set_round(self.peer.round)
+        self.swarm.set_round(self.peer.round, sha=self.peer.global_model.sha256())
         log.info("reloaded round %d from a live node (the newest checkpoint was round %d)", self.peer.round,
                  from_round)
         return True
@@ -347,9 +347,9 @@ class Coordinator:
         """Round and outer optimizer state from ``outer.pt``; theta came with the model. Raises CheckpointError."""
         lora_base = self.peer.base_sha256 if self.config.lora is not None else None  # a LoRA checkpoint's base
         self.peer.resume_at(restore_outer_state(folder, self.peer.global_model, lora_base))
-        self.swarm.set_round(self.peer.round)
-        log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round,
-                 self.peer.global_model.sha256()[:12])
+        sha = self.peer.global_model.sha256()
+        self.swarm.set_round(self.peer.round, sha=sha)  # a restarted coordinator's lineage starts at its checkpoint
+        log.info("resumed from %s at round %d (sha256 %s)", folder, self.peer.round, sha[:12])
 
     def serve(self) -> int:
         """Take part in every round until the run's last; returns the rounds completed.

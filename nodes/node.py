@@ -272,10 +272,11 @@ class Node:
         self.peer.global_model.load_into(model)
         self._restore_codec_state()
         self.model = self.placement.place(model)
-        self.swarm.set_round(self.peer.round)
+        sha = self.peer.global_model.sha256()
+        self.swarm.set_round(self.peer.round, sha=sha)  # heartbeats say which theta this peer starts from
         self.swarm.start_heartbeat(config.network.heartbeat_s, config.network.heartbeat_ttl_s)
-        log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round,
-                 self.peer.global_model.sha256()[:12], self.placement.describe())
+        log.info("global model of round %d loaded (sha256 %s) on %s", self.peer.round, sha[:12],
+                 self.placement.describe())
 
     def _codec_state_path(self) -> Path:
         from composer_diloco.checkpoint import CODEC_STATE_FILE

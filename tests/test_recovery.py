@@ -94,6 +94,24 @@ def test_after_group_split(me, members, others, expected):
         assert decision == expected
 
 
+# -- after_theta_rejected -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("others, expected", [
+    ([], Proceed()),                                                                         # the authority is gone
+    ([rec("coordinator", R + 2, sha="xx")], Proceed()),                                      # it moved on: split_check
+    ([rec("coordinator", R + 1, sha="ours")], Proceed()),                                    # the same theta after all
+    ([rec("coordinator", R + 1, sha="xx")], ("coordinator",)),                               # take its theta
+    ([rec("node-0", R + 1, sha="yy"), rec("coordinator", R + 1, sha="xx")], ("coordinator",)),  # the group's, by name
+    ([rec("coordinator", R)], Wait("coordinator")),                                          # still stepping
+    ([rec("coordinator", R + 1, sha="xx", settled=False)], Wait("coordinator")),             # settling its own
+])
+def test_after_theta_rejected(others, expected):
+    decision = recovery.after_theta_rejected(R, "coordinator", "ours", others)
+    if isinstance(expected, tuple):
+        assert isinstance(decision, Resync) and decision.min_round == R + 1 and names(decision) == expected, decision
+    else:
+        assert decision == expected
+
+
 # -- settle_pick ----------------------------------------------------------------------------------------------------
 MEMBERS = {"coordinator", "node-0", "node-1"}
 

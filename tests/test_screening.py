@@ -34,6 +34,30 @@ def test_ordinary_spread_is_kept_and_non_finite_is_always_dropped():
     assert [v.name if v else None for v in screen([peer("a", 1.0), peer("b", 1e9)], None)] == [None, None]
 
 
+def test_a_member_that_trained_from_another_theta_is_dropped_and_told_whose_theta_the_group_holds():
+    """The churn bench's seed 1 (BENCHMARKS 3e): after a settle, node-1 held another theta than the coordinator and
+    node-0 and was averaged in anyway. The group's authority is its first member by step order that reports a theta
+    (the coordinator, even at weight 0; else the lowest name); an empty theta (a peer just joined) is not compared."""
+    def member(name, theta, norm=1.0, weight=8.0):
+        return {"name": name, "role": "coordinator" if name == "coordinator" else "node", "norm": norm,
+                "weight": weight, "theta": theta}
+
+    group = [member("node-1", "f0591348ee00"), member("coordinator", "80e3dabb7c70", 0.0, weight=0.0),
+             member("node-0", "80e3dabb7c70")]
+    verdicts = screen(group, max_norm_ratio=10)
+    assert verdicts[0] is not None and verdicts[0].theta_authority == "coordinator" and verdicts[1:] == [None, None]
+    assert verdicts[0].reason == "trained from theta f0591348ee00, but the group's authority coordinator holds " \
+                                 "80e3dabb7c70"
+    assert screen(group[::-1], 10)[2] == verdicts[0]  # the same decision in any order
+    without = [member("node-2", "aa"), member("node-0", "bb"), member("node-1", "")]  # no coordinator: node-0 rules
+    assert [v.theta_authority if v else None for v in screen(without, 10)] == ["node-0", None, None]
+    assert screen([member("node-0", "aa"), member("node-1", "aa")], 10) == [None, None]
+    # a dropped theta does not count toward the median the norm rule compares with
+    odd = [member("coordinator", "aa", weight=0.0), member("node-0", "aa", 1.0), member("node-1", "bb", 1e6),
+           member("node-2", "aa", 2.0)]
+    assert [v.name if v else None for v in screen(odd, 10)] == [None, None, "node-1", None]
+
+
 def test_the_decision_does_not_depend_on_group_order():
     group = [peer("a", 2.0), peer("b", 100.0), peer("c", 3.0)]
     names = {v.name for v in screen(group, 10) if v}

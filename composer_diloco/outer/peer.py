@@ -148,6 +148,8 @@ class _Reduced:
         rejected: names of the members whose contribution the all-reduce dropped.
         missed: elements no reducer returned to this peer (zeros in Delta; `recovery.settle_pick`).
         reasons: name -> why its contribution was dropped, for those of ``rejected``.
+        theta_authority: set when this peer's own contribution was dropped for training from another theta: the
+            member whose theta the group holds (`screening.screen`).
 
     Delta itself (fp32 CPU, the layout of theta) stays where the all-reduce left it, in the averager's buffers; with
     ``weight_total`` 0 every contribution was dropped and there is none.
@@ -158,6 +160,7 @@ class _Reduced:
     rejected: list[str]
     missed: int
     reasons: dict[str, str] = field(default_factory=dict)
+    theta_authority: str | None = None
 
 
 @dataclass
@@ -557,6 +560,8 @@ class DiLoCoPeer:
         if status == "averaged" and len(reduced.members) < len(partners) + 1 and \
                 self._join_authority_after_split(r, reduced.members):  # matchmaking split the round
             return self._finish(model, clock, peers=0, status="resynced")
+        if reduced.theta_authority is not None and self._take_group_authoritys_theta(r, reduced.theta_authority):
+            return self._finish(model, clock, peers=0, status="resynced")  # we had trained from another theta
         return result
 
     def _pseudo_gradient(self, model: nn.Module | None, r: int, weight: float = 0.0) -> float:
@@ -667,7 +672,7 @@ class DiLoCoPeer:
             gathered: dict[object, Contribution] | None = self.averager.step(
                 weight=float(weight),
                 gather={"name": self.swarm.name, "role": self.swarm.role, "round": r, "weight": float(weight),
-                        "norm": norm, **self._gather_extra},
+                        "norm": norm, "theta": self.swarm.sha, **self._gather_extra},
                 scheduled_time=scheduled_time,
                 timeout=self.allreduce_timeout_s,
                 allow_retries=False,
@@ -690,9 +695,12 @@ class DiLoCoPeer:
         weight_total = sum(float(g.get("weight", 0.0)) for g, c in zip(group, members) if c.rejection is None)
         if weight_total <= 0 and not rejected:
             raise RoundFailed("the all-reduce group holds no weight")
+        mine = next((c.rejection for c in members if c.rejection is not None and c.rejection.name == self.swarm.name),
+                    None)
         return _Reduced(members=[str(g.get("name")) for g in group], weight_total=weight_total, rejected=rejected,
                         missed=int(self.averager.failed_size.value),
-                        reasons={c.rejection.name: c.rejection.reason for c in members if c.rejection is not None})
+                        reasons={c.rejection.name: c.rejection.reason for c in members if c.rejection is not None},
+                        theta_authority=mine.theta_authority if mine is not None else None)
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
@@ -809,6 +817,32 @@ class DiLoCoPeer:
         if not self._load_from_first(decision):
             return None
         return self._finish(model, clock, peers=0, status="resynced")
+
+    def _take_group_authoritys_theta(self, r: int, authority: str) -> bool:
+        """Right after round ``r``'s outer step, when the group dropped this peer's pseudo-gradient because it trained
+        from another theta than ``authority`` held: poll `recovery.after_theta_rejected` every 0.25 s, at most
+        ``allreduce_timeout_s``, and carry it out.
+
+        Returns:
+            True when the authority's state was loaded (the caller ends the round "resynced"); False otherwise
+            (`_heal_split` checks again at the next sync).
+        Raises:
+            ArchitectureMismatch: from `load_state_from_peers`.
+        """
+        me, ours = self.swarm.name, self.global_model.sha256()
+        log.warning("%s round %d: this peer trained from another theta than %s, the group's authority: its "
+                    "pseudo-gradient was dropped; taking %s's theta of round %d", me, r, authority, authority, r + 1)
+        deadline = time.monotonic() + self.allreduce_timeout_s
+        while time.monotonic() < deadline:
+            decision = recovery.after_theta_rejected(r, authority, ours, self._others())
+            if isinstance(decision, recovery.Proceed):
+                return False
+            if isinstance(decision, recovery.Resync):
+                return self._load_from_first(decision)
+            time.sleep(0.25)
+        log.warning("%s round %d: %s did not publish its theta of round %d in %.0f s: checking again at the next "
+                    "sync", me, r, authority, r + 1, self.allreduce_timeout_s)
+        return False
 
     def _join_authority_after_split(self, r: int, members: list[str]) -> bool:
         """Right after round ``r``'s outer step in a group smaller than the barrier's peers: poll

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from composer_diloco.outer.peer_records import PeerRecord, first_divergence
 
 __all__ = ["Decision", "Proceed", "Resync", "RoundFailed", "StepAlone", "Wait", "after_failed_round",
-           "after_group_split", "by_precedence", "lineage", "round_over", "settle_pick", "split_check", "step_order",
-           "waiting_at_run_end"]
+           "after_group_split", "after_theta_rejected", "by_precedence", "lineage", "round_over", "settle_pick",
+           "split_check", "step_order", "waiting_at_run_end"]
 
 
 class RoundFailed(Exception):
@@ -232,6 +232,28 @@ def settle_pick(role: str, name: str, members: set[str], r: int, ours: str, live
         return Wait(", ".join(sorted(p.name for p in pending)))
     candidates = by_precedence([*done, PeerRecord(name, role, next_round, 0.0, sha=ours, settled=False)])
     return Resync(tuple(itertools.takewhile(lambda p: p.name != name and p.sha != ours, candidates)), next_round)
+
+
+def after_theta_rejected(r: int, authority: str, ours: str, others: list[PeerRecord]) -> Decision:
+    """Right after round ``r``'s outer step, for a peer whose group dropped its pseudo-gradient because it trained
+    from another theta than the group's authority (`composer_diloco.outer.screening.screen`): it stepped its own
+    theta by the group's mean, so it must take the authority's theta of round ``r + 1``.
+
+    Args:
+        authority: the name of the group's authority (`Rejection.theta_authority`).
+        ours: this peer's theta's hash after the step.
+        others: the live peers' heartbeats, this peer's left out.
+    Returns:
+        `Resync` from the authority (min_round ``r + 1``) once it published a settled theta of round ``r + 1`` other
+        than ``ours``; `Proceed` when it holds ``ours``, is gone, or moved past round ``r + 1`` (`split_check` brings
+        this peer back at its next sync); else `Wait` for it.
+    """
+    record = next((p for p in others if p.name == authority), None)
+    if record is None or record.round > r + 1:
+        return Proceed()
+    if record.round == r + 1 and record.settled and record.sha:
+        return Proceed() if record.sha == ours else Resync((record,), r + 1)
+    return Wait(record.name)
 
 
 def waiting_at_run_end(name: str, last_round: int, live: list[PeerRecord]) -> list[str]:

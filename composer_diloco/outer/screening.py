@@ -4,6 +4,12 @@ Every peer puts ``{"name", "weight", "norm"}`` in hivemind's gathered metadata o
 the L2 norm of its pseudo-gradient, NaN/Inf when it has non-finite entries). All peers of a group receive the
 same gathered list, so each can decide on its own, with no extra message, which contributions to drop:
 
+- a pseudo-gradient trained from another theta than the group's authority holds (``theta``: the hash of the theta
+  the member's inner phase started from, as its heartbeat publishes it; the authority is the first member by
+  `composer_diloco.outer.recovery.step_order` that reports one: the coordinator, else the lowest name). A member left
+  on another theta by an earlier round (e.g. a settle after a partly failed all-reduce) would otherwise be averaged
+  in, and step its own theta by the mean; dropped, it takes the authority's theta after the step
+  (`composer_diloco.outer.recovery.after_theta_rejected`);
 - a non-finite norm (NaN or Inf in the pseudo-gradient);
 - a norm above ``max_norm_ratio`` times the round's median norm (the lower median of the contributing peers,
   so that in a group of two the larger norm is compared to the smaller one).
@@ -23,13 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
+from composer_diloco.outer.recovery import step_order
+
 
 @dataclass(frozen=True)
 class Rejection:
-    """A dropped contribution: the peer's ``name`` and why (``reason``, one line)."""
+    """A dropped contribution: the peer's ``name`` and why (``reason``, one line); ``theta_authority``: for a peer
+    that trained from another theta, the member whose theta the group holds (None for the norm rules)."""
 
     name: str
     reason: str
+    theta_authority: str | None = None
 
 
 def pseudo_gradient_norm(delta: Sequence[torch.Tensor]) -> float:
@@ -44,19 +54,27 @@ def screen(gathered: Sequence[dict], max_norm_ratio: float | None) -> list[Rejec
     """Decide, for each peer of a group, whether its contribution is dropped.
 
     Args:
-        gathered: one dict per peer, in group order, with ``name`` (str), ``weight`` (samples, float) and
-            ``norm`` (float); entries without ``norm`` are never dropped.
+        gathered: one dict per peer, in group order, with ``name`` (str), ``weight`` (samples, float), ``norm``
+            (float) and optionally ``role`` and ``theta`` (str hash; empty or absent: not compared); entries without
+            ``norm`` are never dropped.
         max_norm_ratio: drop norms above this multiple of the median; None = only non-finite norms.
     Returns:
         A list parallel to ``gathered``: None (kept) or the `Rejection`.
     """
+    authority = _theta_authority(gathered)
+    stale = [authority is not None and _weight(g) > 0 and bool(_theta(g)) and _theta(g) != authority[1]
+             for g in gathered]
     norms = [_norm(g) for g in gathered]
-    contributing = [n for g, n in zip(gathered, norms) if _weight(g) > 0 and n is not None and math.isfinite(n)]
+    contributing = [n for g, n, s in zip(gathered, norms, stale)
+                    if _weight(g) > 0 and not s and n is not None and math.isfinite(n)]
     median = statistics.median_low(contributing) if contributing else None
     out: list[Rejection | None] = []
-    for g, norm in zip(gathered, norms):
+    for g, norm, s in zip(gathered, norms, stale):
         name = str(g.get("name", "?")) if isinstance(g, dict) else "?"
-        if norm is None or _weight(g) <= 0:
+        if s:
+            out.append(Rejection(name, f"trained from theta {_theta(g)[:12]}, but the group's authority "
+                                       f"{authority[0]} holds {authority[1][:12]}", theta_authority=authority[0]))
+        elif norm is None or _weight(g) <= 0:
             out.append(None)
         elif not math.isfinite(norm):
             out.append(Rejection(name, f"non-finite pseudo-gradient (norm {norm})"))
@@ -66,6 +84,20 @@ def screen(gathered: Sequence[dict], max_norm_ratio: float | None) -> list[Rejec
         else:
             out.append(None)
     return out
+
+
+def _theta(g: object) -> str:
+    theta = g.get("theta") if isinstance(g, dict) else None
+    return theta if isinstance(theta, str) else ""
+
+
+def _theta_authority(gathered: Sequence[object]) -> tuple[str, str] | None:
+    """``(name, theta)`` of the first member by `step_order` that reports a theta, or None."""
+    reporting = [g for g in gathered if _theta(g)]
+    if not reporting:
+        return None
+    first = min(reporting, key=lambda g: step_order(str(g.get("role", "")), str(g.get("name", ""))))
+    return str(first.get("name", "?")), _theta(first)
 
 
 def _norm(g: object) -> float | None:
