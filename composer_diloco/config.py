@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from composer_diloco.channels.settings import check_loss_keys, loss_key_default, loss_settings
+from composer_diloco.channels.settings import check_loss_keys, loss_settings
 from composer_diloco.outer import outer_choice
 
 
@@ -126,8 +126,7 @@ class LossConfig(BaseModel):
     @classmethod
     def _each_key_checked_by_its_channel(cls, data: Any, handler: Any) -> "LossConfig":
         if isinstance(data, dict) and data:
-            # the channels check their keys (importing them, and torch); a key at its default is dropped: one form
-            data = {k: v for k, v in check_loss_keys(data).items() if v != loss_key_default(k)}
+            data = check_loss_keys(data)  # by the channels that declare them (importing them, and torch)
         return handler(data)
 
     @model_serializer(mode="plain")

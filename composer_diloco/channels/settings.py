@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from typing import Self
 
 __all__ = ["ChannelSettings", "check_loss_keys", "declare_settings", "discover_channels", "forget_settings",
-           "loss_key_default", "loss_settings"]
+           "loss_settings"]
 
 
 class ChannelSettings(BaseModel):
@@ -100,7 +100,8 @@ def check_loss_keys(keys: dict[str, Any]) -> dict[str, Any]:
     Args:
         keys: the table as written (``{"alpha_sdpo": 0.2, "sdpo_top_k": 8}``).
     Returns:
-        The same keys with their checked values (coerced by their fields: ``1`` -> ``1.0`` for a float).
+        The keys whose checked values (coerced by their fields: ``1`` -> ``1.0`` for a float) differ from their
+        defaults, in the table's order: one form per meaning, so two tables that mean the same compare equal.
     Raises:
         pydantic.ValidationError: located at the first bad key (``sdpo_top_k``: "Input should be greater than or
             equal to 1"), or "Extra inputs are not permitted" for a key no registered channel declares.
@@ -113,12 +114,8 @@ def check_loss_keys(keys: dict[str, Any]) -> dict[str, Any]:
     for settings in dict.fromkeys(owners[k] for k in keys):
         mine = {k: v for k, v in keys.items() if owners[k] is settings}
         checked.update(settings.model_validate(mine).model_dump(include=set(mine)))
-    return {k: checked[k] for k in keys}
-
-
-def loss_key_default(key: str) -> Any:
-    """The default of the ``[loss]`` key ``key`` (declared by a registered channel, `check_loss_keys`)."""
-    return _owners()[key].model_fields[key].get_default(call_default_factory=True)
+    default = {k: owners[k].model_fields[k].get_default(call_default_factory=True) for k in keys}
+    return {k: checked[k] for k in keys if checked[k] != default[k]}
 
 
 def loss_settings(loss: BaseModel) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -820,8 +821,7 @@ class DiLoCoPeer:
 
     def _take_group_authoritys_theta(self, r: int, authority: str) -> bool:
         """Right after round ``r``'s outer step, when the group dropped this peer's pseudo-gradient because it trained
-        from another theta than ``authority`` held: poll `recovery.after_theta_rejected` every 0.25 s, at most
-        ``allreduce_timeout_s``, and carry it out.
+        from another theta than ``authority`` held: carry out `recovery.after_theta_rejected` (`_await_resync`).
 
         Returns:
             True when the authority's state was loaded (the caller ends the round "resynced"); False otherwise
@@ -832,23 +832,30 @@ class DiLoCoPeer:
         me, ours = self.swarm.name, self.global_model.sha256()
         log.warning("%s round %d: this peer trained from another theta than %s, the group's authority: its "
                     "pseudo-gradient was dropped; taking %s's theta of round %d", me, r, authority, authority, r + 1)
+        decision = self._await_decision(lambda: recovery.after_theta_rejected(r, authority, ours, self._others()))
+        if isinstance(decision, recovery.Wait):
+            log.warning("%s round %d: %s did not publish its theta of round %d in %.0f s: checking again at the "
+                        "next sync", me, r, authority, r + 1, self.allreduce_timeout_s)
+        return isinstance(decision, recovery.Resync) and self._load_from_first(decision)
+
+    def _await_decision(self, decide: Callable[[], recovery.Decision]) -> recovery.Decision:
+        """Poll a recovery rule every 0.25 s until it says `Proceed` or `Resync`, at most ``allreduce_timeout_s``.
+
+        Returns:
+            that decision, or the last `Wait` when the deadline passed first.
+        """
         deadline = time.monotonic() + self.allreduce_timeout_s
-        while time.monotonic() < deadline:
-            decision = recovery.after_theta_rejected(r, authority, ours, self._others())
-            if isinstance(decision, recovery.Proceed):
-                return False
-            if isinstance(decision, recovery.Resync):
-                return self._load_from_first(decision)
+        while True:
+            decision = decide()
+            if not isinstance(decision, recovery.Wait) or time.monotonic() >= deadline:
+                return decision
             time.sleep(0.25)
-        log.warning("%s round %d: %s did not publish its theta of round %d in %.0f s: checking again at the next "
-                    "sync", me, r, authority, r + 1, self.allreduce_timeout_s)
-        return False
 
     def _join_authority_after_split(self, r: int, members: list[str]) -> bool:
-        """Right after round ``r``'s outer step in a group smaller than the barrier's peers: poll
-        `recovery.after_group_split` every 0.25 s, at most ``allreduce_timeout_s``, and carry it out. This peer's own
-        theta of round ``r + 1`` is already published (settled), so an authority that found no group at all takes it
-        (`_recover`) instead of stepping alone, and then holds the same theta.
+        """Right after round ``r``'s outer step in a group smaller than the barrier's peers: carry out
+        `recovery.after_group_split` (`_await_decision`). This peer's own theta of round ``r + 1`` is already
+        published (settled), so an authority that found no group at all takes it (`_recover`) instead of stepping
+        alone, and then holds the same theta.
 
         Returns:
             True when the authority's state was loaded (the caller ends the round "resynced"); False when nothing was
@@ -856,22 +863,19 @@ class DiLoCoPeer:
         Raises:
             ArchitectureMismatch: from `load_state_from_peers`.
         """
-        me, ours, waited_for = self.swarm.name, self.global_model.sha256(), "the authority"
-        deadline = time.monotonic() + self.allreduce_timeout_s
-        while time.monotonic() < deadline:
-            decision = recovery.after_group_split(self.swarm.role, me, r, members, ours, self._others())
-            if isinstance(decision, recovery.Proceed):
-                return False
-            if isinstance(decision, recovery.Resync):
-                log.warning("%s round %d: matchmaking split the round: this peer averaged with %s only, and %s (the "
-                            "run's authority) with others, so their thetas differ; taking its state (the "
-                            "pseudo-gradients of this peer's group are dropped for this round)", me, r,
-                            ", ".join(sorted(members)), decision.candidates[0].name)
-                return self._load_from_first(decision)
-            waited_for = decision.waiting_for or waited_for
-            time.sleep(0.25)
-        log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking "
-                    "again at the next sync", me, r, len(members), waited_for, self.allreduce_timeout_s)
+        me, ours = self.swarm.name, self.global_model.sha256()
+        decision = self._await_decision(
+            lambda: recovery.after_group_split(self.swarm.role, me, r, members, ours, self._others()))
+        if isinstance(decision, recovery.Resync):
+            log.warning("%s round %d: matchmaking split the round: this peer averaged with %s only, and %s (the run's "
+                        "authority) with others, so their thetas differ; taking its state (the pseudo-gradients of "
+                        "this peer's group are dropped for this round)", me, r, ", ".join(sorted(members)),
+                        decision.candidates[0].name)
+            return self._load_from_first(decision)
+        if isinstance(decision, recovery.Wait):
+            log.warning("%s round %d: averaged in a group of %d, and %s did not publish its theta in %.0f s: checking "
+                        "again at the next sync", me, r, len(members), decision.waiting_for or "the authority",
+                        self.allreduce_timeout_s)
         return False
 
     def _settle(self, members: set[str], r: int, missed: int) -> SyncStatus:
