@@ -25,6 +25,13 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     python bench/churn.py --out runs/churn --config bench/configs/overlap.toml   (the run's TOML: here the sync overlaps)
     python bench/churn.py --out runs/churn-before --code /tmp/before   (the peers run another checkout's code, e.g. a
                                                                       worktree of an older commit; the same schedule)
+    python bench/churn.py --out runs/churn-sb --standby   (each node has a warm standby, `composer-node join --standby`:
+                                                           a kill takes only the node's process, its standby takes over
+                                                           and a new standby is started where a restart would be)
+
+With ``--standby`` a node's life starts when its standby took over (the kill: the standby's seconds of waiting are not
+node-seconds, as a spare process's are not), and the kill is of the node's training process only: the fault a standby
+survives (a crash, an OOM kill), not a lost machine, which takes the standby with it.
 """
 
 from __future__ import annotations
@@ -55,6 +62,13 @@ class Life:
     started: float
     ended: float | None = None
     killed: bool = False
+    standby: bool = False  # started with --standby (`nodes/standby.py`)
+    took_over: float | None = None  # a standby: when the node it stood by was killed (its life as the node starts)
+
+    @property
+    def began(self) -> float | None:
+        """When this life began as the node: its spawn, or a standby's takeover (None: a standby that never did)."""
+        return self.took_over if self.standby else self.started
 
 
 @dataclass
@@ -108,14 +122,23 @@ class Churn:
                                f"{self.run_dir / 'logs' / 'coordinator.log'}")
         return found[0]
 
-    def start_node(self, name: str) -> Life:
-        """Start (or restart, with the same command) node ``name`` on the coordinator's first ``peer:`` line."""
-        return self.spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
-                                 "--name", name, "--device", "cpu"])
+    def start_node(self, name: str, standby: bool = False) -> Life:
+        """Start (or restart, with the same command) node ``name`` on the coordinator's first ``peer:`` line;
+        ``standby``: its warm standby (the same command with ``--standby``)."""
+        life = self.spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
+                                 "--name", name, "--device", "cpu", *(["--standby"] if standby else [])])
+        life.standby = standby
+        return life
 
     def live(self, name: str) -> Life | None:
-        """The running life of peer ``name``, or None."""
-        return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None), None)
+        """The running life of peer ``name`` that is the node (not a standby still waiting), or None."""
+        return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None
+                     and x.began is not None), None)
+
+    def waiting_standby(self, name: str) -> Life | None:
+        """A running standby of node ``name`` that has not taken over, or None."""
+        return next((x for x in self.lives if x.name == name and x.proc.poll() is None and x.standby
+                     and x.took_over is None), None)
 
     def kill(self, life: Life, scheduled: bool = True) -> None:
         """SIGKILL the life's whole process group (its DHT, averager, p2pd and env server with it); ``scheduled``
@@ -168,18 +191,20 @@ def summarize(churn: Churn, rounds: int) -> dict:
     records = read_metrics(churn.run_dir)
     canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
     alive = inner = kept = sync = startup = 0.0
-    for life in (x for x in churn.lives if x.name != "coordinator"):
+    lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
+    for life in lives:
         end = life.ended or time.time()
-        alive += end - life.started
-        mine = [r for r in records.get(life.name, []) if life.started <= r["time"] <= end + 1]
+        began = life.began
+        alive += end - began
+        mine = [r for r in records.get(life.name, []) if began <= r["time"] <= end + 1]
         inner += sum(r["inner_seconds"] for r in mine)
         kept += sum(r["inner_seconds"] for r in mine if canonical.get(r["round"]) == r["global_sha256"])
         sync += sum(_stood_still(r) for r in mine)
         if mine:
             first = min(mine, key=lambda r: r["time"])
-            startup += max(0.0, first["time"] - first["inner_seconds"] - _stood_still(first) - life.started)
+            startup += max(0.0, first["time"] - first["inner_seconds"] - _stood_still(first) - began)
         else:
-            startup += end - life.started
+            startup += end - began
     by_round: dict[int, set] = {}
     for recs in records.values():
         for r in recs:
@@ -192,8 +217,9 @@ def summarize(churn: Churn, rounds: int) -> dict:
                   "lost": share(alive - inner - startup - sync)},
         "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
         "agree": all(len(s) == 1 for s in by_round.values()),
-        "node_lives": sum(1 for x in churn.lives if x.name != "coordinator"),
-        "node_kills": sum(1 for x in churn.lives if x.name != "coordinator" and x.killed),
+        "node_lives": len(lives),
+        "node_kills": sum(1 for x in lives if x.killed),
+        "standby_takeovers": sum(1 for x in lives if x.standby and x.took_over is not None),
         "coordinator_kills": sum(1 for x in churn.lives if x.name == "coordinator" and x.killed),
     }
 
@@ -214,6 +240,8 @@ def main() -> int:
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code the peers run (default: this one)")
     ap.add_argument("--config", type=Path, default=None,
                     help="the run's TOML (default: the embedded default), e.g. one with [outer] overlap = true")
+    ap.add_argument("--standby", action="store_true",
+                    help="give each node a warm standby (module docstring); a kill takes the node's process only")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder (a run dir continues the run it holds)")
@@ -233,6 +261,8 @@ def main() -> int:
         print(f"coordinator at {churn.peer}", flush=True)
         for name in names:
             churn.start_node(name)
+            if a.standby:
+                churn.start_node(name, standby=True)
         next_kill = t0 + a.kill_every_s if a.kill_every_s > 0 else float("inf")
         coordinator_kill = t0 + a.coordinator_kill_at_s if a.coordinator_kill_at_s > 0 else float("inf")
         pending: list[tuple[float, str]] = []  # (when, name) restarts
@@ -262,7 +292,11 @@ def main() -> int:
                 if victims:
                     victim = rng.choice(victims)
                     churn.kill(churn.live(victim))
-                    print(f"{now - t0:6.1f} s  killed {victim}", flush=True)
+                    spare = churn.waiting_standby(victim) if a.standby else None
+                    if spare is not None:  # it holds the node's lock within LOCK_POLL_S: its life starts now
+                        spare.took_over = time.time()
+                    print(f"{now - t0:6.1f} s  killed {victim}{': its standby takes over' if spare else ''}",
+                          flush=True)
                     pending.append((now + a.restart_after_s, victim))
                 next_kill = now + a.kill_every_s
             for when, name in [p for p in pending if p[0] <= now]:
@@ -272,8 +306,10 @@ def main() -> int:
                     print(f"{time.time() - t0:6.1f} s  restarted the coordinator: "
                           f"{'the same' if line == churn.peer else 'ANOTHER'} peer line", flush=True)
                 elif not over:
-                    churn.start_node(name)
-                    print(f"{time.time() - t0:6.1f} s  restarted {name}", flush=True)
+                    spare = a.standby and churn.live(name) is not None  # a standby took over: start the next one
+                    churn.start_node(name, standby=spare)
+                    print(f"{time.time() - t0:6.1f} s  {'started a new standby of' if spare else 'restarted'} {name}",
+                          flush=True)
         end_by = time.time() + (0 if stalled else 120)  # nodes still finishing their last round end on their own
         for life in churn.lives:
             try:
@@ -291,7 +327,7 @@ def main() -> int:
     report = {**summarize(churn, a.rounds), "stalled": stalled, "orphans": session_processes(sessions),
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
               "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
-              "config": str(a.config) if a.config else None,
+              "config": str(a.config) if a.config else None, "standby": a.standby,
               "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives]}
     (a.out / "churn.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "exit_codes"}))

@@ -10,7 +10,7 @@ round 1 written by this bench (``prepare``), whose theta is the base plus seeded
 is seeded noise: nothing the joiner holds matches, every byte of the state travels. ``--round 0``: a new run from the
 ``--model``; a joiner that loaded the same ``--model`` holds all of it (nothing travels). A joiner does what
 `nodes.node.Node.join` does for the state and nothing else (no env server, no memory plan, no training): start a DHT
-peer, read the run config, build the policy from ``--model`` (`nodes.node._policy_skeleton`), hash it as the run's base,
+peer, read the run config, build the policy from ``--model`` (`composer_diloco.policy.load.policy_skeleton`), hash it as the run's base,
 `DiLoCoPeer.load_state_from_peers`, compare theta's SHA-256 with the checkpoint's, exit. ``--code DIR`` runs the
 coordinator and the joiners from another checkout (the code before the change: its joiners time out).
 
@@ -83,7 +83,11 @@ def join(peer_addr: str, name: str, join_timeout_s: float = 30.0) -> dict:
     dht = start_dht(initial_peers=[peer_addr])
     config = fetch_run_config(dht, run_name=None, timeout_s=60)
     swarm = Swarm(dht, run_name=config.run_name, peer_name=name, role="node", initial_peers=[peer_addr])
-    model, _ = node_module._policy_skeleton(config)
+    try:  # where the node's skeleton builder lives since the standby (older checkouts: nodes.node)
+        from composer_diloco.policy.load import policy_skeleton
+    except ImportError:
+        policy_skeleton = node_module._policy_skeleton
+    model, _ = policy_skeleton(config)
     kwargs = {}
     if hasattr(node_module, "_full_model_sha256"):  # the code before the change checks no base
         kwargs["base_sha256"] = node_module._full_model_sha256(model)

@@ -69,6 +69,12 @@ def join(
         help="How episodes decode: continuous (transformers continuous batching: a turn that ends goes to its env "
              "while the other episodes keep decoding; fp32 nodes only), batched (one generate() per turn of all "
              "episodes, reproducible), or auto: batched (as fast on an H200, faster on a CPU).")] = "auto",
+    standby: Annotated[bool, typer.Option(
+        "--standby", help="Run as this node's warm standby (same --run-dir and --name, beside it on its machine): "
+                          "import everything, start its env server and build its policy now, then wait; the moment "
+                          "the node's process ends (a crash, an OOM kill, SIGKILL) take it over, same peer ID, without "
+                          "its restart's seconds. Exits 0 when the node finishes the run. See nodes/standby.py.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -83,11 +89,20 @@ def join(
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
                           listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing,
                           join_deadline=join_deadline, state_chunk_size=state_chunk_size, rollout=rollout)
+    if standby and not name:
+        typer.echo("composer-node: error: --standby needs the --name of the node it stands by (and its --run-dir)",
+                   err=True)
+        raise typer.Exit(1)
     try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
         options.check()
     except ValueError as e:  # every error of check() is one (ConfigError and SecretError included)
         typer.echo(f"composer-node: error: {e}", err=True)
         raise typer.Exit(1)
+
+    if standby:  # is the node it stands by running? Looked at before the imports, which take seconds
+        from nodes.standby import StandbyStart
+
+        standby_start = StandbyStart.now(Path(options.run_dir) / options.name)
 
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
@@ -97,6 +112,15 @@ def join(
     stop = GracefulStop().install()
     node = Node(options, stop)
     watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
+    if standby:  # wait, prepared, until the node's process ends (nodes/standby.py)
+        from nodes.standby import Standby
+
+        waiting = Standby(node.own_dir, stop, own_env_server=not options.env_urls, alone_after_s=join_timeout,
+                          start=standby_start)
+        lock = waiting.wait()
+        if lock is None:
+            raise typer.Exit(130 if stop.event.is_set() else 0)
+        node.take_over(lock, waiting.prepared)
     code = 0
     try:
         node.join()
@@ -105,6 +129,9 @@ def join(
             log.info("stopped by signal after %d round(s)", rounds)
             code = 130
         else:
+            from nodes.standby import mark_finished
+
+            mark_finished(node.own_dir, rounds)  # its standby, if any, exits 0 instead of taking over
             log.info("run finished: took part in %d round(s)", rounds)
     except Exception as e:  # every failure: one line naming the cause, non-zero exit
         if verbose:

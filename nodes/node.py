@@ -44,8 +44,12 @@ from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, gr
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
+from composer_diloco.policy.load import policy_skeleton
+from nodes.standby import LOCK_POLL_S, save_run_config
 
 log = logging.getLogger(__name__)
+LOCK_RETRIES = 5  # more tries of the folder lock, LOCK_POLL_S apart, before `NodeBusy`: a standby started beside
+# the node holds it for an instant while it has not yet seen the node hold it (nodes.standby)
 
 JOIN_REDIAL_S = (0.5, 1.0, 2.0, 4.0, 5.0)
 """Seconds before each new bootstrap attempt of a node whose ``--peer``s did not answer (`Node._start_dht`), the last
@@ -133,6 +137,8 @@ class Node:
         self.overlap = None  # composer_diloco.outer.overlap.OverlappedSync when the run's [outer] overlap is on
         self.clock = PhaseClock("trainer")  # the inner phase's parts (`INNER_PHASES`); remade on the device in train
         self.rounds: DiLoCoRounds | None = None  # the round loop (`composer_diloco.diloco`), made in train
+        self._own_lock = None  # <run-dir>/<name>/node.lock once held (`_lock_own_dir`, or a standby's `take_over`)
+        self.prepared = None  # nodes.standby.Prepared: what this process's standby built before it took over
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -196,6 +202,9 @@ class Node:
                             f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''} differ")
         log.info("joined run %r (config %s): %d rounds, H=%d", config.run_name, config.digest(), config.rounds,
                  config.inner_steps)
+        save_run_config(self.own_dir, config)  # for a standby of this node (nodes.standby)
+        if self.prepared is not None:
+            self.prepared = self.prepared.for_config(config)
         self.metrics.reporter = Reporter(config, peer=o.name, role="node",
                                          extra={"placement": self.placement.describe()})
         self.stop.add_cleanup(self.metrics.reporter.finish)
@@ -204,7 +213,10 @@ class Node:
         # stops it (the stop's cleanup), and its own failure is raised where it is waited for
         own_server = None
         if not o.env_urls:
-            own_server = launch_env_server(config.env.server_module, args=config.env.server_args)
+            if self.prepared is not None and self.prepared.env_server is not None:  # a standby launched it
+                own_server = self.prepared.env_server
+            else:
+                own_server = launch_env_server(config.env.server_module, args=config.env.server_args)
             self.stop.add_cleanup(own_server.stop)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=o.peers)
@@ -240,7 +252,10 @@ class Node:
         download), and the `DiLoCoPeer` (serving no state before the download; with ``[outer] overlap`` its
         background sync). Returns the skeleton."""
         config = self.config
-        model, self.tokenizer = _policy_skeleton(config)
+        if self.prepared is not None and self.prepared.skeleton is not None:  # a standby built it for this config
+            (model, self.tokenizer), self.prepared.skeleton = self.prepared.skeleton, None
+        else:
+            model, self.tokenizer = policy_skeleton(config)
         # a full-fine-tuning --model: what this node loaded is the run's base, theta's round-0 value (checked against
         # the run's at the download, and at round 0 nothing else travels)
         base = _full_model_sha256(model) if config.model is not None and config.lora is None else None
@@ -319,13 +334,31 @@ class Node:
         Raises:
             NodeBusy: another process holds the lock (one line naming the folder).
         """
+        if self._own_lock is not None:  # a standby that took over holds it already
+            return
         self.own_dir.mkdir(parents=True, exist_ok=True)
         lock = try_lock(self.own_dir / "node.lock")
+        for _ in range(LOCK_RETRIES):
+            if lock is not None:
+                break
+            time.sleep(LOCK_POLL_S)
+            lock = try_lock(self.own_dir / "node.lock")
         if lock is None:
             raise NodeBusy(f"--name {self.options.name!r} is in use in --run-dir {str(self.options.run_dir)!r} by "
                            f"another node (its lock {str(self.own_dir / 'node.lock')!r} is held): stop it first, or "
                            f"give this node another --name") from None
+        self._own_lock = lock
         self.stop.add_cleanup(lock.release)
+
+    def take_over(self, lock: Any, prepared: Any | None) -> None:
+        """Start as this node's standby did (`nodes.standby.Standby.wait`): ``lock`` is the node's folder lock it
+        holds (released at `close`), ``prepared`` its `nodes.standby.Prepared` (None: nothing prepared), used by
+        `join` when the run's published config is the one it was prepared for."""
+        self._own_lock = lock
+        self.stop.add_cleanup(lock.release)
+        self.prepared = prepared
+        if prepared is not None:
+            self.stop.add_cleanup(prepared.close)
 
     def _start_dht(self, secret: bytes | None):
         """The node's DHT peer, bootstrapped from any of its ``--peer``s or of the peers its last life on the same
@@ -590,26 +623,6 @@ def _full_model_sha256(model) -> str:
     from composer_diloco.policy.lora import base_sha256
 
     return base_sha256(model)
-
-
-def _policy_skeleton(config: RunConfig):
-    """A model of the run's architecture (its weights are replaced by the global model) and its tokenizer.
-
-    With ``[lora]`` the base weights are not part of the global model: the node loads (or warm-starts, cached once
-    per machine in ``composer_diloco.policy.load.warmstart_cache_dir()``) the run's base itself, as the coordinator
-    does, and wraps it with the adapters (`composer_diloco.policy.lora.apply_lora`); its base hash is checked
-    against the run's at the state download."""
-    from composer_diloco.policy import build_tiny_model, load_embedded_tokenizer, load_policy, load_run_policy
-
-    if config.lora is not None:
-        from composer_diloco.policy.lora import apply_lora
-
-        model, tokenizer = load_run_policy(config)
-        return apply_lora(model, config.lora), tokenizer
-    if config.model is None:
-        tokenizer = load_embedded_tokenizer(config.env.server_module)  # the coordinator's, for the run's env
-        return build_tiny_model(tokenizer, config.warmstart.seed), tokenizer
-    return load_policy(config.model, seed=config.seed, warmstart_steps=0)
 
 
 __all__ = ["Node", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]

@@ -129,6 +129,13 @@ class LocalRun:
         return self._spawn(name, ["-m", "nodes", "join", "--peer", peer or self.peer, "--run-dir", str(self.run_dir),
                                   "--name", name, "--device", "cpu", *extra], env, prefix=prefix)
 
+    def start_standby(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start node ``name``'s warm standby (``--standby``, `nodes.standby`), logged and known as
+        ``<name>-standby``: the node's own command otherwise."""
+        return self._spawn(f"{name}-standby", ["-m", "nodes", "join", "--peer", self.peer, "--run-dir",
+                                               str(self.run_dir), "--name", name, "--device", "cpu", "--standby",
+                                               *extra], env)
+
     def restart_while_held(self, name: str, hold: Path, ready: Callable[[], bool], what: str) -> float:
         """Restart node ``name`` (the same command) while ``hold`` exists, so that a peer pausing on it keeps the run
         from ending; remove ``hold`` once ``ready()`` (``what``, for the timeout message), then wait for a round of

@@ -38,6 +38,7 @@ _EXPORTS = {
     "load_embedded_tokenizer": "load",
     "load_policy": "load",
     "load_run_policy": "load",
+    "policy_skeleton": "load",
     "warmstart_cache_dir": "load",
     "build_tiny_model": "tiny_model",
     "tiny_model_config": "tiny_model",
@@ -71,6 +72,7 @@ __all__ = [
     "load_embedded_tokenizer",
     "load_policy",
     "load_run_policy",
+    "policy_skeleton",
     "solver_examples",
     "tiny_model_config",
     "tokenize_episode",
@@ -88,6 +90,7 @@ if TYPE_CHECKING:
         load_embedded_tokenizer,
         load_policy,
         load_run_policy,
+        policy_skeleton,
         warmstart_cache_dir,
     )
     from composer_diloco.policy.tiny_model import build_tiny_model, tiny_model_config

@@ -36,7 +36,7 @@ from composer_diloco.rollout.env_package import load_env_package, package_of
 if TYPE_CHECKING:
     from composer_diloco.config import RunConfig
 
-__all__ = ["embedded_tokenizer_dir", "load_embedded_tokenizer", "load_policy", "load_run_policy",
+__all__ = ["embedded_tokenizer_dir", "load_embedded_tokenizer", "load_policy", "load_run_policy", "policy_skeleton",
            "warmstart_cache_dir"]
 
 logger = logging.getLogger(__name__)
@@ -297,3 +297,26 @@ def load_run_policy(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedToken
     return load_policy(config.model, seed=config.warmstart.seed, warmstart_steps=config.warmstart.steps,
                        env=config.env.server_module, hint_rate=config.warmstart.hint_rate, hints=config.hints,
                        peer_demo=SdpoSettings.of(config.loss).sdpo_peer_demo_reward is not None)
+
+
+def policy_skeleton(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A model of the run's architecture (its weights are replaced by the global model) and its tokenizer.
+
+    With ``[lora]`` the base weights are not part of the global model: the node loads (or warm-starts, cached once
+    per machine in ``composer_diloco.policy.load.warmstart_cache_dir()``) the run's base itself, as the coordinator
+    does, and wraps it with the adapters (`composer_diloco.policy.lora.apply_lora`); its base hash is checked
+    against the run's at the state download. What a node builds at its join, and its standby ahead of it
+    (`nodes.standby`).
+
+    Raises:
+        PolicyLoadError: as `load_policy` / `load_run_policy`.
+    """
+    if config.lora is not None:
+        from composer_diloco.policy.lora import apply_lora
+
+        model, tokenizer = load_run_policy(config)
+        return apply_lora(model, config.lora), tokenizer
+    if config.model is None:
+        tokenizer = load_embedded_tokenizer(config.env.server_module)  # the coordinator's, for the run's env
+        return build_tiny_model(tokenizer, config.warmstart.seed), tokenizer
+    return load_policy(config.model, seed=config.seed, warmstart_steps=0)

@@ -1,0 +1,149 @@
+"""A node's warm standby (`nodes/standby.py`, `composer-node join --standby`).
+
+The first tests hold the node's folder lock in this process (real OS file locks, a real env server and policy
+skeleton for the preparation) and check when a standby takes it. The last one is a run on 127.0.0.1: the node's
+process is SIGKILLed, its standby takes it over as the same peer and the run goes on with agreement; the standby of a
+node that finishes the run exits 0 without joining.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from composer_diloco.config import RunConfig
+from composer_diloco.lifecycle import GracefulStop
+from composer_diloco.outer.identity import try_lock
+from local_run import LocalRun, assert_agree, write_config
+from nodes.standby import FINISHED_FILE, RUN_CONFIG_FILE, Standby, mark_finished
+
+
+def _wait_in_thread(standby: Standby) -> tuple[threading.Thread, list]:
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(standby.wait()), daemon=True)
+    thread.start()
+    return thread, got
+
+
+def _until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_node_ends(tmp_path):
+    """While the node holds its folder the standby waits, having prepared from the config the node wrote (its env
+    server launched, the policy skeleton built); the node's end hands it the lock at once."""
+    own = tmp_path / "node-a"
+    own.mkdir()
+    node_lock = try_lock(own / "node.lock")
+    (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())
+    standby = Standby(own, GracefulStop())
+    thread, got = _wait_in_thread(standby)
+    try:
+        _until(lambda: standby.prepared is not None)
+        assert standby.prepared.skeleton is not None and standby.prepared.env_server is not None
+        assert standby.prepared.env_server.wait(60).url.startswith("http://127.0.0.1:")  # a healthy env server
+        time.sleep(0.5)
+        assert thread.is_alive() and standby.seen_held  # the node still holds it: the standby waits
+        node_lock.release()
+        thread.join(timeout=10)
+        assert got and got[0] is not None
+        assert try_lock(own / "node.lock") is None  # the standby holds the node's folder now
+        assert standby.prepared.for_config(RunConfig()) is standby.prepared  # the run's config: used as prepared
+        assert standby.prepared.for_config(RunConfig(inner_steps=9)) is None  # another config: dropped
+        assert standby.prepared.env_server.server._process.poll() is not None  # its server stopped
+        got[0].release()
+    finally:
+        if standby.prepared is not None:
+            standby.prepared.close()
+
+
+def test_a_standby_exits_without_joining_when_the_node_finished_its_run(tmp_path):
+    own = tmp_path / "node-a"
+    own.mkdir()
+    node_lock = try_lock(own / "node.lock")
+    mark_finished(own, 3)  # an earlier run's end, before the standby started: not this one's
+    standby = Standby(own, GracefulStop(), own_env_server=False)
+    thread, got = _wait_in_thread(standby)
+    _until(lambda: standby.seen_held)
+    mark_finished(own, 5)
+    node_lock.release()
+    thread.join(timeout=10)
+    assert got == [None] and (own / FINISHED_FILE).exists()
+    assert try_lock(own / "node.lock") is not None  # it let go of the lock
+
+
+def test_a_standby_started_beside_its_node_lets_the_node_take_its_folder_first(tmp_path):
+    """Started together, the node gets its folder even when the standby is ready first (it takes a free lock only
+    after seeing it held, or after ``alone_after_s`` without a node: then it starts the node itself)."""
+    own = tmp_path / "node-a"
+    own.mkdir()
+    standby = Standby(own, GracefulStop(), own_env_server=False, alone_after_s=60)
+    thread, got = _wait_in_thread(standby)
+    time.sleep(1.0)  # it has tried the free lock a few times by now
+    node_lock = None
+    for _ in range(6):  # what `Node._lock_own_dir` does: LOCK_RETRIES tries LOCK_POLL_S apart
+        node_lock = try_lock(own / "node.lock")
+        if node_lock is not None:
+            break
+        time.sleep(0.2)
+    assert node_lock is not None and thread.is_alive() and not got
+    _until(lambda: standby.seen_held)  # the node runs
+    node_lock.release()
+    thread.join(timeout=10)
+    assert got and got[0] is not None
+    got[0].release()
+
+    alone = Standby(tmp_path / "node-b", GracefulStop(), own_env_server=False, alone_after_s=0.5)
+    lock = alone.wait()  # no node ever held it: after alone_after_s it starts the node itself
+    assert lock is not None and not alone.seen_held
+    lock.release()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path):
+    """node-1's process is SIGKILLed after its first round: its standby (started beside it) takes over within the
+    run, as the same peer ID, with the env server and policy it prepared, and trains the rest of the run, every
+    round agreeing; node-0's standby exits 0 when node-0 finishes the run."""
+    rounds = 6
+    hold = tmp_path / "hold-node-0"  # while it exists node-0 pauses after each inner step
+    config = write_config(tmp_path / "standby.toml", f"rounds = {rounds}\ninner_steps = 2\n[network]\n"
+                                                     "heartbeat_s = 1.0\nheartbeat_ttl_s = 6.0\n"
+                                                     "averaging_timeout_s = 15.0\n")
+    run = LocalRun(run_dir, config)
+    try:
+        run.start_coordinator(wait=False)
+        run.start_node("node-0", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"})
+        run.start_node("node-1")
+        run.start_standby("node-0")
+        run.start_standby("node-1")
+        run.wait_peer_line()
+        run.wait_round("node-1", 0)
+        run.wait_until(lambda: "standby prepared for run" in run.log("node-1-standby"), 240,
+                       "node-1's standby to prepare")
+        hold.touch()  # the run waits for the takeover, however slow this machine
+        killed_at = run.kill("node-1")
+        run.wait_until(lambda: "state from a peer" in run.log("node-1-standby"), 240,
+                       "node-1's standby to take over and load the global model")
+        hold.unlink()
+        run.assert_exit_ok("coordinator", "node-0", "node-1-standby", "node-0-standby")
+    finally:
+        hold.unlink(missing_ok=True)
+        run.stop()
+    taken = run.log("node-1-standby")
+    assert "standby takes over node-1 (its process ended): joining as it, prepared in" in taken, taken[-2000:]
+    assert taken.count("env server envs.tool_env.server up at") == 1  # the one it launched while waiting
+    ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1") + " " + taken)
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert "node-0 finished its run: the standby exits" in run.log("node-0-standby")
+    assert "peer ID" not in run.log("node-0-standby")  # it never joined
+    records = run.records()
+    after = [r for r in records["node-1"] if r["time"] > killed_at]
+    assert after and after[-1]["round"] == rounds - 1, records["node-1"]
+    assert_agree(records, range(rounds))
