@@ -11,13 +11,16 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        (spawn to exit or kill, every life of every node)
     goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round
                        (work that reached the canonical model)
-    where the rest went, over node-seconds alive: ``startup`` (spawn to the start of a life's first inner phase:
-                       imports, env server, DHT join, state download), ``sync`` (the seconds each round's sync
+    where the rest went, over node-seconds alive: ``startup`` (spawn, or a standby's takeover, to the start of a
+                       life's first inner phase, its line's ``inner_started``: imports, env server, DHT join, state
+                       download), ``sync`` (the seconds each round's sync
                        stopped the inner loop: ``blocked_seconds``, which is ``sync_seconds`` unless the sync
                        overlaps), ``lost`` (the rest: the inner phase a kill cut short, waits between rounds)
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
+    back_after_kill_s  per kill, seconds from the kill to the first inner phase of the node's next life (a restart:
+                       ``--restart-after-s`` and its whole start; a standby: its takeover)
     orphans            processes of the run still alive after it (p2pd, env servers, hivemind workers)
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
@@ -64,6 +67,7 @@ class Life:
     killed: bool = False
     standby: bool = False  # started with --standby (`nodes/standby.py`)
     took_over: float | None = None  # a standby: when the node it stood by was killed (its life as the node starts)
+    replaces_kill_at: float | None = None  # a restart or a takeover: when the life it replaces was killed
 
     @property
     def began(self) -> float | None:
@@ -184,6 +188,14 @@ def _stood_still(record: dict) -> float:
     return float(record.get("blocked_seconds", record["sync_seconds"]))
 
 
+def _inner_started(record: dict) -> float:
+    """Wall time a node round's inner phase began: ``inner_started`` (a checkout older than it: the line's time less
+    its inner phase and its standstill, which with ``[outer] overlap`` is a round late)."""
+    if "inner_started" in record:
+        return float(record["inner_started"])
+    return record["time"] - record["inner_seconds"] - _stood_still(record)
+
+
 def summarize(churn: Churn, rounds: int) -> dict:
     """The report of the module docstring, from the lives and every peer's metrics lines."""
     from composer_diloco.metrics import read_metrics
@@ -192,6 +204,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
     canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
     alive = inner = kept = sync = startup = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
+    back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
     for life in lives:
         end = life.ended or time.time()
         began = life.began
@@ -201,8 +214,10 @@ def summarize(churn: Churn, rounds: int) -> dict:
         kept += sum(r["inner_seconds"] for r in mine if canonical.get(r["round"]) == r["global_sha256"])
         sync += sum(_stood_still(r) for r in mine)
         if mine:
-            first = min(mine, key=lambda r: r["time"])
-            startup += max(0.0, first["time"] - first["inner_seconds"] - _stood_still(first) - began)
+            first = min(_inner_started(r) for r in mine)
+            startup += max(0.0, first - began)
+            if life.replaces_kill_at is not None:
+                back_after.append(first - life.replaces_kill_at)
         else:
             startup += end - began
     by_round: dict[int, set] = {}
@@ -220,6 +235,8 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "node_lives": len(lives),
         "node_kills": sum(1 for x in lives if x.killed),
         "standby_takeovers": sum(1 for x in lives if x.standby and x.took_over is not None),
+        # kill -> the next life's first inner phase (a restart: + --restart-after-s and its whole start)
+        "back_after_kill_s": sorted(round(x, 1) for x in back_after),
         "coordinator_kills": sum(1 for x in churn.lives if x.name == "coordinator" and x.killed),
     }
 
@@ -266,6 +283,7 @@ def main() -> int:
         next_kill = t0 + a.kill_every_s if a.kill_every_s > 0 else float("inf")
         coordinator_kill = t0 + a.coordinator_kill_at_s if a.coordinator_kill_at_s > 0 else float("inf")
         pending: list[tuple[float, str]] = []  # (when, name) restarts
+        killed_at: dict[str, float] = {}  # node -> when its last life was killed (no standby took over)
         nodes_seen = time.time()
         stalled = False
         while time.time() - t0 < a.timeout_s:
@@ -294,7 +312,9 @@ def main() -> int:
                     churn.kill(churn.live(victim))
                     spare = churn.waiting_standby(victim) if a.standby else None
                     if spare is not None:  # it holds the node's lock within LOCK_POLL_S: its life starts now
-                        spare.took_over = time.time()
+                        spare.took_over = spare.replaces_kill_at = time.time()
+                    else:
+                        killed_at[victim] = time.time()
                     print(f"{now - t0:6.1f} s  killed {victim}{': its standby takes over' if spare else ''}",
                           flush=True)
                     pending.append((now + a.restart_after_s, victim))
@@ -307,7 +327,9 @@ def main() -> int:
                           f"{'the same' if line == churn.peer else 'ANOTHER'} peer line", flush=True)
                 elif not over:
                     spare = a.standby and churn.live(name) is not None  # a standby took over: start the next one
-                    churn.start_node(name, standby=spare)
+                    life = churn.start_node(name, standby=spare)
+                    if not spare:
+                        life.replaces_kill_at = killed_at.pop(name, None)
                     print(f"{time.time() - t0:6.1f} s  {'started a new standby of' if spare else 'restarted'} {name}",
                           flush=True)
         end_by = time.time() + (0 if stalled else 120)  # nodes still finishing their last round end on their own

@@ -9,6 +9,9 @@ Joining checks the envs first (`Node.join`): each ``--env-url`` before the DHT s
 reset per ``--env-url`` with the run's ``reset_kwargs`` before the model is built or downloaded (a node's own env
 server: started in the background once the run config is read, used before the download). A bad env fails the node
 with one line and exit code 1 in seconds, not after the model download.
+
+A node started with ``--standby`` first waits as the node's warm standby (`nodes.standby`), then joins as above with
+what it prepared (`Node.take_over`).
 """
 
 from __future__ import annotations
@@ -572,8 +575,10 @@ class Node:
         memory, warnings = round_memory(self.memory_plan, peak.take() if peak is not None else None, stats)
         for line in warnings:
             log.warning("%s round %d: %s", self.options.name, result.round, line)
+        now = time.time()
         record = {**result.record(self.options.name, "node"), **phase.record(self.config.inner_steps),
-                  "time": time.time(), **memory}
+                  "time": now, "inner_started": round(now - (time.monotonic() - phase.ended) - phase.seconds, 3),
+                  **memory}
         if fold is not None:
             record["fold"] = fold
         self.metrics.write(record)

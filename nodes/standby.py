@@ -242,7 +242,13 @@ class Standby:
             if self.prepared.config.digest() == config.digest():
                 return
             self.prepared.close()
-        self.prepared = prepare(config, own_env_server=self.own_env_server)
+        try:
+            self.prepared = prepare(config, own_env_server=self.own_env_server)
+        except Exception as e:  # the takeover's join meets it again and fails with its own one-line error
+            self.prepared = None
+            log.warning("standby: preparing for run %r failed (%s: %s): a takeover starts from scratch",
+                        config.run_name, type(e).__name__, e)
+            return
         log.info("standby prepared for run %r (config %s) in %.1f s: memory plan inputs, %s, policy skeleton%s",
                  config.run_name, config.digest(), self.prepared.seconds,
                  "its env server" if self.prepared.env_server is not None else "no env server (--env-url)",
