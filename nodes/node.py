@@ -39,6 +39,7 @@ from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskSet, TaskShard
 from composer_diloco.rollout.episodes import EnvSession
+from composer_diloco.policy.load import policy_skeleton
 from composer_diloco.outer.swarm import (
     NoPeerAnswered, Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
@@ -47,7 +48,6 @@ from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, gr
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
-from composer_diloco.policy.load import policy_skeleton
 from nodes.standby import LOCK_POLL_S, save_run_config
 
 log = logging.getLogger(__name__)
