@@ -143,6 +143,19 @@ def test_settle_pick(me, live, timed_out, expected):
         assert decision == expected
 
 
+def test_settle_pick_does_not_wait_for_a_new_life_of_a_member():
+    """node-0 died in the all-reduce that began at DHT time 100 and its standby (or a restart) is back under its name,
+    in round R since 101: that life took no part, so it is not waited for; a node-0 in round R since before the
+    all-reduce (the one that took part, still in it) is."""
+    me = [rec("node-1", R + 1, sha="ours", settled=False)]
+    back = PeerRecord("node-0", "node", R, 0.0, since=101.0)
+    assert recovery.settle_pick("node", "node-1", MEMBERS, R, "ours", [*me, back], timed_out=False,
+                                began=100.0) == Resync((), R + 1)
+    there = PeerRecord("node-0", "node", R, 0.0, since=90.0)
+    assert recovery.settle_pick("node", "node-1", MEMBERS, R, "ours", [*me, there], timed_out=False,
+                                began=100.0) == Wait("node-0")
+
+
 # -- the run's end and joining --------------------------------------------------------------------------------------
 def test_waiting_at_run_end():
     live = [rec("coordinator", 10), rec("node-0", 9), rec("node-1", 10, settled=False), rec("node-2", 10)]

@@ -151,6 +151,8 @@ class _Reduced:
         reasons: name -> why its contribution was dropped, for those of ``rejected``.
         theta_authority: set when this peer's own contribution was dropped for training from another theta: the
             member whose theta the group holds (`screening.screen`).
+        began: DHT time (seconds) this peer's all-reduce began: a member whose heartbeat entered the round later is a
+            new life of it, which took no part (`recovery.settle_pick`).
 
     Delta itself (fp32 CPU, the layout of theta) stays where the all-reduce left it, in the averager's buffers; with
     ``weight_total`` 0 every contribution was dropped and there is none.
@@ -162,6 +164,7 @@ class _Reduced:
     missed: int
     reasons: dict[str, str] = field(default_factory=dict)
     theta_authority: str | None = None
+    began: float = float("inf")
 
 
 @dataclass
@@ -669,6 +672,7 @@ class DiLoCoPeer:
         self._delta_written = True  # the all-reduce leaves its mean in the buffers
         self.averager.set_group_bits(round_group_bits(r))
         self.averager.set_target_group_size(group_size if group_size and group_size >= 2 else None)
+        began = get_dht_time()
         try:
             gathered: dict[object, Contribution] | None = self.averager.step(
                 weight=float(weight),
@@ -701,7 +705,7 @@ class DiLoCoPeer:
         return _Reduced(members=[str(g.get("name")) for g in group], weight_total=weight_total, rejected=rejected,
                         missed=int(self.averager.failed_size.value),
                         reasons={c.rejection.name: c.rejection.reason for c in members if c.rejection is not None},
-                        theta_authority=mine.theta_authority if mine is not None else None)
+                        theta_authority=mine.theta_authority if mine is not None else None, began=began)
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
@@ -726,7 +730,7 @@ class DiLoCoPeer:
         except ValueError as e:
             raise RoundFailed(str(e)) from e
         if reduced.missed:
-            return self._settle(set(reduced.members), r, reduced.missed)
+            return self._settle(set(reduced.members), r, reduced.missed, began=reduced.began)
         return "averaged"
 
     def _finish(self, model: nn.Module | None, clock: _RoundClock, *, peers: int, status: SyncStatus,
@@ -878,9 +882,10 @@ class DiLoCoPeer:
                         self.allreduce_timeout_s)
         return False
 
-    def _settle(self, members: set[str], r: int, missed: int) -> SyncStatus:
+    def _settle(self, members: set[str], r: int, missed: int, began: float = float("inf")) -> SyncStatus:
         """After an all-reduce of round ``r`` that missed ``missed`` elements: publish theta as unsettled, poll
         `recovery.settle_pick` every 0.1 s (its wait ends after ``allreduce_timeout_s``) and take the pick's theta.
+        ``began``: DHT time the all-reduce began (a member's life that entered round ``r`` later is not waited for).
 
         Returns:
             "averaged" (this peer's theta was kept or already equal), "resynced" (the pick's state was downloaded), or
@@ -897,7 +902,7 @@ class DiLoCoPeer:
         deadline = time.monotonic() + self.allreduce_timeout_s
         while True:
             decision = recovery.settle_pick(self.swarm.role, me, members, r, ours, self.swarm.live_peers(),
-                                            timed_out=time.monotonic() > deadline)
+                                            timed_out=time.monotonic() > deadline, began=began)
             if isinstance(decision, recovery.Resync):
                 break
             time.sleep(0.1)

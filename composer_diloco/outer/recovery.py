@@ -211,13 +211,16 @@ def after_group_split(role: str, name: str, r: int, members: list[str], ours: st
 
 
 def settle_pick(role: str, name: str, members: set[str], r: int, ours: str, live: list[PeerRecord], *,
-                timed_out: bool) -> Wait | Resync:
+                timed_out: bool, began: float = float("inf")) -> Wait | Resync:
     """After an all-reduce of round ``r`` that missed elements: which member's theta do the group's members keep?
 
     A reducer lost mid-way may have returned its part to some members and not to others, so theta can differ between
     them. Wait for a settled member (one that received every part) or for every live member to be done with round
     ``r``, unless ``timed_out``; then all adopt the theta of the same member, the first by `by_precedence` (settled
     ones first, then the coordinator, then by name), this peer (published unsettled, with ``ours``) among them.
+    A member whose heartbeat entered round ``r`` after the all-reduce ``began`` (DHT time) is a new life under its
+    name (restarted, or taken over by its standby: `nodes.standby`) that took no part in it: it is not waited for
+    (it would never publish round ``r + 1`` from this all-reduce; the wait ran to ``timed_out``).
 
     Returns:
         `Wait`, or `Resync` with the members ahead of this peer whose theta differs from ``ours`` (the first that
@@ -227,7 +230,7 @@ def settle_pick(role: str, name: str, members: set[str], r: int, ours: str, live
     group = [p for p in live if p.name in members and p.name != name]
     done = [p for p in group if p.round == next_round and p.sha]
     # still in the all-reduce (a member that lost it waits in `after_failed_round`, unsettled, for us)
-    pending = [p for p in group if p.round < next_round and p.settled]
+    pending = [p for p in group if p.round < next_round and p.settled and p.since <= began]
     if not (any(p.settled for p in done) or not pending or timed_out):
         return Wait(", ".join(sorted(p.name for p in pending)))
     candidates = by_precedence([*done, PeerRecord(name, role, next_round, 0.0, sha=ours, settled=False)])
