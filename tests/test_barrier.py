@@ -116,3 +116,21 @@ def test_a_round_is_joinable_for_its_grace_after_its_first_node_entered_it():
     assert joins_round(peers, 4, join_grace_s=0.0, now=100.0)  # no node in round 4 yet
     assert not joins_round(peers, 2, join_grace_s=10.0, now=100.0)
     assert joins_round([], 0, join_grace_s=0.0, now=0.0)
+
+
+def test_a_round_whose_all_reduce_began_is_not_joined():
+    """A group whose all-reduce began cannot take a member: a joiner (a standby taking over a node killed in that
+    all-reduce) takes the next round however young the round is, once any peer, the coordinator included, published
+    that it began averaging it (``info["averaging_round"]``); an older round's all-reduce, or a value that is not a
+    round number, does not count."""
+    def peer(name: str, role: str, round_: int, **info) -> PeerRecord:
+        return PeerRecord(name, role, round_, t=100.0, since=99.0, info=info)
+
+    assert joins_round([peer("a", "node", 3), peer("b", "node", 3)], 3, join_grace_s=30.0, now=100.0)
+    assert not joins_round([peer("a", "node", 3, averaging_round=3), peer("b", "node", 3)], 3, join_grace_s=30.0,
+                           now=100.0)
+    assert not joins_round([peer("coordinator", "coordinator", 3, averaging_round=3), peer("a", "node", 3)], 3,
+                           join_grace_s=30.0, now=100.0)
+    assert joins_round([peer("a", "node", 3, averaging_round=2)], 3, join_grace_s=30.0, now=100.0)
+    assert joins_round([peer("a", "node", 3, averaging_round="3")], 3, join_grace_s=30.0, now=100.0)
+    assert joins_round([peer("a", "node", 3, averaging_round=3)], 4, join_grace_s=0.0, now=100.0)  # the next one

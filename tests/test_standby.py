@@ -108,30 +108,29 @@ def test_a_standby_started_beside_its_node_lets_the_node_take_its_folder_first(t
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path):
-    """node-1's process is SIGKILLed after its first round: its standby (started beside it) takes over within the
-    run, as the same peer ID, with the env server and policy it prepared, and trains the rest of the run, every
-    round agreeing; node-0's standby exits 0 when node-0 finishes the run."""
-    rounds = 6
-    hold = tmp_path / "hold-node-0"  # while it exists node-0 pauses after each inner step
+    """node-1's process is SIGKILLed in round 2's all-reduce: its standby (started beside it) takes over as the same
+    peer ID, with the env server and policy it prepared, while the survivors are still in that all-reduce. It joins
+    the next round (that group can take no member, `joins_round`) instead of training round 2 to find no group, and
+    trains the rest of the run, every round agreeing; node-0's standby exits 0 when node-0 finishes the run."""
+    rounds, killed_in = 6, 2
+    hold = tmp_path / "hold-node-1"  # while it exists node-1 pauses after each inner step: its standby prepares
     config = write_config(tmp_path / "standby.toml", f"rounds = {rounds}\ninner_steps = 2\n[network]\n"
                                                      "heartbeat_s = 1.0\nheartbeat_ttl_s = 6.0\n"
-                                                     "averaging_timeout_s = 15.0\n")
+                                                     "averaging_timeout_s = 15.0\nround_slack_s = 400.0\n")
     run = LocalRun(run_dir, config)
+    hold.touch()
     try:
         run.start_coordinator(wait=False)
-        run.start_node("node-0", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold}"})
-        run.start_node("node-1")
+        run.start_node("node-0")
+        run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold},kill_in_allreduce:{killed_in}"})
         run.start_standby("node-0")
         run.start_standby("node-1")
         run.wait_peer_line()
-        run.wait_round("node-1", 0)
-        run.wait_until(lambda: "standby prepared for run" in run.log("node-1-standby"), 240,
+        run.wait_until(lambda: "standby prepared for run" in run.log("node-1-standby"), 300,
                        "node-1's standby to prepare")
-        hold.touch()  # the run waits for the takeover, however slow this machine
-        killed_at = run.kill("node-1")
-        run.wait_until(lambda: "state from a peer" in run.log("node-1-standby"), 240,
-                       "node-1's standby to take over and load the global model")
         hold.unlink()
+        assert run.wait_exit("node-1", 300) != 0  # killed in round 2's all-reduce
+        killed_at = time.time()
         run.assert_exit_ok("coordinator", "node-0", "node-1-standby", "node-0-standby")
     finally:
         hold.unlink(missing_ok=True)
@@ -139,11 +138,12 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path
     taken = run.log("node-1-standby")
     assert "standby takes over node-1 (its process ended): joining as it, prepared in" in taken, taken[-2000:]
     assert taken.count("env server envs.tool_env.server up at") == 1  # the one it launched while waiting
+    assert "all-reduce failed" not in taken and "could not find a group" not in taken, taken[-3000:]
     ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1") + " " + taken)
     assert len(ids) == 2 and ids[0] == ids[1], ids
     assert "node-0 finished its run: the standby exits" in run.log("node-0-standby")
     assert "peer ID" not in run.log("node-0-standby")  # it never joined
     records = run.records()
-    after = [r for r in records["node-1"] if r["time"] > killed_at]
-    assert after and after[-1]["round"] == rounds - 1, records["node-1"]
+    assert [r["round"] for r in records["node-1"]] == [0, 1, *range(killed_in + 1, rounds)], records["node-1"]
+    assert all(r["time"] > killed_at - 5 for r in records["node-1"][killed_in:]), records["node-1"]
     assert_agree(records, range(rounds))

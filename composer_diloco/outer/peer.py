@@ -673,6 +673,8 @@ class DiLoCoPeer:
         self.averager.set_group_bits(round_group_bits(r))
         self.averager.set_target_group_size(group_size if group_size and group_size >= 2 else None)
         began = get_dht_time()
+        # a joiner reading this takes the next round (`joins_round`): this group can no longer take a member
+        self.swarm.set_info(publish=True, averaging_round=r)
         try:
             gathered: dict[object, Contribution] | None = self.averager.step(
                 weight=float(weight),

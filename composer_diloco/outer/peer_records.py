@@ -39,15 +39,21 @@ class PeerRecord:
 def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:
     """Whether a node setting up now still joins ``round_`` (else it waits for the next round boundary).
 
-    It does when no node is training ``round_`` yet, or when the first of them entered it at most ``join_grace_s``
-    seconds ago (DHT time, `PeerRecord.since`): the others then wait for it at that round's barrier. The one rule
-    `Swarm.announce_joining` (at the start of a node's set-up) and `DiLoCoPeer.join_at_round_boundary` (at its end,
-    for a node that announced nothing) apply.
+    It does when no peer has begun the all-reduce of ``round_`` (their heartbeat's ``info["averaging_round"]``,
+    published as each peer's all-reduce begins, `DiLoCoPeer._all_reduce`) and either no node is training ``round_``
+    yet or the first of them entered it at most ``join_grace_s`` seconds ago (DHT time, `PeerRecord.since`): the
+    others then wait for it at that round's barrier. A group whose all-reduce began cannot take a member: a node that
+    joined that round (a standby taking over a node killed in it, a quick restart) trained it, found no group and
+    resynced after ``allreduce_timeout_s``, while the others waited that long for it at the next round's barrier.
+    The one rule `Swarm.announce_joining` (at the start of a node's set-up) and `DiLoCoPeer.join_at_round_boundary`
+    (at its end, for a node that announced nothing) apply.
 
     Args:
         peers: the live peers' heartbeats (this node's own excluded).
         round_: the round in question; now: DHT time (`hivemind.utils.timed_storage.get_dht_time`), seconds.
     """
+    if any(isinstance(a := p.info.get("averaging_round"), int) and a >= round_ for p in peers):
+        return False
     training = [p.since for p in peers if p.role == "node" and p.round == round_]
     return not training or now - min(training) <= join_grace_s
 
