@@ -99,10 +99,19 @@ def join(
         typer.echo(f"composer-node: error: {e}", err=True)
         raise typer.Exit(1)
 
+    own_dir = Path(options.run_dir) / options.name
     if standby:  # is the node it stands by running? Looked at before the imports, which take seconds
         from nodes.standby import StandbyStart
 
-        standby_start = StandbyStart.now(Path(options.run_dir) / options.name)
+        standby_start = StandbyStart.now(own_dir)
+    else:  # the node's folder first, before the imports: a standby started beside it sees it held from now on
+        from nodes.folder_lock import NodeBusy, lock_node_folder
+
+        try:
+            folder_lock = lock_node_folder(own_dir, options.name, options.run_dir)
+        except (NodeBusy, OSError) as e:
+            typer.echo(f"composer-node: error: {e}", err=True)
+            raise typer.Exit(1)
 
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
@@ -121,6 +130,8 @@ def join(
         if lock is None:
             raise typer.Exit(130 if stop.event.is_set() else 0)
         node.take_over(lock, waiting.prepared)
+    else:
+        node.hold_folder(folder_lock)
     code = 0
     try:
         node.join()

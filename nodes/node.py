@@ -33,7 +33,7 @@ from composer_diloco.rollout.env_process import EnvServer, launch_env_server, wa
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.metrics import MetricsWriter
 from composer_diloco.report import Reporter
-from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity, try_lock
+from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
 from composer_diloco.outer.known_peers import KNOWN_PEERS_FILE, read_known_peers, write_known_peers
 from composer_diloco.rollout.mcp import detect_env_protocol
 from composer_diloco.rollout.sessions import open_env_sessions
@@ -48,11 +48,10 @@ from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, gr
 from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
-from nodes.standby import LOCK_POLL_S, save_run_config
+from nodes.folder_lock import NodeBusy, lock_node_folder
+from nodes.standby import save_run_config
 
 log = logging.getLogger(__name__)
-LOCK_RETRIES = 5  # more tries of the folder lock, LOCK_POLL_S apart, before `NodeBusy`: a standby started beside
-# the node holds it for an instant while it has not yet seen the node hold it (nodes.standby)
 
 JOIN_REDIAL_S = (0.5, 1.0, 2.0, 4.0, 5.0)
 """Seconds before each new bootstrap attempt of a node whose ``--peer``s did not answer (`Node._start_dht`), the last
@@ -63,10 +62,6 @@ restarted coordinator starts a DHT process every 5 s, not more."""
 
 class NodeError(RuntimeError):
     """The node cannot take part in the run (bad peer, unreachable env, no global model ...)."""
-
-
-class NodeBusy(NodeError):
-    """Another live node holds this node's folder (``<run-dir>/<name>``), hence its identity (`Node._lock_own_dir`)."""
 
 
 class TrainedOnNothing(NodeError):
@@ -330,26 +325,19 @@ class Node:
             log.warning("round %d: could not save the error feedback: %s", round_, e)
 
     def _lock_own_dir(self) -> None:
-        """Hold ``<run-dir>/<name>/node.lock`` (an OS file lock, dropped when this process ends, even on SIGKILL) for
-        the node's life: a second node started with the same ``--run-dir`` and ``--name``, hence on the same identity
-        key and metrics file, is refused before it touches either.
+        """Hold ``<run-dir>/<name>/node.lock`` (`nodes.folder_lock`) for the node's life: a second node started with the
+        same ``--run-dir`` and ``--name``, hence on the same identity key and metrics file, is refused before it
+        touches either. A no-op when the command line (before its imports) or a standby's takeover took it already.
 
         Raises:
             NodeBusy: another process holds the lock (one line naming the folder).
         """
-        if self._own_lock is not None:  # a standby that took over holds it already
-            return
-        self.own_dir.mkdir(parents=True, exist_ok=True)
-        lock = try_lock(self.own_dir / "node.lock")
-        for _ in range(LOCK_RETRIES):
-            if lock is not None:
-                break
-            time.sleep(LOCK_POLL_S)
-            lock = try_lock(self.own_dir / "node.lock")
-        if lock is None:
-            raise NodeBusy(f"--name {self.options.name!r} is in use in --run-dir {str(self.options.run_dir)!r} by "
-                           f"another node (its lock {str(self.own_dir / 'node.lock')!r} is held): stop it first, or "
-                           f"give this node another --name") from None
+        if self._own_lock is None:
+            self.hold_folder(lock_node_folder(self.own_dir, self.options.name, self.options.run_dir))
+
+    def hold_folder(self, lock: Any) -> None:
+        """Keep ``lock``, this node's folder lock taken by the caller (`nodes.folder_lock.lock_node_folder`), for
+        the node's life: released at `close`."""
         self._own_lock = lock
         self.stop.add_cleanup(lock.release)
 
@@ -357,8 +345,7 @@ class Node:
         """Start as this node's standby did (`nodes.standby.Standby.wait`): ``lock`` is the node's folder lock it
         holds (released at `close`), ``prepared`` its `nodes.standby.Prepared` (None: nothing prepared), used by
         `join` when the run's published config is the one it was prepared for."""
-        self._own_lock = lock
-        self.stop.add_cleanup(lock.release)
+        self.hold_folder(lock)
         self.prepared = prepared
         if prepared is not None:
             self.stop.add_cleanup(prepared.close)
@@ -630,4 +617,4 @@ def _full_model_sha256(model) -> str:
     return base_sha256(model)
 
 
-__all__ = ["Node", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]
+__all__ = ["Node", "NodeBusy", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]

@@ -22,7 +22,8 @@ What it prepares (`Standby.wait`), in order:
 
 A standby takes the lock only once it has seen it held (the node it stands by was running; looked at first before its
 imports, `StandbyStart`), or after ``--join-timeout`` seconds without ever seeing it held (no node runs under that
-name: it starts the node itself), so a job script may start the node and its standby together. It exits 0 without
+name: it starts the node itself), so a job script may start the node and its standby together: the node takes its
+folder first thing, before its imports (`nodes.folder_lock`), so however slow those are its standby sees it held. It exits 0 without
 joining when the node finished its run (`FINISHED_FILE`: written after the standby started, or at any time when it
 never saw the node running); SIGINT or SIGTERM while it waits: 130. Its cost while it waits: host memory (the
 imports, about 0.5 GB on CPU, and the skeleton: the model's size), one idle env server process, no device memory, and
@@ -48,12 +49,12 @@ from typing import Any
 from composer_diloco.config import ConfigError, RunConfig
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.outer.identity import try_lock
+from nodes.folder_lock import LOCK_FILE, LOCK_POLL_S
 
 log = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.json"  # in <run-dir>/<name>/: the run config this node last joined with
 FINISHED_FILE = "finished.json"  # in <run-dir>/<name>/: written when this node took part in its run's last round
-LOCK_POLL_S = 0.2  # seconds between two tries of the node's folder lock
 
 
 def warm_imports() -> int:
@@ -105,9 +106,9 @@ def finished_since(own_dir: Path, since: float) -> bool:
 
 
 def lock_is_held(own_dir: Path) -> bool:
-    """True when another process holds ``own_dir / "node.lock"`` now (tried without waiting, and let go at once:
-    `nodes.node.Node._lock_own_dir` tries again, `LOCK_POLL_S` apart, so this instant never refuses the node)."""
-    lock = try_lock(Path(own_dir) / "node.lock")
+    """True when another process holds ``own_dir / LOCK_FILE`` now (tried without waiting, and let go at once:
+    `nodes.folder_lock.lock_node_folder` tries again, `LOCK_POLL_S` apart, so this instant never refuses the node)."""
+    lock = try_lock(Path(own_dir) / LOCK_FILE)
     if lock is None:
         return True
     lock.release()
@@ -197,10 +198,10 @@ class Standby:
         t0 = time.monotonic()
         count = warm_imports()
         log.info("standby for %s: %d modules imported in %.1f s; waiting for the process that holds %s to end",
-                 self.own_dir.name, count, time.monotonic() - t0, self.own_dir / "node.lock")
+                 self.own_dir.name, count, time.monotonic() - t0, self.own_dir / LOCK_FILE)
         self.own_dir.mkdir(parents=True, exist_ok=True)
         while not self.stop.event.is_set():
-            lock = try_lock(self.own_dir / "node.lock")  # first: a preparation takes seconds
+            lock = try_lock(self.own_dir / LOCK_FILE)  # first: a preparation takes seconds
             if lock is None:
                 self.seen_held = True
             elif not self.seen_held and time.time() - self.started < self.alone_after_s:

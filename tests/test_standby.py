@@ -9,8 +9,11 @@ node that finishes the run exits 0 without joining.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +21,11 @@ from composer_diloco.config import RunConfig
 from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.outer.identity import try_lock
 from local_run import LocalRun, assert_agree, write_config
-from nodes.standby import FINISHED_FILE, RUN_CONFIG_FILE, Standby, mark_finished
+from nodes.folder_lock import lock_node_folder
+from nodes.standby import FINISHED_FILE, RUN_CONFIG_FILE, Standby, lock_is_held, mark_finished
+from tests_support import stop_processes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _wait_in_thread(standby: Standby) -> tuple[threading.Thread, list]:
@@ -86,13 +93,8 @@ def test_a_standby_started_beside_its_node_lets_the_node_take_its_folder_first(t
     standby = Standby(own, GracefulStop(), own_env_server=False, alone_after_s=60)
     thread, got = _wait_in_thread(standby)
     time.sleep(1.0)  # it has tried the free lock a few times by now
-    node_lock = None
-    for _ in range(6):  # what `Node._lock_own_dir` does: LOCK_RETRIES tries LOCK_POLL_S apart
-        node_lock = try_lock(own / "node.lock")
-        if node_lock is not None:
-            break
-        time.sleep(0.2)
-    assert node_lock is not None and thread.is_alive() and not got
+    node_lock = lock_node_folder(own, "node-a", tmp_path)  # the node's first act: it retries past the probe
+    assert thread.is_alive() and not got
     _until(lambda: standby.seen_held)  # the node runs
     node_lock.release()
     thread.join(timeout=10)
@@ -103,6 +105,40 @@ def test_a_standby_started_beside_its_node_lets_the_node_take_its_folder_first(t
     lock = alone.wait()  # no node ever held it: after alone_after_s it starts the node itself
     assert lock is not None and not alone.seen_held
     lock.release()
+
+
+_TORCH_HELD = """
+import os, sys, time
+class _HoldTorch:  # `import torch` waits while the file sys.argv[1] exists: the node's heavy imports, made endless
+    def find_spec(self, name, path=None, target=None):
+        while name == "torch" and os.path.exists(HOLD):
+            time.sleep(0.05)
+        return None
+HOLD = sys.argv.pop(1)
+sys.meta_path.insert(0, _HoldTorch())
+from nodes.cli import app
+app()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_node_holds_its_folder_before_its_imports(tmp_path):
+    """`composer-node join` takes its folder lock first (`nodes.folder_lock`), before torch is imported: a standby
+    started beside a node whose imports are slow (a loaded box, a cold disk) sees the folder held, instead of taking
+    it after its ``--join-timeout`` as if no node ran (then the node exited 1, "in use": seen in a churn run)."""
+    hold = tmp_path / "hold-torch"
+    hold.touch()
+    own = tmp_path / "run" / "node-a"
+    node = subprocess.Popen([sys.executable, "-c", _TORCH_HELD, str(hold), "join", "--peer",
+                             "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+                             "--run-dir", str(tmp_path / "run"), "--name", "node-a", "--device", "cpu"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _until(lambda: lock_is_held(own) or node.poll() is not None, timeout_s=90)
+        assert node.poll() is None and lock_is_held(own), node.stderr.read().decode()[-2000:] if node.poll() else ""
+    finally:
+        hold.unlink()
+        stop_processes([node])
 
 
 @pytest.mark.multiprocess
