@@ -41,16 +41,14 @@ def lock_node_folder(own_dir: Path, name: str, run_dir: Path | str) -> Any:
     """
     own_dir = Path(own_dir)
     own_dir.mkdir(parents=True, exist_ok=True)
-    lock = try_lock(own_dir / LOCK_FILE)
-    for _ in range(LOCK_RETRIES):
+    for attempt in range(1 + LOCK_RETRIES):
+        if attempt:
+            time.sleep(LOCK_POLL_S)
+        lock = try_lock(own_dir / LOCK_FILE)
         if lock is not None:
             return lock
-        time.sleep(LOCK_POLL_S)
-        lock = try_lock(own_dir / LOCK_FILE)
-    if lock is None:
-        raise NodeBusy(f"--name {name!r} is in use in --run-dir {str(run_dir)!r} by another node (its lock "
-                       f"{str(own_dir / LOCK_FILE)!r} is held): stop it first, or give this node another --name")
-    return lock
+    raise NodeBusy(f"--name {name!r} is in use in --run-dir {str(run_dir)!r} by another node (its lock "
+                   f"{str(own_dir / LOCK_FILE)!r} is held): stop it first, or give this node another --name")
 
 
 __all__ = ["LOCK_FILE", "LOCK_POLL_S", "LOCK_RETRIES", "NodeBusy", "lock_node_folder"]
