@@ -149,6 +149,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             except Exception as e:  # hivemind logs it at DEBUG only; the parts of this reducer are zeros now
                 log.warning("all-reduce: no average from reducer %s (%d elements zeroed so far): %r", peer_id,
                             self.tensor_part_container.failed_size, e)
+                if peer_id in self._replied and peer_id not in self.active_senders:
+                    # its stream to us broke before it sent us a part: it died before opening its stream as our sender
+                    # too, and hivemind would ban it only after sender_timeout (`_handle_missing_senders`)
+                    await self._ban_sender(peer_id)
                 raise
         # Our own part: average it here, then take it through the compression the others receive it with.
         peer_index = self.ordered_peer_ids.index(peer_id)
