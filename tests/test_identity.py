@@ -1,8 +1,8 @@
 """Identities across restarts (issue 37): a key file in the coordinator's run dir and in each node's folder, checked
 before any network; one coordinator per run dir, one node per folder. The restarts themselves (same command, same
 peer ID; a node joining on the line printed before the kill) run in ``tests/test_faults.py``
-(``test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node``,
-``test_nodes_killed_mid_inner_phase_and_in_the_all_reduce``).
+(``test_coordinator_killed_nodes_go_on_and_it_reloads_from_a_live_node``) and ``tests/test_reaper.py`` (a node
+restarted after a SIGKILL).
 """
 
 from __future__ import annotations
