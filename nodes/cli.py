@@ -107,9 +107,14 @@ def join(
     else:  # the node's folder first, before the imports: a standby started beside it sees it held from now on
         from nodes.folder_lock import NodeBusy, lock_node_folder
 
+        from composer_diloco.outer.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
+
         try:
             folder_lock = lock_node_folder(own_dir, options.name, options.run_dir)
-        except (NodeBusy, OSError) as e:
+            # a bad key fails here too, in one line: reading it imports hivemind (~4 s of CPU), not the ~13 s of
+            # the node's whole stack (its own folder's key: nobody else writes it while we hold the folder)
+            load_or_create_identity(own_dir / IDENTITY_FILE, create=False)
+        except (NodeBusy, IdentityError, OSError) as e:
             typer.echo(f"composer-node: error: {e}", err=True)
             raise typer.Exit(1)
 
