@@ -114,7 +114,9 @@ def test_a_sigkilled_node_leaves_no_process_and_rejoins_as_itself_then_the_coord
             "node-1", hold, lambda: run.log("node-1").count("state from a peer") >= 2,
             "the restarted node-1 to download the global model")
 
-        # the coordinator, once node-1 averaged a round again
+        # the coordinator, once it recorded the first round node-1 averaged again (its line can come after node-1's)
+        back = next(r["round"] for r in run.records()["node-1"] if r["time"] > restarted_at)
+        run.wait_round("coordinator", back, timeout_s=120)
         tree, names, killed_at = kill_main_process(run, "coordinator")
         took = wait_gone(tree, "the coordinator")
         print(f"coordinator SIGKILLed: its {len(tree)} processes ({', '.join(sorted(names))}) gone after {took:.1f} s")
