@@ -105,9 +105,8 @@ def join(
 
         standby_start = StandbyStart.now(own_dir)
     else:  # the node's folder first, before the imports: a standby started beside it sees it held from now on
-        from nodes.folder_lock import NodeBusy, lock_node_folder
-
         from composer_diloco.outer.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
+        from nodes.folder_lock import NodeBusy, lock_node_folder
 
         try:
             folder_lock = lock_node_folder(own_dir, options.name, options.run_dir)
