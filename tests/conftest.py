@@ -38,7 +38,9 @@ def descendants() -> list[psutil.Process]:
 def reap_children():
     """After the session, kill whatever child processes tests leaked (and fail loudly if any did)."""
     yield
-    leaked = descendants()
+    import prefork
+
+    leaked = [p for p in descendants() if p.pid != prefork.template_pid()]  # the process template's children are the tests'
     for p in leaked:
         try:
             p.send_signal(signal.SIGKILL)
@@ -47,6 +49,7 @@ def reap_children():
     if leaked:
         names = sorted({p.name() for p in leaked if p.is_running()} or {"?"})
         print(f"\nreaped {len(leaked)} leaked child process(es): {names}")
+    prefork.stop_template()
 
 
 _USER_CACHE = pytest.StashKey[Path]()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from composer_diloco.metrics import read_metrics
 from composer_diloco.outer.identity import IDENTITY_FILE, load_or_create_identity
+import prefork
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,9 +72,14 @@ class LocalRun:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        forks = prefork.template(full_env) if args[0] == "-m" and not prefix else None
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL,
-                                    env=full_env, cwd=ROOT, start_new_session=True)
+            if forks is not None and forks.can_fork(full_env):  # the imports done once (`prefork`): the suite's time
+                proc = forks.spawn(args[1], args[2:], full_env, ROOT, stdout=stdout or log.fileno(),
+                                   stderr=log.fileno())
+            else:
+                proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=stdout or log, stderr=log,
+                                        stdin=subprocess.DEVNULL, env=full_env, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
         self._all.append(proc)
         return proc
