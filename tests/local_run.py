@@ -61,7 +61,7 @@ class LocalRun:
 
     def __init__(self, run_dir: Path, config: Path):
         self.run_dir, self.config = Path(run_dir), Path(config)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | prefork.ForkedProcess] = {}
         self.peer = ""
         self._peer_line: list[str] = []
         self._expected: str | None = None
@@ -72,14 +72,9 @@ class LocalRun:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        forks = prefork.template(full_env) if args[0] == "-m" and not prefix else None
-        with open(log_path, "ab") as log:
-            if forks is not None and forks.can_fork(full_env):  # the imports done once (`prefork`): the suite's time
-                proc = forks.spawn(args[1], args[2:], full_env, ROOT, stdout=stdout or log.fileno(),
-                                   stderr=log.fileno())
-            else:
-                proc = subprocess.Popen([*(prefix or []), sys.executable, *args], stdout=stdout or log, stderr=log,
-                                        stdin=subprocess.DEVNULL, env=full_env, cwd=ROOT, start_new_session=True)
+        with open(log_path, "ab") as log:  # forked from the suite's process template where it can be (`prefork`)
+            proc = prefork.popen([*(prefix or []), sys.executable, *args], stdout=stdout or log, stderr=log,
+                                 stdin=subprocess.DEVNULL, env=full_env, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
         self._all.append(proc)
         return proc

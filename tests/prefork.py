@@ -3,16 +3,17 @@
 A node's interpreter spends ~11 s of CPU importing torch, transformers, TRL and hivemind before the first line of its
 CLI runs, a coordinator's ~5 s; on CI's two cores that was most of a multi-process test's CPU, paid again for every
 restart. The template imports the modules of ``python -m nodes`` and ``python -m coordinator`` once, in a process of
-its own, and forks every node and coordinator `local_run.LocalRun` starts from it: a new OS process with its own pid,
-session (process group, so a test's SIGKILL takes down its whole tree as before), environment, working directory,
-stdin/stdout/stderr and argv, which runs the module as ``python -m`` would (``runpy``, ``__main__``) and exits as an
-interpreter does (non-daemon threads joined, ``atexit`` run, the exit code of ``SystemExit``). Its children (env
-servers, p2pd, hivemind's processes, the reaper) are started as always.
+its own, and forks from it the CLI processes the tests start (`popen`, `run`; `local_run.LocalRun` starts every node
+and coordinator so): each a new OS process with its own pid, session (process group, so a test's SIGKILL takes down its
+whole tree as before), environment, working directory, stdin/stdout/stderr and argv, which runs the module as
+``python -m`` would (``runpy``, ``__main__``) and exits as an interpreter does (non-daemon threads joined, ``atexit``
+run, the exit code of ``SystemExit``). Its children (env servers, p2pd, hivemind's processes, the nodes of a
+``simulate``) are started as always, by exec.
 
-What differs from a fresh interpreter: the imports are already done. A test of what a CLI does before its imports,
-or of which modules it imports, starts its own interpreter (none of those uses `LocalRun`), and a spawn whose
-environment differs from the template's in what an interpreter reads only at its start (``PYTHON*``, ``MALLOC_*``,
-``LD_*``, and ``OMP_NUM_THREADS``, which torch reads at import) is not forked (`can_fork`): `LocalRun` execs it.
+What differs from a fresh interpreter: the imports are already done. So a process is exec'd instead when it asks for
+an interpreter option (``-X importtime``: the tests of what a CLI does before its imports, or of which modules it
+imports, use one) or for an environment that differs from the template's in anything read at start or import
+(`READ_WHEN_USED`, `Template.can_fork`); ``COMPOSER_DILOCO_TEST_EXEC=1`` execs every process.
 
 Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module``, ``args``, ``env``,
 ``cwd``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the template answers the child's pid,
@@ -24,10 +25,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,14 +39,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("nodes.cli", "nodes.node", "nodes.standby", "coordinator.cli", "coordinator.coordinator")
 """What the template imports: everything ``python -m nodes join`` and ``python -m coordinator start`` import."""
 
-READ_AT_START = ("PYTHON", "MALLOC_", "LD_", "OMP_NUM_THREADS", "MKL_", "GLIBC_")
-"""Environment variables (prefixes) an interpreter or its libraries read once, at start or import."""
+READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_")
+"""Environment variables (prefixes) read when they are used, not at start or import: this project's (its cache, its
+fault plan, its secret, its device-memory cap) and the terminal's (rich reads them as it makes a console). A spawn's
+environment may differ from the template's only in these: libraries read others once, at import (trackio its
+``TRACKIO_DIR``, huggingface_hub its ``HF_*``, torch ``OMP_NUM_THREADS``, glibc ``MALLOC_*``), so a process that asks
+for other values of them is exec'd."""
 
 _MAX_MESSAGE = 1 << 20
 
 
-def _read_at_start(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(READ_AT_START)}
+def _fixed_at_start(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what is read when used (`READ_WHEN_USED`): what must be the template's for a fork."""
+    return {k: v for k, v in env.items() if not k.startswith(READ_WHEN_USED)}
 
 
 # -- the template process ------------------------------------------------------------------------------------------
@@ -58,7 +67,6 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         import runpy
-        import threading
 
         import numpy
 
@@ -144,19 +152,19 @@ def serve(path: str) -> None:
 # -- the client (the pytest process) ---------------------------------------------------------------------------------
 class ForkedProcess:
     """A process the template forked, with what `subprocess.Popen` offers the suite: ``pid``, ``args``,
-    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill`` and ``stdout`` (a binary stream
-    when asked for a pipe). Its exit status comes from the template, its parent.
+    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``, and ``stdout`` /
+    ``stderr`` (streams, where `popen` was asked for pipes). Its exit status comes from the template, its parent.
 
-    Raises (``poll``/``wait``): RuntimeError when the template died before reporting the status.
+    Raises (``poll``, ``wait``): RuntimeError when the template died before reporting the status.
     """
 
-    def __init__(self, conn: socket.socket, args: list[str], stdout_pipe=None):
+    def __init__(self, conn: socket.socket, args: list[str], stdout=None, stderr=None):
         self._conn = conn
         self.args = args
         self.pid = int(conn.recv(64))
         self.returncode: int | None = None
-        self.stdout = stdout_pipe
-        self.stderr = None
+        self.stdin, self.stdout, self.stderr = None, stdout, stderr
+        self._read: dict[str, list] | None = None
 
     def _read_status(self, timeout: float | None) -> None:
         self._conn.settimeout(timeout)
@@ -182,6 +190,31 @@ class ForkedProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
         return self.returncode
 
+    def communicate(self, input=None, timeout: float | None = None):  # noqa: A002 - Popen's name
+        """Read ``stdout`` and ``stderr`` (where they are pipes) to their end, then wait; as `subprocess.Popen`."""
+        if input is not None:
+            raise ValueError("a forked process has no stdin pipe")
+        if self._read is None:  # name -> (its reader thread, [what it read])
+            self._read = {}
+            for name in ("stdout", "stderr"):
+                stream = getattr(self, name)
+                if stream is not None:
+                    box: list = []
+                    thread = threading.Thread(target=lambda s=stream, b=box: b.append(s.read()), daemon=True)
+                    thread.start()
+                    self._read[name] = (thread, box)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread, _ in self._read.values():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        out = {name: box[0] for name, (_, box) in self._read.items()}
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        return out.get("stdout"), out.get("stderr")
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             try:
@@ -190,14 +223,14 @@ class ForkedProcess:
                 pass
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class Template:
-    """The template process (started by `start`, one per pytest session) and the client side of its protocol."""
+    """The template process (`start`, one per pytest session) and the client side of its protocol (`spawn`)."""
 
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="composer-diloco-prefork-")
@@ -206,48 +239,38 @@ class Template:
         self.env: dict[str, str] = {}
 
     def start(self, env: dict[str, str]) -> None:
-        """Start the template with ``env`` (the suite's: `can_fork` compares a spawn's against it) and wait for its
-        imports (up to 300 s).
+        """Start the template with ``env`` (`can_fork` compares a spawn's against it) and wait for its imports.
 
         Raises:
-            RuntimeError: the template exited or did not get ready.
+            RuntimeError: the template exited before it was ready.
         """
         self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdout=subprocess.PIPE, env=self.env,
                                      cwd=ROOT, stdin=subprocess.DEVNULL)
-        line = self.proc.stdout.readline()
-        if line.strip() != b"ready":
-            raise RuntimeError(f"the suite's process template did not start (exit {self.proc.poll()})")
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the suite's process template did not start (exit {self.proc.wait()})")
 
     def can_fork(self, env: dict[str, str]) -> bool:
-        """Whether a process with ``env`` can be forked from the template: what is read only at an interpreter's
-        start (`READ_AT_START`) is the same in both."""
-        return self.proc is not None and self.proc.poll() is None and _read_at_start(env) == _read_at_start(self.env)
+        """Whether a process with ``env`` can be forked from the template: the two environments differ only in what
+        is read when used (`READ_WHEN_USED`)."""
+        return self.proc is not None and self.proc.poll() is None and _fixed_at_start(env) == _fixed_at_start(self.env)
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: Path, stdout: int,
-              stderr: int) -> ForkedProcess:
-        """Fork ``python -m module *args`` with ``env``, ``cwd``, stdin from /dev/null and the given stdout/stderr
-        (file descriptors, or `subprocess.PIPE` for stdout)."""
-        pipe = None
-        if stdout == subprocess.PIPE:
-            read_end, stdout = os.pipe()
-            pipe = os.fdopen(read_end, "rb")
+    def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
+              stdout=None, stderr=None) -> ForkedProcess:
+        """Fork ``python -m module *args`` with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the
+        caller closes its copies); ``stdout``/``stderr`` are the caller's ends of pipes, kept on the process."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.path)
-            with open(os.devnull, "rb") as devnull:
-                message = json.dumps({"module": module, "args": args, "env": env, "cwd": str(cwd)}).encode()
-                socket.send_fds(conn, [message], [devnull.fileno(), stdout, stderr])
-            return ForkedProcess(conn, [sys.executable, "-m", module, *args], pipe)
+            message = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
+            socket.send_fds(conn, [message], list(fds))
+            return ForkedProcess(conn, [sys.executable, "-m", module, *args], stdout, stderr)
         except BaseException:
             conn.close()
             raise
-        finally:
-            if pipe is not None:
-                os.close(stdout)
 
     def stop(self) -> None:
-        """Stop the template (its children, if any are left, are not its to stop: the suite's reaper reports them)."""
+        """Stop the template (children it leaves are the tests' leaks: the suite's reaper reports them)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -255,26 +278,22 @@ class Template:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        try:
-            os.unlink(self.path)
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 _template: Template | None = None
 
 
-def template(env: dict[str, str]) -> Template | None:
-    """The session's template, started on first use with ``env``; None when ``COMPOSER_DILOCO_TEST_EXEC=1`` asks for
-    every process to be exec'd (to check that a change works from a fresh interpreter too)."""
+def template() -> Template | None:
+    """The session's template, started on first use with this process's environment (the suite's: conftest set
+    ``OMP_NUM_THREADS=1``); None when ``COMPOSER_DILOCO_TEST_EXEC=1`` asks for every process to be exec'd."""
     global _template
     if os.environ.get("COMPOSER_DILOCO_TEST_EXEC") == "1":
         return None
     if _template is None:
         started = time.monotonic()
         _template = Template()
-        _template.start(env)
+        _template.start({**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
         print(f"\nprocess template ready in {time.monotonic() - started:.1f} s (nodes and coordinators are forked "
               "from it)", flush=True)
     return _template
@@ -291,6 +310,71 @@ def stop_template() -> None:
     if _template is not None:
         _template.stop()
         _template = None
+
+
+_FORKABLE = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
+
+
+def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
+    """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
+    module, *args]`` (no interpreter option), stdin is not a pipe, the keyword arguments are among ``stdin``,
+    ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``, ``env``, ``cwd``
+    and ``start_new_session`` (always: a forked process leads its own session), and `Template.can_fork` says yes;
+    exec'd as asked otherwise."""
+    env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
+    forkable = (len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m" and set(kwargs) <= _FORKABLE
+                and kwargs.get("stdin") in (None, subprocess.DEVNULL))
+    forks = template() if forkable else None
+    if forks is None or not forks.can_fork(env):
+        return subprocess.Popen(argv, **kwargs)
+    text = bool(kwargs.get("text"))
+    mine: list[int] = []  # our copies of the child's descriptors, closed once it has them
+    ends: dict[int, object] = {}
+
+    def resolve(spec, default: int, which: int) -> int:
+        if spec is None:
+            return default
+        if spec == subprocess.DEVNULL:
+            fd = os.open(os.devnull, os.O_RDWR)
+        elif spec == subprocess.PIPE:
+            read_end, fd = os.pipe()
+            ends[which] = os.fdopen(read_end, "r" if text else "rb")
+        elif isinstance(spec, int):
+            return spec
+        else:
+            return spec.fileno()
+        mine.append(fd)
+        return fd
+
+    try:
+        stdin = resolve(subprocess.DEVNULL, 0, 0)
+        stdout = resolve(kwargs.get("stdout"), 1, 1)
+        stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else resolve(kwargs.get("stderr"), 2, 2)
+        return forks.spawn(argv[2], list(argv[3:]), env, str(kwargs.get("cwd") or os.getcwd()),
+                           (stdin, stdout, stderr), ends.get(1), ends.get(2))
+    finally:
+        for fd in mine:
+            os.close(fd)
+
+
+def run(argv: list[str], *, capture_output: bool = False, timeout: float | None = None, check: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run``, its process started by `popen` (forked when it can be)."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if "input" in kwargs:
+        return subprocess.run(argv, timeout=timeout, check=check, **kwargs)
+    proc = popen(argv, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    if check:
+        result.check_returncode()
+    return result
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ import time
 from pathlib import Path
 
 import pytest
+import prefork
 from tests_support import error_line, imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, timeout_s: float = 120, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *python, "-m", *args], capture_output=True, text=True, timeout=timeout_s,
-                          cwd=ROOT)
+    return prefork.run([sys.executable, *python, "-m", *args], capture_output=True, text=True, timeout=timeout_s,
+                       cwd=ROOT)
 
 
 @pytest.mark.timeout(120)

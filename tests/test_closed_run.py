@@ -26,6 +26,7 @@ from composer_diloco.outer.auth import (
     SECRET_ENV, HMACAuthorizer, RunSecretRefused, SecretError, averaging_prefix, load_secret,
 )
 from composer_diloco.metrics import read_metrics
+import prefork
 from tests_support import error_line, imported_modules, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,7 +284,7 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         attackers = {label: _attack(secret, logs / f"attack-{label}.log", "--prefix", prefix, "--join-for", "2")
                      for label, secret in (("no-secret", None), ("wrong-secret", WRONG))}
         procs += attackers.values()
-        coordinator = subprocess.Popen(
+        coordinator = prefork.popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(tmp_path / "closed.toml"), "--run-dir",
              str(run_dir)],
             env=env_with(SECRET), stdout=subprocess.PIPE, stderr=open(logs / "coordinator.log", "w"), text=True,
@@ -292,11 +293,11 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         peer = _read_peer_line(coordinator)
 
         def rogue_node(label: str, secret: str | None) -> subprocess.Popen:  # the real node program
-            return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
-                                     str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu",
-                                     "--join-timeout", "4"],
-                                    env=env_with(secret), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, cwd=ROOT, start_new_session=True)
+            return prefork.popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+                                  str(tmp_path / "rogue"), "--name", f"rogue-{label}", "--device", "cpu",
+                                  "--join-timeout", "4"],
+                                 env=env_with(secret), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, cwd=ROOT, start_new_session=True)
 
         # the attacks, the real node program and `composer-coordinator status` (tests/test_status.py) without / with
         # a wrong secret, at once (most of an attack is waiting for refusals: the suite's time); the insider's look
@@ -305,9 +306,9 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         for attacker in attackers.values():
             _aim(attacker, peer)
         rogues = {"no-secret": rogue_node("no-secret", None), "wrong-secret": rogue_node("wrong-secret", WRONG)}
-        readers = {label: subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--timeout",
-                                            "30"], env=env_with(secret), stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        readers = {label: prefork.popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--timeout",
+                                         "30"], env=env_with(secret), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
                    for label, secret in (("no-secret", None), ("wrong-secret", WRONG), ("secret", SECRET))}
         procs += [*rogues.values(), *readers.values()]
         rogue_results = {}
@@ -320,7 +321,7 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
             status_results[label].returncode = p.returncode
         reports = {label: _report(p, logs / f"attack-{label}.log") for label, p in attackers.items()}
         # the node starts while the insider looks (it takes longer to join than the look takes): the suite's time
-        node = subprocess.Popen(
+        node = prefork.popen(
             [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(run_dir), "--name", "node-a",
              "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
             stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)

@@ -5,7 +5,6 @@ server whose reset carries no task text (`tests/mcp_env_server.py` given a row),
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from composer_diloco.inner.trainer import episode_dataset
 from composer_diloco.rollout.mcp import McpEnvSession, McpProtocolError
 from composer_diloco.rollout.sessions import open_env_sessions
 from composer_diloco.rollout.tasks import TaskEnvSession, TaskSet, TaskSetError, TaskShard, row_of, task_episode_id
+import prefork
 from local_run import LocalRun, assert_agree
 from mcp_env_server import task_row
 from test_mcp_env import start_mcp_server
@@ -178,9 +178,9 @@ def test_two_nodes_train_on_their_shards_of_a_jsonl_task_file(run_dir):
 
 
 def test_a_node_refuses_a_task_shard_that_is_not_k_of_n(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", "/ip4/127.0.0.1/tcp/9/p2p/"
-                        "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--task-shard", "3", "--run-dir",
-                        str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = prefork.run([sys.executable, "-m", "nodes", "join", "--peer", "/ip4/127.0.0.1/tcp/9/p2p/"
+                     "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--task-shard", "3", "--run-dir",
+                     str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == ("composer-node: error: --task-shard '3': expected K/N with "
                                                  "0 <= K < N, e.g. 0/2")

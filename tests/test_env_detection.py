@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from composer_diloco.rollout.mcp import (
 )
 from composer_diloco.rollout.sessions import open_env_sessions
 from mcp_env_server import answer_of, question_of
+import prefork
 from tests_support import error_line, serve, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,9 +144,9 @@ def test_a_node_with_a_bad_env_url_fails_before_it_joins_the_dht(base, tmp_path)
     """No coordinator runs and ``--peer`` names a dead address: a node that reached the DHT would fail with ``no peer
     answered``; it fails with the env's one line instead, before it starts the DHT."""
     url = f"{base}/code"
-    r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--env-url", url, "--device", "cpu",
-                        "--run-dir", str(tmp_path), "--join-timeout", "30"],
-                       capture_output=True, text=True, timeout=100, cwd=ROOT)
+    r = prefork.run([sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--env-url", url, "--device", "cpu",
+                     "--run-dir", str(tmp_path), "--join-timeout", "30"],
+                    capture_output=True, text=True, timeout=100, cwd=ROOT)
     line = error_line(r)
     assert r.returncode == 1 and line.startswith(f"composer-node: error: env server at {url} speaks neither"), r.stderr
     assert "no peer answered" not in r.stderr, r.stderr

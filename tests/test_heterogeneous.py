@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import psutil
+import prefork
 import pytest
 from tests_support import error_line, imported_modules
 import torch
@@ -266,8 +267,8 @@ DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKD
 
 def join(tmp_path: Path, *args: str, timeout_s: float = 120, python: tuple[str, ...] = ()
          ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *python, "-m", "nodes", "join", "--peer", DEAD_PEER, "--run-dir",
-                           str(tmp_path), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    return prefork.run([sys.executable, *python, "-m", "nodes", "join", "--peer", DEAD_PEER, "--run-dir",
+                        str(tmp_path), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
 
 
 @pytest.mark.timeout(120)

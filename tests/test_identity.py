@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import prefork
 from tests_support import error_line
 
 from composer_diloco.outer.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, try_lock
@@ -55,8 +55,8 @@ def test_the_coordinator_refuses_a_bad_identity_before_the_network(tmp_path):
     run_dir.mkdir()
     (run_dir / IDENTITY_FILE).write_bytes(b"x")
     os.chmod(run_dir / IDENTITY_FILE, 0o644)
-    r = subprocess.run([sys.executable, "-m", "coordinator", "start", "--run-dir", str(run_dir)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=110)
+    r = prefork.run([sys.executable, "-m", "coordinator", "start", "--run-dir", str(run_dir)], cwd=ROOT,
+                    capture_output=True, text=True, timeout=110)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "has mode 0644: a private key must be readable by its owner only" in error_line(r)
     assert "peer:" not in r.stdout and not (run_dir / "config.json").exists()
@@ -87,9 +87,9 @@ def test_a_node_refuses_a_bad_identity_before_the_network(tmp_path):
     (own / IDENTITY_FILE).write_bytes(b"not a key")
     os.chmod(own / IDENTITY_FILE, 0o400)
     peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-    r = subprocess.run([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(tmp_path / "run"),
-                        "--name", "node-a", "--join-timeout", "5"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=110)
+    r = prefork.run([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir", str(tmp_path / "run"),
+                     "--name", "node-a", "--join-timeout", "5"], cwd=ROOT, capture_output=True, text=True,
+                    timeout=110)
     assert r.returncode == 1, r.stderr[-2000:]
     line = error_line(r)
     assert f"identity file '{own / IDENTITY_FILE}' is not a libp2p private key" in line, line

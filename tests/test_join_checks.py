@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import prefork
 from local_run import ROOT, LocalRun, write_config
 
 
@@ -23,9 +24,9 @@ def build_model(path, hidden_size: int, seed: int = 0) -> str:
 
 def join(run: LocalRun, *extra: str) -> subprocess.Popen:
     """Start a node that is expected to be refused; `refusal` waits for it."""
-    return subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", run.peer, "--device", "cpu",
-                             "--run-dir", str(run.run_dir), "--join-timeout", "20", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return prefork.popen([sys.executable, "-m", "nodes", "join", "--peer", run.peer, "--device", "cpu",
+                          "--run-dir", str(run.run_dir), "--join-timeout", "20", *extra],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 def refusal(proc: subprocess.Popen) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from composer_diloco.metrics import read_metrics
 from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
+import prefork
 from tests_support import port_is_free, run_processes_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def assert_phases_add_up(metrics: dict, channels: set[str]) -> None:
 
 
 def simulate(run_dir: Path, *extra: str, timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "coordinator", "simulate", "--run-dir", str(run_dir), *extra],
         capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env,
     )
@@ -157,14 +158,14 @@ def test_the_main_run_resumes_from_its_last_checkpoint(main_run, tmp_path):
     try:
         listen = free_listen_address()  # its line is known (its key is in the run dir): the node starts beside it
         peer = coordinator_line(run_dir, listen)
-        coordinator = subprocess.Popen(
+        coordinator = prefork.popen(
             [sys.executable, "-m", "coordinator", "start", "--resume", "--rounds", "3", "--config",
              str(source.parent / "smoke-report.toml"), "--run-dir", str(run_dir), "--listen", listen],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
         procs.append(coordinator)
-        node = subprocess.Popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
-                                 str(run_dir), "--name", "node-b", "--device", "cpu"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+        node = prefork.popen([sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
+                              str(run_dir), "--name", "node-b", "--device", "cpu"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
         procs.append(node)
         assert_peer_line(coordinator, peer)
         assert node.wait(timeout=600) == 0

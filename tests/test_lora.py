@@ -18,6 +18,7 @@ from composer_diloco.policy.lora import (
     load_adapters,
     merge_adapters,
 )
+import prefork
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = ROOT / "configs" / "lora.toml"
@@ -191,7 +192,6 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
 
     node-b runs ``--dtype bf16`` (CPU autocast) beside node-a's fp32 (one run for both: the suite's time): it keeps its
     base's linear weights in bf16 (the base hash, taken before the cast, matches the run's) and agrees every round."""
-    import subprocess
     import sys
 
     from peft import PeftModel
@@ -267,8 +267,8 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
     fresh, _ = load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
     loaded = PeftModel.from_pretrained(fresh, str(final))
     assert base_sha256(loaded) == run_base
-    merged = subprocess.run([sys.executable, "-m", "composer_diloco.policy", "merge-lora", str(final), "--out",
-                             str(tmp_path / "merged")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    merged = prefork.run([sys.executable, "-m", "composer_diloco.policy", "merge-lora", str(final), "--out",
+                          str(tmp_path / "merged")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     assert (tmp_path / "merged" / "config.json").is_file()
@@ -276,15 +276,14 @@ def test_lora_run_two_nodes_adapters_only_and_a_node_with_another_base_refused(r
 
 @pytest.mark.timeout(180)
 def test_coordinator_refuses_target_modules_that_match_nothing_before_the_network(run_dir):
-    import subprocess
     import sys
 
     from tests_support import error_line
 
     bad = run_dir / "bad.toml"
     bad.write_text(LORA.read_text().replace('"o_proj"]', '"out_proj"]'))
-    r = subprocess.run([sys.executable, "-m", "coordinator", "start", "--config", str(bad), "--run-dir", str(run_dir)],
-                       capture_output=True, text=True, timeout=170, cwd=ROOT)
+    r = prefork.run([sys.executable, "-m", "coordinator", "start", "--config", str(bad), "--run-dir", str(run_dir)],
+                    capture_output=True, text=True, timeout=170, cwd=ROOT)
     line = error_line(r)
     assert r.returncode == 1 and "target_modules" in line and "out_proj" in line, r.stderr[-2000:]
     assert "peer:" not in r.stdout  # no DHT was started

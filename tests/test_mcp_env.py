@@ -40,6 +40,7 @@ from composer_diloco.policy import build_tiny_model, load_default_tokenizer
 from composer_diloco.rollout.episodes import OpenEnvSession
 from envs.tool_env.tasks import TOOL_SCHEMAS
 from mcp_env_server import answer_of, question_of
+import prefork
 from tests_support import serve, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,13 +300,13 @@ def test_node_trains_a_round_against_a_separately_started_mcp_server(run_dir):
         procs.append(server)
         listen = free_listen_address()  # its line is known (its key is in the run dir): the node starts beside it
         peer = coordinator_line(run_dir, listen)
-        coordinator = subprocess.Popen(
+        coordinator = prefork.popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--rounds", "1", "--run-dir",
              str(run_dir), "--listen", listen], stdout=subprocess.PIPE, stderr=open(logs / "coordinator.err", "w"),
             text=True, cwd=ROOT, start_new_session=True)
         procs.append(coordinator)
         node_log = logs / "node-mcp.err"
-        node = subprocess.Popen(
+        node = prefork.popen(
             [sys.executable, "-m", "nodes", "join", "--peer", peer, "--env-url", url, "--run-dir",
              str(run_dir), "--name", "node-mcp", "--device", "cpu"],
             stdout=subprocess.DEVNULL, stderr=open(node_log, "w"), cwd=ROOT, start_new_session=True,

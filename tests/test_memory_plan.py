@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import prefork
 from tests_support import error_line
 
 from composer_diloco.config import LoraSection, LossConfig, load_config
@@ -243,9 +244,8 @@ def test_node_refuses_before_joining_when_the_device_is_too_small(tmp_path):
     between, tiny = (plans[(2, False)] + plans[(4, False)]) // 2, plans[(1, True)] // 2
     join = [sys.executable, "-m", "nodes", "join", "--peer", DEAD_PEER, "--config", "configs/smoke.toml", "--device",
             "cpu", "--join-timeout", "5"]
-    runs = [subprocess.Popen(join + ["--run-dir", str(tmp_path / name), *args], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                             env={**os.environ, DEVICE_MEMORY_ENV: str(cap)})
+    runs = [prefork.popen(join + ["--run-dir", str(tmp_path / name), *args], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, DEVICE_MEMORY_ENV: str(cap)})
             for name, cap, args in (("own", between, ["--batch-size", "8"]), ("auto", tiny, []))]
     results = []
     for p in runs:
@@ -282,7 +282,7 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
     try:
         listen = free_listen_address()  # its line is known (its key is in the run dir): the nodes start beside it
         peer = coordinator_line(run_dir, listen)
-        coordinator = subprocess.Popen(
+        coordinator = prefork.popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(config), "--run-dir", str(run_dir),
              "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
             start_new_session=True)
@@ -291,8 +291,8 @@ def test_a_node_picks_the_micro_batch_that_fits_and_keeps_the_episodes_per_step(
         logs = {name: tmp_path / f"{name}.log" for name in ("capped", "roomy")}
         for name, extra in (("capped", {DEVICE_MEMORY_ENV: str(cap)}), ("roomy", {})):
             with open(logs[name], "w") as err:  # a file, not a pipe: neither node can block on a full pipe
-                procs.append(subprocess.Popen(node + ["--name", name], stdout=subprocess.DEVNULL, stderr=err,
-                                              text=True, cwd=ROOT, start_new_session=True, env={**env, **extra}))
+                procs.append(prefork.popen(node + ["--name", name], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                           cwd=ROOT, start_new_session=True, env={**env, **extra}))
         assert_peer_line(coordinator, peer)
         for p, path in zip(procs[1:], logs.values()):
             assert p.wait(timeout=380) == 0, path.read_text()[-3000:]
@@ -324,8 +324,8 @@ def test_model_folder_without_chat_template(tmp_path):
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path / "model")
     assert not (tmp_path / "model" / "chat_template.jinja").exists()
-    r = subprocess.run([sys.executable, "-m", "coordinator", "start", "--model", str(tmp_path / "model"),
-                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=110, cwd=ROOT)
+    r = prefork.run([sys.executable, "-m", "coordinator", "start", "--model", str(tmp_path / "model"),
+                     "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "its tokenizer has no chat template" in error_line(r) and str(tmp_path / "model") in error_line(r)
     assert not (tmp_path / "run" / "checkpoints").exists()

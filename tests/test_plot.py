@@ -1,7 +1,6 @@
 """`composer-coordinator plot`: PNGs from hand-written metrics.jsonl files, and its bad-input errors."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from coordinator.cli import app
+import prefork
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("reward.png", "losses.png", "bytes.png", "sync.png")
@@ -146,8 +146,8 @@ def test_out_that_is_a_file(run_dir: Path, tmp_path: Path):
 
 def test_console_entry_point_reports_one_error_line(tmp_path: Path):
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "coordinator", "plot", str(tmp_path / "gone")], capture_output=True,
-                       text=True, timeout=120, cwd=root)
+    r = prefork.run([sys.executable, "-m", "coordinator", "plot", str(tmp_path / "gone")], capture_output=True,
+                    text=True, timeout=120, cwd=root)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [f"composer-coordinator: error: run directory "
                                              f"{str(tmp_path / 'gone')!r} does not exist (expected a run's folder "

@@ -7,7 +7,6 @@ tests/test_localhost_run.py (one run for the main checks and these: the suite's 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from composer_diloco.config import ConfigError, RunConfig, load_config
 from composer_diloco.report import PEERS_TABLE_COLUMNS, check_trackers, flatten, peers_table, theta_agreement
 from composer_diloco.outer.swarm import PeerRecord
+import prefork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +71,8 @@ def test_report_off_keeps_the_config_digest_of_runs_before_it(tmp_path):
 ])
 def test_a_bad_report_section_is_refused_before_the_network(tmp_path, body, expected):
     (tmp_path / "bad.toml").write_text(body)
-    proc = subprocess.run([sys.executable, "-m", "coordinator", "start", "--config", str(tmp_path / "bad.toml"),
-                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = prefork.run([sys.executable, "-m", "coordinator", "start", "--config", str(tmp_path / "bad.toml"),
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 1 and expected in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written

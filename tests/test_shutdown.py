@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import prefork
 from local_run import coordinator_line, free_listen_address
 from tests_support import run_processes_snapshot, stop_processes
 
@@ -31,13 +32,13 @@ def test_sigterm_and_sigint_stop_node_and_coordinator_within_10_s(run_dir):
     try:
         listen = free_listen_address()  # its line is known (its key made first): the node starts beside it
         peer = coordinator_line(run_dir, listen)
-        coordinator = subprocess.Popen(
+        coordinator = prefork.popen(
             [sys.executable, "-m", "coordinator", "start", "--config", str(SMOKE), "--rounds", "50",
              "--run-dir", str(run_dir), "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, cwd=ROOT,
         )
         procs.append(coordinator)
-        node = subprocess.Popen(
+        node = prefork.popen(
             [sys.executable, "-m", "nodes", "join", "--peer", peer, "--run-dir",
              str(run_dir), "--name", "node-0", "--device", "cpu"], stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, cwd=ROOT,

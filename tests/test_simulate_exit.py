@@ -17,6 +17,7 @@ from rich.console import Console
 
 from composer_diloco.config import load_config
 from coordinator.simulate import Simulation, _print_causes, last_error_line
+import prefork
 from tests_support import process_tree, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def test_simulate_whose_nodes_all_fail_at_join_exits_1_within_15_s_naming_their_
     env = {**os.environ, "COMPOSER_DILOCO_DEVICE_MEMORY_BYTES": "1000"}
     out_path, err_path = run_dir.parent / "simulate.out", run_dir.parent / "simulate.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        sim = subprocess.Popen(
+        sim = prefork.popen(
             [sys.executable, "-m", "coordinator", "simulate", "--nodes", str(NODES), "--rounds", "2", "--config",
              str(SMOKE), "--eval-episodes", "0", "--run-dir", str(run_dir)],
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)

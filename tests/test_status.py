@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import prefork
 from local_run import write_config
 from tests_support import error_line
 
@@ -30,8 +31,8 @@ inner_steps = 1
 
 
 def status(*args: str, timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator", "status", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=ROOT, env={**os.environ, **(env or {})})
+    return prefork.run([sys.executable, "-m", "coordinator", "status", *args], capture_output=True, text=True,
+                       timeout=timeout_s, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 # a table row whose cells up to the phase are set: peer, role, device, dtype, round, phase, ..., age s
@@ -118,7 +119,7 @@ def test_status_of_a_live_run_lists_every_node_and_is_no_peer_then_sigterm_stops
 
     err_path = tmp_path / "simulate.err"
     with open(err_path, "w") as err:
-        sim = subprocess.Popen(
+        sim = prefork.popen(
             [sys.executable, "-m", "coordinator", "simulate", "--nodes", "2", "--config",
              str(write_config(tmp_path / "live.toml", LIVE_CONFIG)), "--eval-episodes", "0", "--run-dir",
              str(run_dir)], stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env={**os.environ, "COLUMNS": "1000"})
@@ -140,9 +141,9 @@ def test_status_of_a_live_run_lists_every_node_and_is_no_peer_then_sigterm_stops
         peer = re.search(r"coordinator at (\S+);", err_path.read_text().replace("\n", "")).group(1)
 
         # --watch (on a terminal) and a one-shot read at once: the suite's time
-        watch = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--watch"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                 env={**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"})
+        watch = prefork.popen([sys.executable, "-m", "coordinator", "status", "--peer", peer, "--watch"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"})
         chunks: list[str] = []
         reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: watch.stdout.read(1), "")), daemon=True)
         reader.start()
