@@ -177,3 +177,11 @@ def run_dir(tmp_path, warm_cache) -> Path:
     path = tmp_path / "run"
     path.mkdir()
     return path
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many of the tests' CLI processes were forked from the process template, how many exec'd and why."""
+    import prefork
+
+    if prefork.FORKED or prefork.EXECED:
+        terminalreporter.write_line(prefork.summary())

@@ -13,7 +13,7 @@ run, the exit code of ``SystemExit``). Its children (env servers, p2pd, hivemind
 What differs from a fresh interpreter: the imports are already done. So a process is exec'd instead when it asks for
 an interpreter option (``-X importtime``: the tests of what a CLI does before its imports, or of which modules it
 imports, use one) or for an environment that differs from the template's in anything read at start or import
-(`READ_WHEN_USED`, `Template.can_fork`); ``COMPOSER_DILOCO_TEST_EXEC=1`` execs every process.
+(`READ_WHEN_USED`, `Template.why_not`); ``COMPOSER_DILOCO_TEST_EXEC=1`` execs every process.
 
 Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module``, ``args``, ``env``,
 ``cwd``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the template answers the child's pid,
@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("nodes.cli", "nodes.node", "nodes.standby", "coordinator.cli", "coordinator.coordinator")
 """What the template imports: everything ``python -m nodes join`` and ``python -m coordinator start`` import."""
 
-READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_")
+READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_", "PYTEST_")
 """Environment variables (prefixes) read when they are used, not at start or import: this project's (its cache, its
-fault plan, its secret, its device-memory cap) and the terminal's (rich reads them as it makes a console). A spawn's
+fault plan, its secret, its device-memory cap), the terminal's (rich reads them as it makes a console) and pytest's
+(``PYTEST_CURRENT_TEST``, which names the test running). A spawn's
 environment may differ from the template's only in these: libraries read others once, at import (trackio its
 ``TRACKIO_DIR``, huggingface_hub its ``HF_*``, torch ``OMP_NUM_THREADS``, glibc ``MALLOC_*``), so a process that asks
 for other values of them is exec'd."""
@@ -239,7 +240,7 @@ class Template:
         self.env: dict[str, str] = {}
 
     def start(self, env: dict[str, str]) -> None:
-        """Start the template with ``env`` (`can_fork` compares a spawn's against it) and wait for its imports.
+        """Start the template with ``env`` (`why_not` compares a spawn's against it) and wait for its imports.
 
         Raises:
             RuntimeError: the template exited before it was ready.
@@ -250,10 +251,14 @@ class Template:
         if self.proc.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"the suite's process template did not start (exit {self.proc.wait()})")
 
-    def can_fork(self, env: dict[str, str]) -> bool:
-        """Whether a process with ``env`` can be forked from the template: the two environments differ only in what
-        is read when used (`READ_WHEN_USED`)."""
-        return self.proc is not None and self.proc.poll() is None and _fixed_at_start(env) == _fixed_at_start(self.env)
+    def why_not(self, env: dict[str, str]) -> str:
+        """Why a process with ``env`` cannot be forked from the template ("" when it can): the template is gone, or
+        the two environments differ in what is read at start or import (anything but `READ_WHEN_USED`)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return "the template is not running"
+        mine, theirs = _fixed_at_start(env), _fixed_at_start(self.env)
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        return f"environment: {', '.join(differ)}" if differ else ""
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
               stdout=None, stderr=None) -> ForkedProcess:
@@ -282,6 +287,10 @@ class Template:
 
 
 _template: Template | None = None
+FORKED: list[str] = []
+"""The module of every process `popen` forked this session."""
+EXECED: dict[str, int] = {}
+"""Why `popen` exec'd a process -> how many times, this session (`summary`)."""
 
 
 def template() -> Template | None:
@@ -304,6 +313,13 @@ def template_pid() -> int | None:
     return _template.proc.pid if _template is not None and _template.proc is not None else None
 
 
+def summary() -> str:
+    """One line: how many processes were forked and how many exec'd, and why (the suite's terminal summary)."""
+    why = "; ".join(f"{n} ({reason})" for reason, n in sorted(EXECED.items(), key=lambda x: -x[1]))
+    return f"process template: {len(FORKED)} CLI processes forked, {sum(EXECED.values())} exec'd" + \
+        (f": {why}" if why else "")
+
+
 def stop_template() -> None:
     """Stop the session's template, if one was started."""
     global _template
@@ -319,14 +335,21 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
     module, *args]`` (no interpreter option), stdin is not a pipe, the keyword arguments are among ``stdin``,
     ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``, ``env``, ``cwd``
-    and ``start_new_session`` (always: a forked process leads its own session), and `Template.can_fork` says yes;
+    and ``start_new_session`` (always: a forked process leads its own session), and `Template.why_not` finds nothing;
     exec'd as asked otherwise."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
-    forkable = (len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m" and set(kwargs) <= _FORKABLE
-                and kwargs.get("stdin") in (None, subprocess.DEVNULL))
-    forks = template() if forkable else None
-    if forks is None or not forks.can_fork(env):
+    if not (len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m"):
+        why = "not python -m MODULE"
+    elif not (set(kwargs) <= _FORKABLE and kwargs.get("stdin") in (None, subprocess.DEVNULL)):
+        why = f"Popen arguments {sorted(set(kwargs) - _FORKABLE) or ['stdin']}"
+    elif (forks := template()) is None:
+        why = "COMPOSER_DILOCO_TEST_EXEC=1"
+    else:
+        why = forks.why_not(env)
+    if why:
+        EXECED[why] = EXECED.get(why, 0) + 1
         return subprocess.Popen(argv, **kwargs)
+    FORKED.append(argv[2])
     text = bool(kwargs.get("text"))
     mine: list[int] = []  # our copies of the child's descriptors, closed once it has them
     ends: dict[int, object] = {}
