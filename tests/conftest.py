@@ -40,7 +40,8 @@ def reap_children():
     yield
     import prefork
 
-    leaked = [p for p in descendants() if p.pid != prefork.template_pid()]  # the process template's children are the tests'
+    # the process template is stopped below; its children are the tests' (leaked ones are reaped here)
+    leaked = [p for p in descendants() if p.pid != prefork.template_pid()]
     for p in leaked:
         try:
             p.send_signal(signal.SIGKILL)

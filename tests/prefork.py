@@ -42,10 +42,9 @@ PRELOAD = ("nodes.cli", "nodes.node", "nodes.standby", "coordinator.cli", "coord
 READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_", "PYTEST_")
 """Environment variables (prefixes) read when they are used, not at start or import: this project's (its cache, its
 fault plan, its secret, its device-memory cap), the terminal's (rich reads them as it makes a console) and pytest's
-(``PYTEST_CURRENT_TEST``, which names the test running). A spawn's
-environment may differ from the template's only in these: libraries read others once, at import (trackio its
-``TRACKIO_DIR``, huggingface_hub its ``HF_*``, torch ``OMP_NUM_THREADS``, glibc ``MALLOC_*``), so a process that asks
-for other values of them is exec'd."""
+(``PYTEST_CURRENT_TEST`` names the test running). A spawn's environment may differ from the template's only in these:
+libraries read others once, at import (trackio its ``TRACKIO_DIR``, huggingface_hub its ``HF_*``, torch
+``OMP_NUM_THREADS``, glibc ``MALLOC_*``), so a process that asks for other values of them is exec'd."""
 
 _MAX_MESSAGE = 1 << 20
 
