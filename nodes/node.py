@@ -49,7 +49,7 @@ from composer_diloco.timing import PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
 from nodes.folder_lock import NodeBusy, lock_node_folder
-from nodes.standby import save_run_config
+from nodes.standby import ENV_SERVER_LOG, save_run_config
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ class Node:
             if self.prepared is not None and self.prepared.env_server is not None:  # a standby launched it
                 own_server = self.prepared.env_server
             else:
-                own_server = launch_env_server(config.env.server_module, args=config.env.server_args)
+                own_server = launch_env_server(config.env.server_module, args=config.env.server_args,
+                                               log_path=self.own_dir / ENV_SERVER_LOG)
             self.stop.add_cleanup(own_server.stop)
         self.swarm = Swarm(self.dht, run_name=config.run_name, peer_name=o.name, role="node", secret=secret,
                            initial_peers=o.peers)

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.json"  # in <run-dir>/<name>/: the run config this node last joined with
 FINISHED_FILE = "finished.json"  # in <run-dir>/<name>/: written when this node took part in its run's last round
+ENV_SERVER_LOG = "env-server.log"  # in <run-dir>/<name>/: the output of the env server the node started (its last life)
+STANDBY_ENV_SERVER_LOG = "env-server.standby.log"  # ... of the one its standby started (the node's, once it takes over)
 
 
 def warm_imports() -> int:
@@ -244,7 +246,8 @@ class Standby:
                 return
             self.prepared.close()
         try:
-            self.prepared = prepare(config, own_env_server=self.own_env_server)
+            self.prepared = prepare(config, own_env_server=self.own_env_server,
+                                    env_log=self.own_dir / STANDBY_ENV_SERVER_LOG)
         except Exception as e:  # the takeover's join meets it again and fails with its own one-line error
             self.prepared = None
             log.warning("standby: preparing for run %r failed (%s: %s): a takeover starts from scratch",
@@ -256,17 +259,19 @@ class Standby:
                  "" if self.prepared.skeleton is not None else " (failed: built again at takeover)")
 
 
-def prepare(config: RunConfig, own_env_server: bool = True) -> Prepared:
+def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None = None) -> Prepared:
     """Build what a node's join would for ``config`` before it holds the node's identity (module docstring, step 2):
-    the memory plan's inputs (its imports and tokenizer), its own env server (``own_env_server``) and the policy's
-    skeleton. Errors are left to the join, which meets them again and raises them with its one-line messages: a
-    failed skeleton is None here, a failed env server is raised at the join's ``wait``."""
+    the memory plan's inputs (its imports and tokenizer), its own env server (``own_env_server``, its output to
+    ``env_log``, or a temp file when None) and the policy's skeleton. Errors are left to the join, which meets them
+    again and raises them with its one-line messages: a failed skeleton is None here, a failed env server is raised at
+    the join's ``wait``."""
     from composer_diloco.policy.memory_plan import plan_inputs
     from composer_diloco.rollout.env_process import launch_env_server
     from composer_diloco.policy.load import policy_skeleton
 
     t0 = time.monotonic()
-    server = launch_env_server(config.env.server_module, args=config.env.server_args) if own_env_server else None
+    server = (launch_env_server(config.env.server_module, args=config.env.server_args, log_path=env_log)
+              if own_env_server else None)
     plan_inputs(config)
     try:
         skeleton = policy_skeleton(config)

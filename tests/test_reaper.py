@@ -103,6 +103,7 @@ def test_a_sigkilled_node_leaves_no_process_and_rejoins_as_itself_then_the_coord
         assert "p2pd" in names and len(tree) >= 4, f"expected the DHT, averager, p2pd and env server in {names}"
         took = wait_gone(tree, "node-1")
         print(f"\nnode-1 SIGKILLed: its {len(tree)} processes ({', '.join(sorted(names))}) gone after {took:.1f} s")
+        assert (run_dir / "node-1" / "env-server.log").exists()  # its env server's output: in its folder, not /tmp
         went_on = run.wait_round("coordinator", 1, timeout_s=120)
         assert went_on["peers"] == 2 and went_on["status"] == "averaged"
         print(f"the coordinator and node-0 averaged round 1 {went_on['time'] - killed_at:.1f} s after the kill")

@@ -338,14 +338,25 @@ def test_start_failure_reports_url_and_output():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-def test_stop_ends_the_server_process():
+def test_stop_ends_the_server_process_and_keeps_only_a_log_the_caller_named(tmp_path):
+    """Its output goes to a temp file `stop` removes, or to the caller's ``log_path`` (a node's
+    ``<run-dir>/<name>/env-server.log``), emptied at start and kept after `stop`."""
     srv = start_env_server(startup_timeout_s=60.0)
+    named = tmp_path / "node-a" / "env-server.log"
+    named.parent.mkdir()  # a node's folder
+    named.write_text("the output of an earlier life\n")
+    kept = start_env_server(startup_timeout_s=60.0, log_path=named)
     try:
-        assert srv.running
+        assert srv.running and kept.log_path == named
         wait_for_env(srv.url, timeout_s=5.0)
     finally:
         srv.stop(timeout_s=10.0)
-    assert not srv.running
+        kept.stop(timeout_s=10.0)
+    assert not srv.running and not srv.log_path.exists()
+    assert named.exists() and "earlier life" not in named.read_text(), named.read_text()
+    with pytest.raises(EnvServerError):
+        start_env_server("no_such_env_module", startup_timeout_s=20.0, log_path=named)
+    assert "No module named" in named.read_text()  # the failed server's output, kept after its stop
     with pytest.raises(ProcessLookupError):
         os.killpg(srv.pid, 0)
     srv.stop()  # idempotent

@@ -91,14 +91,16 @@ class EnvServer:
     Attributes:
         url: base URL, ``http://host:port`` (clients add ``/ws``).
         pid: process id, also the id of its process group.
-        log_path: file holding the server's stdout and stderr; removed by ``stop()``.
+        log_path: file holding the server's stdout and stderr: a temp file ``stop()`` removes, or the caller's
+            (``keep_log``), kept for a post-mortem.
     """
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, keep_log: bool = False) -> None:
         self._process = process
         self.url = url
         self.pid = process.pid
         self.log_path = log_path
+        self.keep_log = keep_log
         atexit.register(self.stop)
 
     @property
@@ -117,7 +119,8 @@ class EnvServer:
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, wait up to ``timeout_s`` seconds, then SIGKILL it.
 
-        Also removes ``log_path``. Idempotent; never raises for a process that is already gone.
+        Also removes ``log_path`` unless it is the caller's (``keep_log``). Idempotent; never raises for a process
+        that is already gone.
         """
         atexit.unregister(self.stop)
         if self._process.poll() is None:
@@ -131,7 +134,8 @@ class EnvServer:
         self._signal_group(signal.SIGKILL)
         if self._process.poll() is None:
             self._process.wait()
-        self.log_path.unlink(missing_ok=True)
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the server's process group, ignoring a group that is gone."""
@@ -163,17 +167,25 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _spawn(module: str, host: str, port: int, args: Sequence[str] = ()) -> EnvServer:
-    """Start ``module`` on ``host:port`` (with ``args``) in a new process group, output to a temp log file."""
-    fd, log_name = tempfile.mkstemp(prefix="env-server-", suffix=".log")
+def _spawn(module: str, host: str, port: int, args: Sequence[str] = (), log_path: Path | None = None) -> EnvServer:
+    """Start ``module`` on ``host:port`` (with ``args``) in a new process group, its output to ``log_path`` (emptied
+    first) or, when None, to a temp file its `EnvServer.stop` removes."""
+    keep_log = log_path is not None
+    if log_path is None:
+        fd, log_name = tempfile.mkstemp(prefix="env-server-", suffix=".log")
+        log_path = Path(log_name)
+        log = os.fdopen(fd, "ab")
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with os.fdopen(fd, "ab") as log:
+    with log:
         process = subprocess.Popen(
             [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=env, start_new_session=True, preexec_fn=_die_with_parent(),
         )
-    return EnvServer(process, f"http://{host}:{port}", Path(log_name))
+    return EnvServer(process, f"http://{host}:{port}", log_path, keep_log=keep_log)
 
 
 class EnvServerLaunch:
@@ -181,11 +193,11 @@ class EnvServerLaunch:
     work while the process imports and binds, then calls `wait`. (A process, not a thread: the server is spawned from
     the calling thread, whose exit would SIGTERM it through ``PR_SET_PDEATHSIG``, so that thread must live on.)"""
 
-    def __init__(self, module: str, host: str, port: int, args: Sequence[str]):
-        self.module, self.host, self.port, self.args = module, host, port, tuple(args)
+    def __init__(self, module: str, host: str, port: int, args: Sequence[str], log_path: Path | None = None):
+        self.module, self.host, self.port, self.args, self.log_path = module, host, port, tuple(args), log_path
         self._attempts = _PORT_RETRIES if port == 0 else 1
         self._attempt = 1
-        self.server = _spawn(module, host, port or find_free_port(host), self.args)
+        self.server = _spawn(module, host, port or find_free_port(host), self.args, log_path)
 
     def wait(self, startup_timeout_s: float = 60.0) -> EnvServer:
         """Return the server once its ``/health`` answers (within ``startup_timeout_s`` seconds of this call); a lost
@@ -204,7 +216,7 @@ class EnvServerLaunch:
                 if self._attempt < self._attempts and "address already in use" in tail.lower():
                     logger.info("port race on %s, retrying with another port", self.server.url)
                     self._attempt += 1
-                    self.server = _spawn(self.module, self.host, find_free_port(self.host), self.args)
+                    self.server = _spawn(self.module, self.host, find_free_port(self.host), self.args, self.log_path)
                     continue
                 raise EnvServerError(f"{exc}\n--- server output (tail) ---\n{tail}") from None
             logger.info("env server %s up at %s (pid %d)", self.module, self.server.url, self.server.pid)
@@ -216,10 +228,10 @@ class EnvServerLaunch:
 
 
 def launch_env_server(module: str = "envs.tool_env.server", host: str = "127.0.0.1", port: int = 0,
-                      args: Sequence[str] = ()) -> EnvServerLaunch:
+                      args: Sequence[str] = (), log_path: Path | None = None) -> EnvServerLaunch:
     """Spawn an environment server process and return at once (`EnvServerLaunch.wait` gives the healthy server).
     The arguments are `start_env_server`'s."""
-    return EnvServerLaunch(module, host, port, args)
+    return EnvServerLaunch(module, host, port, args, log_path)
 
 
 def start_env_server(
@@ -228,6 +240,7 @@ def start_env_server(
     port: int = 0,
     startup_timeout_s: float = 60.0,
     args: Sequence[str] = (),
+    log_path: Path | None = None,
 ) -> EnvServer:
     """Start an environment server process and return once its ``/health`` answers.
 
@@ -237,10 +250,13 @@ def start_env_server(
         port: TCP port; 0 picks a free one (retried on a bind race).
         startup_timeout_s: seconds to wait for ``/health``.
         args: more command-line arguments for the module (``[env] server_args``).
+        log_path: file for the server's stdout and stderr, emptied first and kept after ``stop()`` (a node's
+            ``<run-dir>/<name>/env-server.log``: its last life's server output stays where the node's other files are,
+            a SIGKILLed node leaves no temp file); None: a temp file ``stop()`` removes.
 
     Raises:
         EnvServerError: if the process exits or is not healthy within ``startup_timeout_s``; the
             message names the URL and ends with the tail of the server's output. The process is
             stopped before raising.
     """
-    return launch_env_server(module, host, port, args).wait(startup_timeout_s)
+    return launch_env_server(module, host, port, args, log_path).wait(startup_timeout_s)
