@@ -7,7 +7,9 @@ its own, and forks from it the CLI processes the tests start (`popen`, `run`; `l
 and coordinator so): each a new OS process with its own pid, session (process group, so a test's SIGKILL takes down its
 whole tree as before), environment, working directory, stdin/stdout/stderr and argv, which runs the module as
 ``python -m`` would (``runpy``, ``__main__``) and exits as an interpreter does (non-daemon threads joined, ``atexit``
-run, the exit code of ``SystemExit``). Its children (env servers, p2pd, hivemind's processes, the nodes of a
+run, the exit code of ``SystemExit``). The tests' own peer scripts (``python tests/state_peer.py ...``: hivemind and
+torch imported, ~4 s of CPU each) are forked the same way and run as ``python script.py`` would (``runpy.run_path``,
+the script's folder first on ``sys.path``). Their children (env servers, p2pd, hivemind's processes, the nodes of a
 ``simulate``) are started as always, by exec.
 
 What differs from a fresh interpreter: the imports are already done. So a process is exec'd instead when it asks for
@@ -15,8 +17,8 @@ an interpreter option (``-X importtime``: the tests of what a CLI does before it
 imports, use one) or for an environment that differs from the template's in anything read at start or import
 (`READ_WHEN_USED`, `Template.why_not`); ``COMPOSER_DILOCO_TEST_EXEC=1`` execs every process.
 
-Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module``, ``args``, ``env``,
-``cwd``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the template answers the child's pid,
+Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module`` or ``path``, ``args``,
+``env``, ``cwd``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the template answers the child's pid,
 then, once the child exited, its exit status as `subprocess.Popen.returncode` gives it (``-N``: killed by signal N),
 and closes the connection.
 """
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("nodes.cli", "nodes.node", "nodes.standby", "coordinator.cli", "coordinator.coordinator")
 """What the template imports: everything ``python -m nodes join`` and ``python -m coordinator start`` import."""
 
-READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_", "PYTEST_")
+READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_", "PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
 """Environment variables (prefixes) read when they are used, not at start or import: this project's (its cache, its
 fault plan, its secret, its device-memory cap), the terminal's (rich reads them as it makes a console) and pytest's
 (``PYTEST_CURRENT_TEST`` names the test running). A spawn's environment may differ from the template's only in these:
@@ -56,7 +58,8 @@ def _fixed_at_start(env: dict[str, str]) -> dict[str, str]:
 
 # -- the template process ------------------------------------------------------------------------------------------
 def _run_child(request: dict, fds: list[int]) -> None:
-    """In the forked child: become the requested process, run its module as ``python -m`` does, exit. Never returns."""
+    """In the forked child: become the requested process, run its module as ``python -m`` does (or its script, as
+    ``python script.py`` does), exit. Never returns."""
     code = 1
     try:
         os.setsid()
@@ -71,9 +74,14 @@ def _run_child(request: dict, fds: list[int]) -> None:
         import numpy
 
         numpy.random.seed()  # a fresh interpreter seeds numpy's global generator from the OS; a fork would copy it
-        sys.argv = [request["module"], *request["args"]]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if "path" in request:  # ``python path/to/script.py``: the script's folder is the first import path
+                sys.argv = [request["path"], *request["args"]]
+                sys.path[0] = os.path.dirname(os.path.abspath(request["path"]))
+                runpy.run_path(request["path"], run_name="__main__")
+            else:
+                sys.argv = [request["module"], *request["args"]]
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exit_:
             if exit_.code is None or isinstance(exit_.code, int):
@@ -158,12 +166,12 @@ class ForkedProcess:
     Raises (``poll``, ``wait``): RuntimeError when the template died before reporting the status.
     """
 
-    def __init__(self, conn: socket.socket, args: list[str], stdout=None, stderr=None):
+    def __init__(self, conn: socket.socket, args: list[str], stdin=None, stdout=None, stderr=None):
         self._conn = conn
         self.args = args
         self.pid = int(conn.recv(64))
         self.returncode: int | None = None
-        self.stdin, self.stdout, self.stderr = None, stdout, stderr
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self._read: dict[str, list] | None = None
 
     def _read_status(self, timeout: float | None) -> None:
@@ -193,7 +201,12 @@ class ForkedProcess:
     def communicate(self, input=None, timeout: float | None = None):  # noqa: A002 - Popen's name
         """Read ``stdout`` and ``stderr`` (where they are pipes) to their end, then wait; as `subprocess.Popen`."""
         if input is not None:
-            raise ValueError("a forked process has no stdin pipe")
+            raise ValueError("communicate(input=...) is not offered: write to stdin")
+        if self.stdin is not None and not self.stdin.closed:  # as Popen: the child sees its input end
+            try:
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
         if self._read is None:  # name -> (its reader thread, [what it read])
             self._read = {}
             for name in ("stdout", "stderr"):
@@ -259,16 +272,19 @@ class Template:
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         return f"environment: {', '.join(differ)}" if differ else ""
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
-              stdout=None, stderr=None) -> ForkedProcess:
-        """Fork ``python -m module *args`` with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the
-        caller closes its copies); ``stdout``/``stderr`` are the caller's ends of pipes, kept on the process."""
+    def spawn(self, target: str, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
+              ends: tuple = (None, None, None)) -> ForkedProcess:
+        """Fork ``python -m target *args`` (``python target *args`` when ``target`` ends in ``.py``: a script) with
+        ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends`` are the
+        caller's ends of pipes (stdin, stdout, stderr; None where there is none), kept on the process."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        script = target.endswith(".py")
         try:
             conn.connect(self.path)
-            message = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
+            message = json.dumps({"path" if script else "module": target, "args": args, "env": env,
+                                  "cwd": cwd}).encode()
             socket.send_fds(conn, [message], list(fds))
-            return ForkedProcess(conn, [sys.executable, "-m", module, *args], stdout, stderr)
+            return ForkedProcess(conn, [sys.executable, *([] if script else ["-m"]), target, *args], *ends)
         except BaseException:
             conn.close()
             raise
@@ -330,17 +346,28 @@ def stop_template() -> None:
 _FORKABLE = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 
 
+def _target(argv: list[str]) -> str | None:
+    """What the template can run of ``argv``: the module of ``[sys.executable, "-m", module, *args]``, the script of
+    ``[sys.executable, "path/to/script.py", *args]``; None for anything else (an interpreter option, ``-c``)."""
+    if len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m":
+        return argv[2]
+    if len(argv) > 1 and argv[0] == sys.executable and str(argv[1]).endswith(".py") and os.path.isfile(argv[1]):
+        return str(argv[1])
+    return None
+
+
 def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
-    module, *args]`` (no interpreter option), stdin is not a pipe, the keyword arguments are among ``stdin``,
-    ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``, ``env``, ``cwd``
-    and ``start_new_session`` (always: a forked process leads its own session), and `Template.why_not` finds nothing;
-    exec'd as asked otherwise."""
+    module, *args]`` or ``[sys.executable, "script.py", *args]`` (no interpreter option), the keyword arguments are
+    among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``,
+    ``env``, ``cwd`` and ``start_new_session`` (always: a forked process leads its own session), and
+    `Template.why_not` finds nothing; exec'd as asked otherwise."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
-    if not (len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m"):
-        why = "not python -m MODULE"
-    elif not (set(kwargs) <= _FORKABLE and kwargs.get("stdin") in (None, subprocess.DEVNULL)):
-        why = f"Popen arguments {sorted(set(kwargs) - _FORKABLE) or ['stdin']}"
+    target = _target(argv)
+    if target is None:
+        why = "not python -m MODULE or python SCRIPT.py"
+    elif not set(kwargs) <= _FORKABLE:
+        why = f"Popen arguments {sorted(set(kwargs) - _FORKABLE)}"
     elif (forks := template()) is None:
         why = "COMPOSER_DILOCO_TEST_EXEC=1"
     else:
@@ -348,10 +375,10 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     if why:
         EXECED[why] = EXECED.get(why, 0) + 1
         return subprocess.Popen(argv, **kwargs)
-    FORKED.append(argv[2])
+    FORKED.append(os.path.basename(target))
     text = bool(kwargs.get("text"))
     mine: list[int] = []  # our copies of the child's descriptors, closed once it has them
-    ends: dict[int, object] = {}
+    ends: list = [None, None, None]
 
     def resolve(spec, default: int, which: int) -> int:
         if spec is None:
@@ -359,8 +386,10 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
         if spec == subprocess.DEVNULL:
             fd = os.open(os.devnull, os.O_RDWR)
         elif spec == subprocess.PIPE:
-            read_end, fd = os.pipe()
-            ends[which] = os.fdopen(read_end, "r" if text else "rb")
+            read_end, write_end = os.pipe()
+            fd, ours = (read_end, write_end) if which == 0 else (write_end, read_end)
+            mode = ("w" if which == 0 else "r") + ("" if text else "b")
+            ends[which] = os.fdopen(ours, mode, **({"buffering": 1} if text and which == 0 else {}))
         elif isinstance(spec, int):
             return spec
         else:
@@ -369,11 +398,17 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
         return fd
 
     try:
-        stdin = resolve(subprocess.DEVNULL, 0, 0)
+        stdin = resolve(kwargs.get("stdin") or subprocess.DEVNULL, 0, 0)  # never the suite's own stdin
         stdout = resolve(kwargs.get("stdout"), 1, 1)
         stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else resolve(kwargs.get("stderr"), 2, 2)
-        return forks.spawn(argv[2], list(argv[3:]), env, str(kwargs.get("cwd") or os.getcwd()),
-                           (stdin, stdout, stderr), ends.get(1), ends.get(2))
+        args = list(argv[3:] if argv[1] == "-m" else argv[2:])
+        return forks.spawn(target, args, env, str(kwargs.get("cwd") or os.getcwd()), (stdin, stdout, stderr),
+                           tuple(ends))
+    except BaseException:
+        for end in ends:
+            if end is not None:
+                end.close()
+        raise
     finally:
         for fd in mine:
             os.close(fd)

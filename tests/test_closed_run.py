@@ -210,7 +210,7 @@ def _read_peer_line(proc: subprocess.Popen, timeout_s: float = 300.0) -> str:
 
 def _attack(secret: str | None, log: Path, *extra: str) -> subprocess.Popen:
     """An attacker started now, beside its target (the suite's time): `_aim` it once the target's peer line is known."""
-    return subprocess.Popen([sys.executable, str(OUTSIDER), "attack", "--peer", "-", *extra], env=env_with(secret),
+    return prefork.popen([sys.executable, str(OUTSIDER), "attack", "--peer", "-", *extra], env=env_with(secret),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT,
                             start_new_session=True)
 
@@ -231,7 +231,7 @@ def _report(proc: subprocess.Popen, log: Path, timeout_s: float = 240.0) -> dict
 @pytest.mark.timeout(420)
 def test_the_attacks_work_on_an_open_run(tmp_path):
     """The control: against an open peer, the outsider's attacks succeed (so they are real attempts)."""
-    host = subprocess.Popen([sys.executable, str(OUTSIDER), "host"], env=env_with(None), stdin=subprocess.PIPE,
+    host = prefork.popen([sys.executable, str(OUTSIDER), "host"], env=env_with(None), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "host.log", "w"), text=True, cwd=ROOT,
                             start_new_session=True)
     attacker = _attack(None, tmp_path / "attack.log", "--join-for", "8")
@@ -326,19 +326,19 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
              "--device", "cpu"], env=env_with(SECRET), stdout=subprocess.DEVNULL,
             stderr=open(logs / "node-a.log", "w"), cwd=ROOT, start_new_session=True)
         procs.append(node)
-        inspector = subprocess.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
+        inspector = prefork.run([sys.executable, str(OUTSIDER), "inspect", "--peer", peer], env=env_with(SECRET),
                                    capture_output=True, text=True, timeout=180, cwd=ROOT)
         assert inspector.returncode == 0, inspector.stderr[-3000:]
         seen = json.loads(inspector.stdout.strip().splitlines()[-1])
         assert coordinator.poll() is None, (logs / "coordinator.log").read_text()[-3000:]
 
-        joiner = subprocess.Popen([sys.executable, str(OUTSIDER), "join-loop", "--peer", peer, "--prefix", prefix],
+        joiner = prefork.popen([sys.executable, str(OUTSIDER), "join-loop", "--peer", peer, "--prefix", prefix],
                                   env=env_with(None), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=open(logs / "joiner.log", "w"), text=True, cwd=ROOT, start_new_session=True)
         procs.append(joiner)
         # the flooders start now and flood when told (their start is no part of the flood)
         join = ["--join-prefix", prefix]  # as libp2p's identify tells it
-        floods = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "flood_peer.py"), "--target", peer,
+        floods = [prefork.popen([sys.executable, str(ROOT / "tests" / "flood_peer.py"), "--target", peer,
                                     "--seconds", str(FLOOD_SECONDS), "--workers", "16", "--go-on-stdin", *kind],
                                    env=env_with(WRONG if kind else None), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=open(logs / f"flood-{i}.log", "w"), text=True,
@@ -460,14 +460,14 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
 
 # -- replay to another peer, relay between insiders ------------------------------------------------------------
 def _start_relay(target: str, log: Path) -> tuple[subprocess.Popen, str]:
-    relay = subprocess.Popen([sys.executable, str(RELAY), "--target", target], env=env_with(None),
+    relay = prefork.popen([sys.executable, str(RELAY), "--target", target], env=env_with(None),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT,
                              start_new_session=True)
     return relay, _read_peer_line(relay, timeout_s=120)
 
 
 def _dial(peer: str, via: str, log: Path, seconds: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(OUTSIDER), "dial", "--peer", peer, "--via", via, "--seconds",
+    return prefork.popen([sys.executable, str(OUTSIDER), "dial", "--peer", peer, "--via", via, "--seconds",
                              str(seconds)], env=env_with(SECRET), stdout=subprocess.PIPE, stderr=open(log, "w"),
                             text=True, cwd=ROOT, start_new_session=True)
 

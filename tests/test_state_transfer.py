@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import prefork
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ PEER = Path(__file__).with_name("state_peer.py")
 
 def _start(name: str, args: list[str], logs: Path, fault: str = "") -> subprocess.Popen:
     """``state_peer.py ARGS`` as its own process (its own group: a fault's SIGKILL takes its p2pd with it)."""
-    return subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    return prefork.popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=open(logs / f"{name}.log", "w"), text=True, cwd=ROOT,
                             env={**os.environ, "COMPOSER_DILOCO_FAULTS": fault}, start_new_session=True)
 

@@ -108,10 +108,12 @@ def run_peer_trio(script: Path, out_dir: Path, timeout_s: float) -> list:
     import json
     import time
 
+    import prefork  # forked from the suite's process template (its imports done once)
+
     procs: list[subprocess.Popen] = []
     try:
         addr_file = out_dir / "addr"
-        procs.append(subprocess.Popen([sys.executable, str(script), "--index", "0", "--out", str(out_dir / "0.json"),
+        procs.append(prefork.popen([sys.executable, str(script), "--index", "0", "--out", str(out_dir / "0.json"),
                                        "--addr-out", str(addr_file)]))
         deadline = time.monotonic() + 60
         while not addr_file.exists() or not addr_file.read_text():
@@ -119,7 +121,7 @@ def run_peer_trio(script: Path, out_dir: Path, timeout_s: float) -> list:
             assert time.monotonic() < deadline, "peer 0 printed no address"
             time.sleep(0.2)
         for i in (1, 2):
-            procs.append(subprocess.Popen([sys.executable, str(script), "--index", str(i), "--peer",
+            procs.append(prefork.popen([sys.executable, str(script), "--index", str(i), "--peer",
                                            addr_file.read_text(), "--out", str(out_dir / f"{i}.json")]))
         for p in procs:
             assert p.wait(timeout=timeout_s) == 0
