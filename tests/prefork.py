@@ -79,6 +79,11 @@ def _run_child(request: dict, fds: list[int]) -> None:
                 sys.argv = [request["path"], *request["args"]]
                 sys.path[0] = os.path.dirname(os.path.abspath(request["path"]))
                 runpy.run_path(request["path"], run_name="__main__")
+            elif "code" in request:  # ``python -c CODE``: the working directory is the first import path
+                sys.argv = ["-c", *request["args"]]
+                sys.path[0] = ""
+                main = {"__name__": "__main__", "__builtins__": __builtins__}
+                exec(compile(request["code"], "<string>", "exec"), main)
             else:
                 sys.argv = [request["module"], *request["args"]]
                 runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -272,19 +277,25 @@ class Template:
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         return f"environment: {', '.join(differ)}" if differ else ""
 
-    def spawn(self, target: str, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
               ends: tuple = (None, None, None)) -> ForkedProcess:
-        """Fork ``python -m target *args`` (``python target *args`` when ``target`` ends in ``.py``: a script) with
-        ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends`` are the
-        caller's ends of pipes (stdin, stdout, stderr; None where there is none), kept on the process."""
+        """Fork ``argv`` (``python -m module ...``, ``python script.py ...`` or ``python -c code ...``: `_target`)
+        with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends``
+        are the caller's ends of pipes (stdin, stdout, stderr; None where there is none), kept on the process.
+
+        Raises:
+            ValueError: ``argv`` is none of the three forms."""
+        kind, target, args = _target(argv) or (None, None, None)
+        if kind is None:
+            raise ValueError(f"cannot fork {argv[:3]}: not python -m MODULE, python SCRIPT.py or python -c CODE")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        script = target.endswith(".py")
         try:
             conn.connect(self.path)
-            message = json.dumps({"path" if script else "module": target, "args": args, "env": env,
-                                  "cwd": cwd}).encode()
+            message = json.dumps({kind: target, "args": args, "env": env, "cwd": cwd}).encode()
+            if len(message) > _MAX_MESSAGE:
+                raise ValueError(f"a fork request of {len(message)} bytes: at most {_MAX_MESSAGE}")
             socket.send_fds(conn, [message], list(fds))
-            return ForkedProcess(conn, [sys.executable, *([] if script else ["-m"]), target, *args], *ends)
+            return ForkedProcess(conn, list(argv), *ends)
         except BaseException:
             conn.close()
             raise
@@ -346,26 +357,32 @@ def stop_template() -> None:
 _FORKABLE = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 
 
-def _target(argv: list[str]) -> str | None:
-    """What the template can run of ``argv``: the module of ``[sys.executable, "-m", module, *args]``, the script of
-    ``[sys.executable, "path/to/script.py", *args]``; None for anything else (an interpreter option, ``-c``)."""
-    if len(argv) > 2 and argv[0] == sys.executable and argv[1] == "-m":
-        return argv[2]
-    if len(argv) > 1 and argv[0] == sys.executable and str(argv[1]).endswith(".py") and os.path.isfile(argv[1]):
-        return str(argv[1])
+def _target(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """What the template can run of ``argv``, as ``(kind, target, args)``: ``("module", module, args)`` for
+    ``[sys.executable, "-m", module, *args]``, ``("path", script, args)`` for ``[sys.executable, "script.py",
+    *args]``, ``("code", code, args)`` for ``[sys.executable, "-c", code, *args]``; None for anything else (an
+    interpreter option such as ``-X importtime``)."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return None
+    if len(argv) > 2 and argv[1] in ("-m", "-c"):
+        return ("module" if argv[1] == "-m" else "code"), str(argv[2]), [str(a) for a in argv[3:]]
+    if str(argv[1]).endswith(".py") and os.path.isfile(argv[1]):
+        return "path", str(argv[1]), [str(a) for a in argv[2:]]
     return None
 
 
 def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
-    module, *args]`` or ``[sys.executable, "script.py", *args]`` (no interpreter option), the keyword arguments are
+    module, *args]``, ``[sys.executable, "script.py", *args]`` or ``[sys.executable, "-c", code, *args]`` (no
+    interpreter option; a ``-c`` that looks at what is imported, or at the process's memory, must stay a
+    `subprocess` call: here its imports are done), the keyword arguments are
     among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``,
     ``env``, ``cwd`` and ``start_new_session`` (always: a forked process leads its own session), and
     `Template.why_not` finds nothing; exec'd as asked otherwise."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
     target = _target(argv)
     if target is None:
-        why = "not python -m MODULE or python SCRIPT.py"
+        why = "not python -m MODULE, python SCRIPT.py or python -c CODE"
     elif not set(kwargs) <= _FORKABLE:
         why = f"Popen arguments {sorted(set(kwargs) - _FORKABLE)}"
     elif (forks := template()) is None:
@@ -375,7 +392,7 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     if why:
         EXECED[why] = EXECED.get(why, 0) + 1
         return subprocess.Popen(argv, **kwargs)
-    FORKED.append(os.path.basename(target))
+    FORKED.append("-c" if target[0] == "code" else os.path.basename(target[1]))
     text = bool(kwargs.get("text"))
     mine: list[int] = []  # our copies of the child's descriptors, closed once it has them
     ends: list = [None, None, None]
@@ -401,8 +418,7 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
         stdin = resolve(kwargs.get("stdin") or subprocess.DEVNULL, 0, 0)  # never the suite's own stdin
         stdout = resolve(kwargs.get("stdout"), 1, 1)
         stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else resolve(kwargs.get("stderr"), 2, 2)
-        args = list(argv[3:] if argv[1] == "-m" else argv[2:])
-        return forks.spawn(target, args, env, str(kwargs.get("cwd") or os.getcwd()), (stdin, stdout, stderr),
+        return forks.spawn(list(argv), env, str(kwargs.get("cwd") or os.getcwd()), (stdin, stdout, stderr),
                            tuple(ends))
     except BaseException:
         for end in ends:

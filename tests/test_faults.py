@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import prefork
 from composer_diloco.checkpoint import latest_checkpoint, read_outer_state
 from local_run import LocalRun, assert_agree, free_listen_address, write_config
 
@@ -153,8 +154,8 @@ def test_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loada
     from local_run import ROOT
 
     def write(round_: int, faults: str = "") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", CHECKPOINT_WRITER, str(tmp_path), str(round_), faults],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
+        return prefork.run([sys.executable, "-c", CHECKPOINT_WRITER, str(tmp_path), str(round_), faults],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
 
     assert write(1).returncode == 0
     good = read_outer_state(latest_checkpoint(tmp_path))

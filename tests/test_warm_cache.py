@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import prefork
 from composer_diloco.policy import cache as cache_module
 from composer_diloco.policy import load as load_module
 from composer_diloco.policy import PolicyLoadError, load_policy, warmstart_cache_dir
@@ -98,9 +99,9 @@ def test_processes_asking_at_once_compute_the_warm_start_once(tmp_path):
     computes it, the others wait for it and load the same weights."""
     ready, log = tmp_path / "ready", tmp_path / "warm_starts.log"
     ready.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _ASK, str(tmp_path / "cache"), str(ready), "3", str(log),
-                               str(STEPS)], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [prefork.popen([sys.executable, "-c", _ASK, str(tmp_path / "cache"), str(ready), "3", str(log),
+                            str(STEPS)], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for _ in range(3)]
     try:
         outs = [p.communicate(timeout=280) for p in procs]
     finally:
@@ -154,8 +155,8 @@ load_policy(None, seed=0, warmstart_steps=int(sys.argv[2]))
 @pytest.mark.timeout(240)
 def test_a_killed_warm_start_leaves_no_entry_and_the_next_one_cleans_up(tmp_path, caplog):
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(cache), "200"], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = prefork.popen([sys.executable, "-c", _KILLED, str(cache), "200"], cwd=ROOT, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 150
         staging = []
