@@ -1,6 +1,7 @@
 """The round barrier (`Swarm.wait_for_round`) stops waiting for a peer that died, without waiting out its heartbeat's
 TTL, still waits for a live peer whose heartbeats are late, and waits for a node that announced it is setting up to
-join the round (`Swarm.announce_joining`) before its first heartbeat.
+join the round (`Swarm.announce_joining`) before its first heartbeat, and for a live peer whose heartbeat a DHT read
+missed.
 
 Two real DHT peers on 127.0.0.1 with their heartbeats (1 s period, a 60 s TTL, the barrier's slack 60 s). node-a is
 ready for round 0; node-b, live at round 0, is not. Killed (its DHT and p2pd shut down: the dial is refused), node-b
@@ -73,6 +74,35 @@ def test_the_barrier_gives_up_a_dead_peer_at_once_and_waits_for_a_silent_live_on
     assert result is not None and result[1] == ["node-a"], result
     assert "not waiting for node-b" not in caplog.text, caplog.text
     assert waited > 6.0 - 2 * PERIOD_S, waited  # its last heartbeat's TTL ran out first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_barrier_waits_for_a_live_peer_whose_heartbeat_a_read_missed(monkeypatch):
+    """node-a read node-b's heartbeat once; from then on its DHT reads miss it (as reads under load did in a churn
+    run: the barrier went on without a live node in its inner phase and the round split into two groups). node-b's
+    record is still within its TTL and node-b answers a dial: node-a waits for it, and both average."""
+    a, b = _pair(TTL_S)
+    try:
+        reads = a._records
+
+        def missing_b(key: str, required: set[str]) -> dict[str, dict]:
+            found = reads(key, required)
+            return {n: v for n, v in found.items() if not (key == "peers" and n == "node-b")}
+
+        monkeypatch.setattr(a, "_records", missing_b)
+        assert {p.name for p in a.live_peers()} == {"node-a"}
+        a.announce_ready(0, 1.0)
+        done: list = []
+        waiter = threading.Thread(target=lambda: done.append(a.wait_for_round(0, slack_s=SLACK_S, matchmaking_s=0.0)))
+        waiter.start()
+        time.sleep(3 * PERIOD_S)  # node-b's record read before is late by now: pinged, and it answers
+        assert not done, done  # before: node-a went on alone at once
+        b.announce_ready(0, 1.0)
+        waiter.join(timeout=30)
+        assert done and done[0] is not None and done[0][1] == ["node-a", "node-b"], done
+    finally:
+        _close(a, b)
 
 
 @pytest.mark.multiprocess

@@ -192,6 +192,7 @@ class Swarm:
         self.secret = secret
         self.initial_peers = list(initial_peers or [])
         self._seen: dict[str, tuple[str, float]] = {}  # peer name -> (multiaddr, time.monotonic() last seen alive)
+        self._last_read: dict[str, PeerRecord] = {}  # peer name -> its last heartbeat a read returned (`_unexpired`)
         self.round = 0
         self.round_since = get_dht_time()
         self.sha = ""
@@ -368,7 +369,7 @@ class Swarm:
                               return_future=not wait)
 
     def live_peers(self) -> list[PeerRecord]:
-        """Peers whose heartbeat has not expired."""
+        """Peers whose heartbeat has not expired, as this DHT read returned them."""
         out = []
         for name, v in self._records("peers", {"role", "round", "t"}).items():
             lineage = {int(r): str(h) for r, h in v.get("lineage", []) if isinstance(h, str)}
@@ -376,7 +377,20 @@ class Swarm:
             out.append(PeerRecord(name, str(v["role"]), int(v["round"]), float(v["t"]), float(v.get("since", v["t"])),
                                   str(v.get("maddr", "")), str(v.get("sha", "")), bool(v.get("settled", True)),
                                   lineage, dict(info) if isinstance(info, dict) else {}))
+        for p in out:
+            self._last_read[p.name] = p
         return out
+
+    def _unexpired(self, peers: list[PeerRecord]) -> list[PeerRecord]:
+        """``peers`` (one DHT read) and the heartbeats earlier reads returned of peers this one did not, whose TTL
+        (``heartbeat_ttl_s``, the same on every peer of a run) has not run out: a record still stored that a read
+        under load missed. The barrier once went on without a live node that way, in the middle of its inner phase,
+        and the round split into two groups (churn with a standby per node, `bench/churn.py`)."""
+        if self._ttl_s is None:
+            return peers
+        now, read = get_dht_time(), {p.name for p in peers}
+        return peers + [p for name, p in list(self._last_read.items())
+                        if name not in read and name != self.name and now < p.t + self._ttl_s]
 
     def _records(self, key: str, required: set[str]) -> dict[str, dict]:
         """The unexpired subkey records of ``{run}.{key}`` (subkey = peer name -> its dict value), those holding the
@@ -404,7 +418,8 @@ class Swarm:
         """Block until every live node training toward ``round_`` is ready, and the live coordinator too, or
         ``slack_s`` after the first ready node.
 
-        Live nodes whose heartbeat says an earlier round are waited for too (they are finishing the previous
+        A live peer is one whose last heartbeat's TTL has not run out, whether this poll's DHT read returned it or
+        an earlier one did (`_unexpired`). Live nodes whose heartbeat says an earlier round are waited for too (they are finishing the previous
         all-reduce); so is a live coordinator at ``round_`` or ``round_ - 1`` (saving the previous round's
         checkpoint, or a starved process): nodes that went on without it would leave it to download theta from one
         of them, and the round without the peer that keeps the canonical model. A peer that never arrives is given
@@ -430,7 +445,7 @@ class Swarm:
             announced = self.ready_peers(round_)
             ready = {n: v for n, v in announced.items() if v.get("role") == "node"}
             if ready:
-                peers = self.live_peers()
+                peers = self._unexpired(self.live_peers())
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
                 waited = [p for p in peers if (p.role == "node" and p.round <= round_)
                           or (p.role == "coordinator" and round_ - 1 <= p.round <= round_)]
