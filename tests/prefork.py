@@ -62,6 +62,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
     ``python script.py`` does), exit. Never returns."""
     code = 1
     try:
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         os.setsid()
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
@@ -110,6 +112,23 @@ def _run_child(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001 - a closed pipe: nothing left to say
                 pass
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    """Join the network namespace ``/var/run/netns/NAME``, as ``ip netns exec NAME`` does for the network (setns(2);
+    ``os.setns`` from Python 3.12 on). The calling thread's namespace; the forked child has no other thread yet.
+
+    Raises:
+        OSError: no such namespace, or not allowed (setns needs CAP_SYS_ADMIN)."""
+    import ctypes
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def serve(path: str) -> None:
@@ -279,8 +298,8 @@ class Template:
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
               ends: tuple = (None, None, None)) -> ForkedProcess:
-        """Fork ``argv`` (``python -m module ...``, ``python script.py ...`` or ``python -c code ...``: `_target`)
-        with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends``
+        """Fork ``argv`` (``python -m module ...``, ``python script.py ...`` or ``python -c code ...``, maybe after
+        ``ip netns exec NS``: `_target`) with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends``
         are the caller's ends of pipes (stdin, stdout, stderr; None where there is none), kept on the process.
 
         Raises:
@@ -291,7 +310,8 @@ class Template:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.path)
-            message = json.dumps({kind: target, "args": args, "env": env, "cwd": cwd}).encode()
+            message = json.dumps({kind: target, "args": args, "env": env, "cwd": cwd,
+                                  "netns": _netns(argv)[0]}).encode()
             if len(message) > _MAX_MESSAGE:
                 raise ValueError(f"a fork request of {len(message)} bytes: at most {_MAX_MESSAGE}")
             socket.send_fds(conn, [message], list(fds))
@@ -357,11 +377,19 @@ def stop_template() -> None:
 _FORKABLE = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 
 
+def _netns(argv: list[str]) -> tuple[str, list[str]]:
+    """``("NS", rest)`` for ``["ip", "netns", "exec", NS, *rest]``, else ``("", argv)``."""
+    if len(argv) > 4 and list(argv[:3]) == ["ip", "netns", "exec"]:
+        return str(argv[3]), list(argv[4:])
+    return "", list(argv)
+
+
 def _target(argv: list[str]) -> tuple[str, str, list[str]] | None:
-    """What the template can run of ``argv``, as ``(kind, target, args)``: ``("module", module, args)`` for
-    ``[sys.executable, "-m", module, *args]``, ``("path", script, args)`` for ``[sys.executable, "script.py",
-    *args]``, ``("code", code, args)`` for ``[sys.executable, "-c", code, *args]``; None for anything else (an
-    interpreter option such as ``-X importtime``)."""
+    """What the template can run of ``argv`` (after an ``ip netns exec NS`` prefix, `_netns`), as ``(kind, target,
+    args)``: ``("module", module, args)`` for ``[sys.executable, "-m", module, *args]``, ``("path", script, args)``
+    for ``[sys.executable, "script.py", *args]``, ``("code", code, args)`` for ``[sys.executable, "-c", code,
+    *args]``; None for anything else (an interpreter option such as ``-X importtime``)."""
+    argv = _netns(argv)[1]
     if len(argv) < 2 or argv[0] != sys.executable:
         return None
     if len(argv) > 2 and argv[1] in ("-m", "-c"):
@@ -373,10 +401,10 @@ def _target(argv: list[str]) -> tuple[str, str, list[str]] | None:
 
 def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
-    module, *args]``, ``[sys.executable, "script.py", *args]`` or ``[sys.executable, "-c", code, *args]`` (no
-    interpreter option; a ``-c`` that looks at what is imported, or at the process's memory, must stay a
-    `subprocess` call: here its imports are done), the keyword arguments are
-    among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``,
+    module, *args]``, ``[sys.executable, "script.py", *args]`` or ``[sys.executable, "-c", code, *args]``, maybe
+    after ``ip netns exec NS`` (the child joins the namespace: `_enter_netns`), with no interpreter option (a ``-c``
+    that looks at what is imported, or at the process's memory, must stay a `subprocess` call: here its imports are
+    done), the keyword arguments are among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``,
     ``env``, ``cwd`` and ``start_new_session`` (always: a forked process leads its own session), and
     `Template.why_not` finds nothing; exec'd as asked otherwise."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)

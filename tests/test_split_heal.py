@@ -110,9 +110,9 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         # slow machine node-1 takes up to ~30 s to notice the cut, and an unpaced node-0 (0.5 s rounds) with the
         # coordinator had finished the run before the link came back, leaving nobody to heal to
         pace = {"COMPOSER_DILOCO_FAULTS": "step_delay:*:1.0"}
-        # node-1 runs in the namespace (`ip netns exec`: a fresh interpreter, its imports ~11 s of CPU), node-0 is
-        # forked from the suite's process template (`prefork`: no imports); node-0 starts once node-1 has imported,
-        # so that the three meet in round 0 instead of the coordinator and node-0 ending rounds 0-1 without node-1
+        # node-1 runs in the namespace (`ip netns exec`: forked from the suite's process template, it joins the
+        # namespace first, `prefork`); node-0 starts once node-1 has its peer ID, so that the three meet in round 0
+        # instead of the coordinator and node-0 ending rounds 0-1 without node-1
         run.start_node("node-1", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/{HOST_IP}/tcp/{port}/p2p/{peer_id}",
                        prefix=["ip", "netns", "exec", ns], env=pace)
         run.wait_until(lambda: "peer ID" in run.log("node-1"), 300, "node-1's imports")
