@@ -308,7 +308,9 @@ def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
     path.write_text(tomli_w.dumps(config))
     run_dir = tmp_path / "run"
     result = simulate(run_dir, "--nodes", "1", "--config", str(path), "--eval-episodes", "4", "--rollout", "continuous")
-    assert "rollouts: transformers continuous batching" in " ".join((run_dir / "logs" / "node-0.log").read_text().split())
+    node_log = " ".join((run_dir / "logs" / "node-0.log").read_text().split())
+    assert "rollouts: transformers continuous batching" in node_log
+    assert "NO TOOL CALL" not in node_log, node_log[-3000:]  # the warm start made parsable calls (30 steps did not)
     assert_phases_add_up(read_metrics(run_dir), channels=set())
     if read_metrics(run_dir)["node-0"][0]["frac_reward_zero_std"] == 1.0:
         # every group's rewards were equal (a 60-step warm start rarely passes a hidden test) and the channels are
