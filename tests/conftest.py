@@ -76,39 +76,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 _WARM_BUILD = pytest.StashKey["tuple[subprocess.Popen, Path, float] | None"]()
 
 _BUILD_WARM_START = """
-import sys
 from composer_diloco.config import load_config
-from composer_diloco.policy import load_policy, load_run_policy
+from composer_diloco.policy import load_policy
 cfg = load_config({smoke!r})
 load_policy(None, seed=cfg.warmstart.seed, warmstart_steps=cfg.warmstart.steps)
-for path, steps in {more!r}:  # the warm starts the selected tests ask for (`pytest.mark.warm_start`), in turn
-    cfg = load_config(path)
-    cfg = cfg.model_copy(update={{"warmstart": cfg.warmstart.model_copy(update={{"steps": steps}})}})
-    print(f"warm start of {{path}} ({{steps}} steps)", flush=True)
-    load_run_policy(cfg)
 """
 
 
-def _asked_warm_starts(items: list[pytest.Item]) -> list[tuple[str, int]]:
-    """``(config path, steps)`` of every ``@pytest.mark.warm_start(config, steps=N)`` among ``items``, once each: a
-    run test whose coordinator warm-starts the embedded policy on another env than smoke.toml's (the coding env's
-    60 steps, ~45 s on CI's 2 cores) has it built in the background beside the unit tests, and its coordinator
-    finds it cached (the cache's key covers the config's seed, steps, env and hints)."""
-    asked: list[tuple[str, int]] = []
-    for item in items:
-        for mark in item.iter_markers("warm_start"):
-            build = (str(Path(mark.args[0]).resolve()), int(mark.kwargs["steps"]))
-            if build not in asked:
-                asked.append(build)
-    return asked
-
-
 def _needs_warm_start(item: pytest.Item) -> bool:
-    """Whether a test needs the embedded default's warm start cached: it asks for `warm_cache` (`run_dir` does), it
-    is a multi-process run (its coordinator or nodes load the default), or it asks for one of its own
-    (``@pytest.mark.warm_start``)."""
-    return "warm_cache" in getattr(item, "fixturenames", ()) or any(
-        item.get_closest_marker(name) is not None for name in ("multiprocess", "warm_start"))
+    """Whether a test needs the embedded default's warm start cached: it asks for `warm_cache` (`run_dir` does), or
+    it is a multi-process run (its coordinator or nodes load the default)."""
+    return "warm_cache" in getattr(item, "fixturenames", ()) or item.get_closest_marker("multiprocess") is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -118,8 +96,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the embedded default's warm start (smoke.toml's, ~50 s on 2 cores), then those the selected tests ask
-    for (`_asked_warm_starts`), in a process of its own, once, for
+    """Start the embedded default's warm start (smoke.toml's, ~50 s on 2 cores) in a process of its own, once, for
     every test that needs it (`_needs_warm_start`, which waits for it in `pytest_runtest_protocol`: outside every
     test's time limit, so that a slow machine times no test out in its setup, and a failure stops the session with
     one error instead of one per test that needed it)."""
@@ -129,9 +106,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     log = session.stash[_USER_CACHE] / "warm-start-build.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(PYTEST_THREADS)}  # as it ran in this process before
     with open(log, "wb") as out:
-        code = _BUILD_WARM_START.format(smoke=str(SMOKE), more=_asked_warm_starts(session.items))
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, cwd=Path(__file__).resolve().parents[1])
+        proc = subprocess.Popen([sys.executable, "-c", _BUILD_WARM_START.format(smoke=str(SMOKE))], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     session.stash[_WARM_BUILD] = (proc, log, time.monotonic())
 
 

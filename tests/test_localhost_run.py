@@ -288,11 +288,7 @@ def test_trains_a_model_from_a_save_pretrained_directory(tmp_path):
     assert cached() == cached_before  # no warm start for a user's model
 
 
-CODING_WARM_START_STEPS = 60
-
-
 @pytest.mark.multiprocess
-@pytest.mark.warm_start(ROOT / "configs" / "coding.toml", steps=CODING_WARM_START_STEPS)  # built beside the unit tests
 @pytest.mark.timeout(600)
 def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
     """``configs/coding.toml`` end to end: the coordinator warm-starts the embedded policy with the coding env's own
@@ -307,7 +303,7 @@ def test_the_coding_env_runs_with_its_own_tokenizer(tmp_path, user_cache):
 
     config = tomllib.loads((ROOT / "configs" / "coding.toml").read_text())
     config.update(rounds=1, inner_steps=2)
-    config["warmstart"] = {"steps": CODING_WARM_START_STEPS}
+    config["warmstart"] = {"steps": 60}
     path = tmp_path / "coding.toml"
     path.write_text(tomli_w.dumps(config))
     run_dir = tmp_path / "run"
