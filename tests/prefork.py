@@ -17,8 +17,9 @@ an interpreter option (``-X importtime``: the tests of what a CLI does before it
 imports, use one) or for an environment that differs from the template's in anything read at start or import
 (`READ_WHEN_USED`, `Template.why_not`); ``COMPOSER_DILOCO_TEST_EXEC=1`` execs every process.
 
-Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module`` or ``path``, ``args``,
-``env``, ``cwd``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the template answers the child's pid,
+Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client sends one JSON message (``module``, ``path`` or ``code``,
+``args``, ``env``, ``cwd``, ``netns``) with three file descriptors (stdin, stdout, stderr) by ``SCM_RIGHTS``; the
+template answers the child's pid,
 then, once the child exited, its exit status as `subprocess.Popen.returncode` gives it (``-N``: killed by signal N),
 and closes the connection.
 """
@@ -296,22 +297,19 @@ class Template:
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         return f"environment: {', '.join(differ)}" if differ else ""
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int],
-              ends: tuple = (None, None, None)) -> ForkedProcess:
-        """Fork ``argv`` (``python -m module ...``, ``python script.py ...`` or ``python -c code ...``, maybe after
-        ``ip netns exec NS``: `_target`) with ``env``, ``cwd`` and ``fds`` as its stdin, stdout and stderr (the caller closes its copies); ``ends``
-        are the caller's ends of pipes (stdin, stdout, stderr; None where there is none), kept on the process.
+    def spawn(self, argv: list[str], target: tuple[str, str, list[str], str], env: dict[str, str], cwd: str,
+              fds: tuple[int, int, int], ends: tuple = (None, None, None)) -> ForkedProcess:
+        """Fork ``argv``, parsed by `_target` into ``target``, with ``env``, ``cwd`` and ``fds`` as its stdin, stdout
+        and stderr (the caller closes its copies); ``ends`` are the caller's ends of pipes (stdin, stdout, stderr;
+        None where there is none), kept on the process.
 
         Raises:
-            ValueError: ``argv`` is none of the three forms."""
-        kind, target, args = _target(argv) or (None, None, None)
-        if kind is None:
-            raise ValueError(f"cannot fork {argv[:3]}: not python -m MODULE, python SCRIPT.py or python -c CODE")
+            ValueError: the request is larger than a message may be."""
+        kind, what, args, netns = target
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.path)
-            message = json.dumps({kind: target, "args": args, "env": env, "cwd": cwd,
-                                  "netns": _netns(argv)[0]}).encode()
+            message = json.dumps({kind: what, "args": args, "env": env, "cwd": cwd, "netns": netns}).encode()
             if len(message) > _MAX_MESSAGE:
                 raise ValueError(f"a fork request of {len(message)} bytes: at most {_MAX_MESSAGE}")
             socket.send_fds(conn, [message], list(fds))
@@ -377,36 +375,30 @@ def stop_template() -> None:
 _FORKABLE = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 
 
-def _netns(argv: list[str]) -> tuple[str, list[str]]:
-    """``("NS", rest)`` for ``["ip", "netns", "exec", NS, *rest]``, else ``("", argv)``."""
+def _target(argv: list[str]) -> tuple[str, str, list[str], str] | None:
+    """What the template can run of ``argv``, as ``(kind, target, args, netns)``: ``("module", module, args, ...)`` for
+    ``[sys.executable, "-m", module, *args]``, ``("path", script, args, ...)`` for ``[sys.executable, "script.py",
+    *args]``, ``("code", code, args, ...)`` for ``[sys.executable, "-c", code, *args]``; ``netns`` is ``NS`` after an
+    ``ip netns exec NS`` prefix, else "". None for anything else (an interpreter option such as ``-X importtime``)."""
+    netns = ""
     if len(argv) > 4 and list(argv[:3]) == ["ip", "netns", "exec"]:
-        return str(argv[3]), list(argv[4:])
-    return "", list(argv)
-
-
-def _target(argv: list[str]) -> tuple[str, str, list[str]] | None:
-    """What the template can run of ``argv`` (after an ``ip netns exec NS`` prefix, `_netns`), as ``(kind, target,
-    args)``: ``("module", module, args)`` for ``[sys.executable, "-m", module, *args]``, ``("path", script, args)``
-    for ``[sys.executable, "script.py", *args]``, ``("code", code, args)`` for ``[sys.executable, "-c", code,
-    *args]``; None for anything else (an interpreter option such as ``-X importtime``)."""
-    argv = _netns(argv)[1]
+        netns, argv = str(argv[3]), argv[4:]
     if len(argv) < 2 or argv[0] != sys.executable:
         return None
     if len(argv) > 2 and argv[1] in ("-m", "-c"):
-        return ("module" if argv[1] == "-m" else "code"), str(argv[2]), [str(a) for a in argv[3:]]
+        return ("module" if argv[1] == "-m" else "code"), str(argv[2]), [str(a) for a in argv[3:]], netns
     if str(argv[1]).endswith(".py") and os.path.isfile(argv[1]):
-        return "path", str(argv[1]), [str(a) for a in argv[2:]]
+        return "path", str(argv[1]), [str(a) for a in argv[2:]], netns
     return None
 
 
 def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
-    """``subprocess.Popen(argv, **kwargs)``, forked from the template when ``argv`` is ``[sys.executable, "-m",
-    module, *args]``, ``[sys.executable, "script.py", *args]`` or ``[sys.executable, "-c", code, *args]``, maybe
-    after ``ip netns exec NS`` (the child joins the namespace: `_enter_netns`), with no interpreter option (a ``-c``
-    that looks at what is imported, or at the process's memory, must stay a `subprocess` call: here its imports are
-    done), the keyword arguments are among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``, ``DEVNULL``, ``STDOUT``), ``text``,
-    ``env``, ``cwd`` and ``start_new_session`` (always: a forked process leads its own session), and
-    `Template.why_not` finds nothing; exec'd as asked otherwise."""
+    """``subprocess.Popen(argv, **kwargs)``, forked from the template when `_target` can run ``argv`` (``python -m``,
+    a script, ``-c``, maybe after ``ip netns exec NS``: the child joins the namespace, `_enter_netns`; a ``-c`` that
+    looks at what is imported, or at the process's memory, must stay a `subprocess` call: here its imports are done),
+    the keyword arguments are among ``stdin``, ``stdout``, ``stderr`` (None, a file, a descriptor, ``PIPE``,
+    ``DEVNULL``, ``STDOUT``), ``text``, ``env``, ``cwd`` and ``start_new_session`` (always: a forked process leads its
+    own session), and `Template.why_not` finds nothing; exec'd as asked otherwise."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
     target = _target(argv)
     if target is None:
@@ -446,7 +438,7 @@ def popen(argv: list[str], **kwargs) -> ForkedProcess | subprocess.Popen:
         stdin = resolve(kwargs.get("stdin") or subprocess.DEVNULL, 0, 0)  # never the suite's own stdin
         stdout = resolve(kwargs.get("stdout"), 1, 1)
         stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else resolve(kwargs.get("stderr"), 2, 2)
-        return forks.spawn(list(argv), env, str(kwargs.get("cwd") or os.getcwd()), (stdin, stdout, stderr),
+        return forks.spawn(list(argv), target, env, str(kwargs.get("cwd") or os.getcwd()), (stdin, stdout, stderr),
                            tuple(ends))
     except BaseException:
         for end in ends:

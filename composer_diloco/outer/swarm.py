@@ -191,8 +191,8 @@ class Swarm:
         self.dht, self.run, self.name, self.role = dht, run_name, peer_name, role
         self.secret = secret
         self.initial_peers = list(initial_peers or [])
-        self._seen: dict[str, tuple[str, float]] = {}  # peer name -> (multiaddr, time.monotonic() last seen alive)
-        self._last_read: dict[str, PeerRecord] = {}  # peer name -> its last heartbeat a read returned (`_unexpired`)
+        # peer name -> its last heartbeat a read returned (`_unexpired`; the multiaddrs `_redial_loop` dials)
+        self._last_read: dict[str, PeerRecord] = {}
         self.round = 0
         self.round_since = get_dht_time()
         self.sha = ""
@@ -306,14 +306,11 @@ class Swarm:
         """
         while not self._stop.wait(period_s):
             try:
-                live = self.live_peers()
-                now = time.monotonic()
-                for p in live:
-                    if p.maddr:
-                        self._seen[p.name] = (p.maddr, now)
+                live = self.live_peers()  # and into `_last_read`
+                now = get_dht_time()
                 alive = {p.name for p in live} | {p.peer_id for p in live}
-                lost = {maddr for name, (maddr, seen) in self._seen.items()
-                        if name != self.name and name not in alive and now - seen < forget_s}
+                lost = {p.maddr for name, p in list(self._last_read.items())
+                        if p.maddr and name != self.name and name not in alive and now - p.t < forget_s}
                 lost |= {m for m in self.initial_peers if m.rsplit("/p2p/", 1)[-1] not in alive}
                 if lost:
                     answered = self.dht.run_coroutine(partial(_ping_peers, maddrs=sorted(lost)))
