@@ -97,19 +97,17 @@ def run_config(run: Run, out: Path, dry: bool) -> Path:
 
 def summarize(result: dict) -> dict:
     """The table's figures of one `real_arch.watch_simulate` result: exit code, agreement, and node-0's last round."""
+    from composer_diloco.metrics import replicas_agree, thetas_by_round
+
     rounds = result.get("rounds", {})
-    by_round: dict[int, set] = {}
-    for records in rounds.values():
-        for r in records:
-            by_round.setdefault(int(r["round"]), set()).add(r.get("global_sha256"))
     nodes = sorted(name for name in rounds if name.startswith("node"))
     last = rounds[nodes[0]][-1] if nodes and rounds[nodes[0]] else {}
     steps = max(int(last.get("inner_steps", 0)), 1)
     inner = last.get("inner_seconds", 0.0)
     return {
         "exit": result.get("exit"),
-        "agree": bool(by_round) and all(len(shas) == 1 for shas in by_round.values()),
-        "rounds": len(by_round),
+        "agree": replicas_agree(rounds),
+        "rounds": len(thetas_by_round(rounds)),
         "seconds": result.get("seconds"),
         "inner_s_per_step": round(inner / steps, 2) if last else None,
         "episodes_per_s": round(last.get("samples", 0) / inner, 2) if inner else None,

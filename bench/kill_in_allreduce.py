@@ -51,7 +51,7 @@ def main() -> int:
     code, out = a.code.resolve(), a.out.resolve()  # the peers run in --code's folder
     sys.path[:0] = [str(code / "tests"), str(code)]  # that checkout's process helpers spawn that checkout's code
     from local_run import LocalRun, write_config
-    from composer_diloco.metrics import read_metrics
+    from composer_diloco.metrics import read_metrics, replicas_agree, thetas_by_round
 
     out.mkdir(parents=True, exist_ok=True)
     config = write_config(out / "run.toml", f"rounds = {a.rounds}\ninner_steps = 2\n[network]\nheartbeat_s = 1.0\n"
@@ -78,15 +78,12 @@ def main() -> int:
     later = [r for r in records.get("node-0", []) if r["time"] > killed_at and r["round"] >= a.round]
     survivors = {name: {r["round"]: round(r["sync_seconds"], 1) for r in records.get(name, [])
                         if r["round"] in (a.round, a.round + 1)} for name in ["coordinator", *names[1:]]}
-    by_round: dict[int, set] = {}
-    for recs in records.values():
-        for r in recs:
-            by_round.setdefault(r["round"], set()).add(r["global_sha256"])
+    by_round = thetas_by_round(records)
     report = {
         "wall_s": round(wall, 1), "survivors_sync_s": survivors,
         "returned_first_round": min((r["round"] for r in later), default=None),
         "returned_failed": sorted(r["round"] for r in later if r.get("peers", 0) == 0),
-        "rounds": len(by_round), "of": a.rounds, "agree": all(len(s) == 1 for s in by_round.values()),
+        "rounds": len(by_round), "of": a.rounds, "agree": replicas_agree(records),
         "exit_codes": codes, "standby": a.standby, "code": str(code), "round": a.round,
     }
     (out / "kill_in_allreduce.json").write_text(json.dumps(report, indent=1))

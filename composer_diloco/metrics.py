@@ -76,6 +76,24 @@ class MetricsWriter:
             self.reporter.log_round(record, peers)
 
 
+def thetas_by_round(metrics: dict[str, list[dict[str, Any]]]) -> dict[int, set[str | None]]:
+    """For each round any peer recorded, every theta hash (``global_sha256``) recorded for it by any peer, superseded
+    records included (a peer healed from a split appends a second record of the round: both count here, unlike
+    `round_table`'s ``sha_agree``, which keeps each peer's last). ``metrics``: `read_metrics`'s mapping."""
+    out: dict[int, set[str | None]] = {}
+    for records in metrics.values():
+        for r in records:
+            out.setdefault(int(r["round"]), set()).add(r.get("global_sha256"))
+    return out
+
+
+def replicas_agree(metrics: dict[str, list[dict[str, Any]]]) -> bool:
+    """The benches' strict agreement: at least one round was recorded, and every record of each round, by every peer,
+    names the same theta (`thetas_by_round`: a split that healed a round later still counts as a disagreement)."""
+    by_round = thetas_by_round(metrics)
+    return bool(by_round) and all(len(shas) == 1 for shas in by_round.values())
+
+
 def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     """All peers' records of a run: ``{peer_name: [record, ...]}`` (peers without a metrics file are absent)."""
     out: dict[str, list[dict[str, Any]]] = {}

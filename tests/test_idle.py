@@ -110,6 +110,19 @@ def test_the_table_judges_agreement_on_the_theta_each_peer_ended_the_round_on():
     assert round_table(stuck)[0]["sha_agree"] is False
 
 
+def test_the_benches_strict_agreement_counts_a_healed_split_and_nothing_recorded_as_disagreement():
+    """`replicas_agree` (bench/churn.py, kill_in_allreduce.py, compression.py, gpu.py) counts every record, a healed
+    peer's superseded one too: a split that healed a round later is still reported; no round at all is not agreement."""
+    from composer_diloco.metrics import replicas_agree, thetas_by_round
+
+    one = {"coordinator": [{"round": 0, "global_sha256": "C"}, {"round": 1, "global_sha256": "D"}],
+           "node-0": [{"round": 0, "global_sha256": "C"}, {"round": 1, "global_sha256": "D"}]}
+    assert replicas_agree(one) and thetas_by_round(one) == {0: {"C"}, 1: {"D"}}
+    healed = {**one, "node-1": [{"round": 0, "global_sha256": "X"}, {"round": 0, "global_sha256": "C"}]}
+    assert not replicas_agree(healed) and thetas_by_round(healed)[0] == {"C", "X"}
+    assert not replicas_agree({}) and not replicas_agree({"node-0": []})
+
+
 # -------------------------------------------------------------------------- a coordinator with no node alive
 
 
