@@ -21,6 +21,10 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     agree              every round's peers recorded one ``global_sha256``
     back_after_kill_s  per kill, seconds from the kill to the first inner phase of the node's next life (a restart:
                        ``--restart-after-s`` and its whole start; a standby: its takeover)
+    exits_on_their_own node lives that ended with an error, not by the schedule (e.g. a join that found no peer to
+                       send the global model while the coordinator was down): with ``--standby`` its standby takes
+                       over and a new one is started, as after a kill; without, the node is not restarted (only the
+                       schedule's kills are, so a run whose nodes cannot start ends as stalled)
     orphans            processes of the run still alive after it (p2pd, env servers, hivemind workers)
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
@@ -154,11 +158,16 @@ class Churn:
         life.proc.wait(timeout=30)
         life.killed = scheduled
 
-    def reap(self) -> None:
-        """Record the end time of every life that has exited."""
+    def reap(self) -> list[Life]:
+        """Record the end time of every life that has exited; returns the node lives (the node, not a standby still
+        waiting) that ended on their own since the last call: not killed by the bench (an error, or the run's end)."""
+        ended = []
         for life in self.lives:
             if life.ended is None and life.proc.poll() is not None:
                 life.ended = time.time()
+                if not life.killed and life.name != "coordinator" and life.began is not None:
+                    ended.append(life)
+        return ended
 
 
 def coordinator_round(run_dir: Path) -> int:
@@ -198,7 +207,7 @@ def _inner_started(record: dict) -> float:
 
 def summarize(churn: Churn, rounds: int) -> dict:
     """The report of the module docstring, from the lives and every peer's metrics lines."""
-    from composer_diloco.metrics import read_metrics
+    from composer_diloco.metrics import read_metrics, replicas_agree, thetas_by_round
 
     records = read_metrics(churn.run_dir)
     canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
@@ -220,10 +229,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
                 back_after.append(first - life.replaces_kill_at)
         else:
             startup += end - began
-    by_round: dict[int, set] = {}
-    for recs in records.values():
-        for r in recs:
-            by_round.setdefault(r["round"], set()).add(r["global_sha256"])
+    by_round = thetas_by_round(records)
     share = (lambda x: round(x / alive, 3)) if alive else (lambda x: None)
     return {
         "goodput": share(inner), "goodput_kept": share(kept),
@@ -231,7 +237,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
                   "lost": share(alive - inner - startup - sync)},
         "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
-        "agree": all(len(s) == 1 for s in by_round.values()),
+        "agree": replicas_agree(records),
         "node_lives": len(lives),
         "node_kills": sum(1 for x in lives if x.killed),
         "standby_takeovers": sum(1 for x in lives if x.standby and x.took_over is not None),
@@ -286,11 +292,23 @@ def main() -> int:
         killed_at: dict[str, float] = {}  # node -> when its last life was killed (no standby took over)
         nodes_seen = time.time()
         stalled = False
+        unscheduled = 0  # node lives that ended on their own, not by the schedule (restarted, or taken over)
         while time.time() - t0 < a.timeout_s:
             time.sleep(0.5)
-            churn.reap()
+            exited = churn.reap()
             coordinator = churn.live("coordinator")
             over = coordinator_round(a.out) >= a.rounds - 1
+            for life in exited:  # a node that ended on its own (an error): with --standby, its standby takes over
+                code = life.proc.returncode
+                if code == 0 or over:
+                    continue  # its run is over
+                unscheduled += 1
+                spare = churn.waiting_standby(life.name) if a.standby else None
+                if spare is not None:  # it holds the node's lock within LOCK_POLL_S, as after a kill; and the
+                    spare.took_over = life.ended  # standby's supervisor starts a new one, as after a kill
+                    pending.append((time.time() + a.restart_after_s, life.name))
+                print(f"{time.time() - t0:6.1f} s  {life.name} exited {code} on its own"
+                      f"{': its standby takes over' if spare else ' (not restarted: only kills are)'}", flush=True)
             if coordinator is None and not any(n == "coordinator" for _, n in pending):
                 break  # the coordinator finished (or failed): the run is over
             now = time.time()
@@ -346,7 +364,7 @@ def main() -> int:
                 churn.kill(life, scheduled=False)
         churn.reap()
     time.sleep(2)
-    report = {**summarize(churn, a.rounds), "stalled": stalled, "orphans": session_processes(sessions),
+    report = {**summarize(churn, a.rounds), "stalled": stalled, "exits_on_their_own": unscheduled, "orphans": session_processes(sessions),
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
               "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
               "config": str(a.config) if a.config else None, "standby": a.standby,
