@@ -292,7 +292,7 @@ def main() -> int:
         killed_at: dict[str, float] = {}  # node -> when its last life was killed (no standby took over)
         nodes_seen = time.time()
         stalled = False
-        unscheduled = 0  # node lives that ended on their own, not by the schedule (restarted, or taken over)
+        unscheduled = 0  # node lives that ended on their own, not by the schedule (taken over by a standby, or left)
         while time.time() - t0 < a.timeout_s:
             time.sleep(0.5)
             exited = churn.reap()
