@@ -115,7 +115,7 @@ def test_partitioned_run_heals_to_one_theta(run_dir, tmp_path, split_link):
         # instead of the coordinator and node-0 ending rounds 0-1 without node-1
         run.start_node("node-1", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/{HOST_IP}/tcp/{port}/p2p/{peer_id}",
                        prefix=["ip", "netns", "exec", ns], env=pace)
-        run.wait_until(lambda: "peer ID" in run.log("node-1"), 300, "node-1's imports")
+        run.wait_until(lambda: "peer ID" in run.log("node-1"), 300, "node-1's peer ID")
         run.start_node("node-0", "--listen", "/ip4/0.0.0.0/tcp/0", peer=f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}",
                        env=pace)
         run.wait_peer_line()
