@@ -61,13 +61,16 @@ class InnerPhase:
     Attributes:
         round: the round it trained (the peer's round when it ended).
         stats: its episodes, per-step losses and channel counts (`RoundStats`).
-        steps: inner steps taken (``inner_steps`` H, or fewer when ``network.round_budget_s`` ended it).
+        steps: inner steps taken (``inner_steps`` H, or fewer when ``network.round_budget_s`` ended it, or when it
+            caught up with the round's first ready node, ``caught_up``).
         seconds: wall seconds from its start to its end.
         parts: ``seconds`` by part (`INNER_PHASES`), seconds.
         ended: `time.monotonic` at its end, seconds.
         blocked_seconds: wall seconds the inner loop stood still from ``ended`` on (blocking: the whole sync;
             overlapped: waiting for the previous round's theta, the fold and the hand-off; for the run's last round
             also its own sync).
+        caught_up: a late joiner's first phase, ended at the first inner step after another node of its round was
+            ready (`DiLoCoRounds.catch_up`).
     """
 
     round: int
@@ -77,11 +80,12 @@ class InnerPhase:
     parts: dict[str, float]
     ended: float = 0.0
     blocked_seconds: float = 0.0
+    caught_up: bool = False
 
     def record(self, inner_steps: int) -> dict:
         """The phase's keys of a round's metrics line (`SyncResult.record` gives the sync's): the stats'
         (`RoundStats.record`), ``inner_steps``, ``inner_seconds`` and ``blocked_seconds`` (seconds, 3 decimals),
-        ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H), ``inner_phase_seconds`` (by part, 4
+        ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H), ``caught_up``, ``inner_phase_seconds`` (by part, 4
         decimals, in `INNER_PHASES` order) and ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0
         when there was none)."""
         generation = self.parts.get("generation", 0.0)
@@ -89,6 +93,7 @@ class InnerPhase:
         return {
             **self.stats.record(), "inner_steps": self.steps, "inner_seconds": round(self.seconds, 3),
             "blocked_seconds": round(self.blocked_seconds, 3), "deadline_hit": self.steps < inner_steps,
+            "caught_up": self.caught_up,
             "inner_phase_seconds": {k: round(self.parts[k], 4)
                                     for k in sorted(self.parts, key=lambda k: _PHASE_ORDER.get(k, 99))},
             "generated_tokens_per_s": round(tokens / generation, 1) if generation > 0 else 0.0,
@@ -122,7 +127,14 @@ class RoundHost(Protocol):
 class DiLoCoRounds:
     """A node's rounds (module docstring): counts inner steps, ends a round after H of them or at the round's time
     budget (``network.round_budget_s``, checked after each step), syncs, and says when the trainer must stop (the
-    run's end, a stop request). The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
+    run's end, a stop request).
+
+    A node that joined a swarm already training (a restart, a standby taking over, a node added mid-run: ``catch_up``)
+    ends its first inner phase at the first inner step after another node announced that round ready
+    (`Swarm.ready_peers`), with the steps it has: its pseudo-gradient weighs its samples like any other. Without
+    this the round's barrier held every other node for the joiner's set-up and then its H whole steps (12-15 s a kill
+    at the embedded default under churn, `bench/churn.py`). A run's nodes launched together announce before any of
+    them trains, so none of them catches up: their rounds stay H steps each. The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
     `after_inner_step` and `finish`; a loop without TRL calls them the same way (`bench/blocked_link.py`).
 
     Args:
@@ -132,6 +144,7 @@ class DiLoCoRounds:
         host: the node (`RoundHost`).
         clock: the inner phase's `PhaseClock` (its parts are taken at each phase's end).
         overlap: the background sync with ``[outer] overlap``, None for blocking rounds.
+        catch_up: this node joined a swarm whose nodes were already training (`Swarm.joined_late`).
 
     Attributes:
         trainer: the `InnerTrainer`, set by `attach` (the trainer is built with this callback in it).
@@ -140,8 +153,9 @@ class DiLoCoRounds:
     """
 
     def __init__(self, peer: DiLoCoPeer, stop: threading.Event, host: RoundHost, clock: PhaseClock,
-                 overlap: OverlappedSync | None = None):
+                 overlap: OverlappedSync | None = None, catch_up: bool = False):
         self.peer, self.config, self.stop, self.host = peer, peer.config, stop, host
+        self.catch_up = catch_up  # the current phase ends once another node of its round is ready (first phase only)
         self.clock, self.overlap = clock, overlap
         self.trainer: InnerTrainer | None = None
         self.steps = 0
@@ -160,7 +174,7 @@ class DiLoCoRounds:
         faults.point("inner_step_end")
         if self.stop.is_set():
             return True
-        if self.steps >= self.config.inner_steps or self.out_of_time():
+        if self.steps >= self.config.inner_steps or self.out_of_time() or self.caught_up():
             self.end_round(model)
         return self.peer.round >= self.config.rounds or self.stop.is_set()
 
@@ -175,6 +189,23 @@ class DiLoCoRounds:
         """True once this inner phase has used ``network.round_budget_s`` (never when it is unset)."""
         budget = self.config.network.round_budget_s
         return budget is not None and time.monotonic() - self.started >= budget
+
+    def caught_up(self) -> bool:
+        """True when this phase catches up (``catch_up``) and another node announced its round ready: the phase
+        ends now rather than hold that node at the barrier. One DHT read per inner step, in a catching-up phase only."""
+        if not self.catch_up:
+            return False
+        me = self.peer.swarm.name
+        try:
+            ready = self.peer.swarm.ready_peers(self.peer.round)
+        except Exception as e:  # a failed read: train on, the next step reads again
+            log.debug("%s: reading round %d's ready records failed: %r", me, self.peer.round, e)
+            return False
+        early = sorted(n for n, v in ready.items() if n != me and v.get("role") == "node")
+        if early:
+            log.info("%s: caught up with round %d after %d of %d inner steps (%s ready)", me, self.peer.round,
+                     self.steps, self.config.inner_steps, ", ".join(early))
+        return bool(early)
 
     def end_round(self, model: nn.Module) -> None:
         """Steps 1 to 5 of the module docstring, blocking or overlapped.
@@ -216,11 +247,13 @@ class DiLoCoRounds:
             self._record_settled([done])
 
     def _close_inner_phase(self) -> InnerPhase:
+        caught_up = self.catch_up and self.steps < self.config.inner_steps and not self.out_of_time()
+        self.catch_up = False  # a joiner's first phase only: from the next round on it starts with the others
         parts = self.clock.take()
         ended = time.monotonic()  # what follows is the round's end: the inner loop stands still from here
         self.host.round_phase("sync")
         phase = InnerPhase(round=self.peer.round, stats=self.trainer.take_round_stats(), steps=self.steps,
-                           seconds=ended - self.started, parts=parts, ended=ended)
+                           seconds=ended - self.started, parts=parts, ended=ended, caught_up=caught_up)
         self.host.inner_phase_ended(phase)
         return phase
 

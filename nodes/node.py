@@ -485,7 +485,8 @@ class Node:
         self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
         engine = self.rollout_engine
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
-        self.rounds = DiLoCoRounds(peer, self.stop.event, self, self.clock, overlap=self.overlap)
+        self.rounds = DiLoCoRounds(peer, self.stop.event, self, self.clock, overlap=self.overlap,
+                                   catch_up=self.swarm.joined_late)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args, callbacks=[RoundCallback(self.rounds), *self._tracker_callbacks()],

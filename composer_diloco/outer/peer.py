@@ -24,6 +24,7 @@ failure returns False, its reason in `DiLoCoPeer.last_download_error`, and leave
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -954,8 +955,10 @@ class DiLoCoPeer:
         finish it (`recovery.round_over`) and take the next round's state, so that a late joiner never holds the
         others up for long. Had the others already passed the barrier when it arrives anyway, `sync` takes their
         state (`_recover`). A peer that announced at the start of its set-up which round it joins
-        (`Swarm.announce_joining`, by the same rule) joins that round however long its set-up took: the others wait
-        for it at that round's barrier.
+        (`Swarm.announce_joining`, by the same rule) joins that round however long its set-up took (the others wait
+        for it at that round's barrier), unless a peer already began that round's all-reduce: the group is closed,
+        and the peer would train the round only to find no group, while the others waited for it at the next round's
+        barrier.
 
         Args:
             join_grace_s: seconds a round may have been underway for this peer to still join it.
@@ -975,12 +978,15 @@ class DiLoCoPeer:
                      newest, self.round)
             self.load_state_from_peers(timeout_s, min_round=newest)
         r = self.round
-        if r == intended:
+        if r == intended and joins_round(self._others(), r, math.inf, get_dht_time()):
             return newest  # the barrier of round r waits for us: we said so when our set-up began
-        if joins_round(self._others(), r, join_grace_s, get_dht_time()):
+        if r != intended and joins_round(self._others(), r, join_grace_s, get_dht_time()):
             return newest  # the others wait for us at the barrier
-        log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r,
-                 join_grace_s)
+        if r == intended:  # our set-up outlasted the round: its group closed, it can take no member (`joins_round`)
+            log.info("round %d's all-reduce began while this node set up: joining at the next round boundary", r)
+        else:
+            log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r,
+                     join_grace_s)
         while not stop.is_set() and not recovery.round_over(r, self._others()):
             time.sleep(0.5)
         deadline = time.monotonic() + self.config.network.averaging_timeout_s

@@ -207,6 +207,7 @@ class Swarm:
         self._redial: threading.Thread | None = None
         self._joining: threading.Thread | None = None
         self._joined = threading.Event()  # set when the heartbeat starts: the joining record is no longer renewed
+        self.joined_late = False  # `announce_joining` saw other nodes training: this node catches up (`DiLoCoRounds`)
 
     # -- joiners --------------------------------------------------------------------------------------------
     def announce_joining(self, period_s: float, ttl_s: float, join_grace_s: float) -> int:
@@ -223,10 +224,15 @@ class Swarm:
         ``period_s`` seconds with a ``ttl_s`` expiry until `start_heartbeat`, so a joiner that dies is waited for
         at most ``ttl_s`` (or less: its dial fails, `_ping_the_late`).
 
+        It also sets ``joined_late``: other nodes' heartbeats were already up (they train while this node sets up),
+        so its first inner phase ends when they are ready (`composer_diloco.diloco.DiLoCoRounds`); nodes launched
+        together all announce before any heartbeat of a node, and none of them is late.
+
         Returns:
             The round this node means to join (the barrier of that round, and only that one, waits for it).
         """
         peers = [p for p in self.live_peers() if p.name != self.name]
+        self.joined_late = any(p.role == "node" for p in peers)
         newest = max((p.round for p in peers), default=0)
         intended = newest if joins_round(peers, newest, join_grace_s, get_dht_time()) else newest + 1
         try:
