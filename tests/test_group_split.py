@@ -6,8 +6,9 @@ made to look for their group under other group bits, as two groups that formed a
 smaller than the four peers their barrier found and lacked the authority (node-a, the lowest name), take node-a's
 theta as soon as it is published (`recovery.after_group_split`): every peer ends round 0 on one theta.
 Before that fix, the fork lived a whole round (healed at the next sync, `recovery.split_check`). In round 1 the
-authority itself finds no group while the three others average: it takes their theta (`recovery.after_failed_round`)
-rather than step alone, and they keep it. Round 2 averages all four.
+authority itself finds no group while the three others average: it stops looking once they have finished the round
+(`DiLoCoPeer._await_step`, not after the step's timeout) and takes their theta (`recovery.after_failed_round`) rather
+than step alone, and they keep it. Round 2 averages all four.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def test_a_round_split_into_two_groups_ends_on_the_authoritys_theta(tmp_path):
     r = run_scenario_in_child("test_group_split", "split_scenario", tmp_path)
     assert "scenario passed" in r.stdout, (r.stdout[-3000:], r.stderr[-6000:])
     assert "matchmaking split the round" in r.stderr, r.stderr[-6000:]
+    # round 1: node-a stopped looking for a group once the three others had finished the round, instead of searching
+    # out the step's timeout (`DiLoCoPeer._await_step`)
+    assert "node-a round 1: node-b, node-c, node-d finished the round without this peer's group" in r.stderr, \
+        r.stderr[-6000:]
 
 
 def split_scenario(tmp_path: Path) -> None:

@@ -30,9 +30,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
@@ -552,7 +553,7 @@ class DiLoCoPeer:
             if not partners:  # we are the whole swarm: theta moves by our own pseudo-gradient
                 return self._step_alone(model, r, clock)
             reduced = self._all_reduce(r, weight, norm, scheduled_time,       # 3. Delta = sum_i w_i Delta_i / sum w
-                                       group_size=len(partners) + 1)
+                                       group_size=len(partners) + 1, partners=partners)
             clock.lap("all_reduce")
             status = self._outer_step(r, reduced)                             # 4. theta <- OuterOpt(theta, Delta)
             clock.lap("outer_step")
@@ -659,13 +660,14 @@ class DiLoCoPeer:
         return scheduled_time, others
 
     def _all_reduce(self, r: int, weight: float, norm: float, scheduled_time: float,
-                    group_size: int | None = None) -> _Reduced:
+                    group_size: int | None = None, partners: list[str] | None = None) -> _Reduced:
         """Average the pseudo-gradients of round ``r``'s group, weighted by samples; screening is applied (and
         its verdicts returned) by the averager, the same on every member.
 
         ``group_size``: the peers the barrier found (this one included): the group closes as soon as it holds that
         many (`ExactAverager.set_target_group_size`) instead of waiting out ``network.matchmaking_time_s``; a group
-        that never gets that big forms at the end of the window with whoever came, as before.
+        that never gets that big forms at the end of the window with whoever came, as before. ``partners``: their
+        names; a step still looking for a group once none of them is left in round ``r`` is given up (`_await_step`).
 
         Raises:
             RoundFailed: no group formed (or a group of one), the all-reduce failed, or the group held no weight.
@@ -677,14 +679,16 @@ class DiLoCoPeer:
         # a joiner reading this takes the next round (`joins_round`): this group can no longer take a member
         self.swarm.set_info(publish=True, averaging_round=r)
         try:
-            gathered: dict[object, Contribution] | None = self.averager.step(
+            control = self.averager.step(
                 weight=float(weight),
                 gather={"name": self.swarm.name, "role": self.swarm.role, "round": r, "weight": float(weight),
                         "norm": norm, "theta": self.swarm.sha, **self._gather_extra},
                 scheduled_time=scheduled_time,
                 timeout=self.allreduce_timeout_s,
                 allow_retries=False,
+                wait=False,
             )
+            gathered: dict[object, Contribution] | None = self._await_step(control, r, partners or [])
         except Exception as e:
             raise RoundFailed(f"all-reduce failed: {e!r}") from e
         if not gathered or len(gathered) == 1:
@@ -709,6 +713,37 @@ class DiLoCoPeer:
                         missed=int(self.averager.failed_size.value),
                         reasons={c.rejection.name: c.rejection.reason for c in members if c.rejection is not None},
                         theta_authority=mine.theta_authority if mine is not None else None, began=began)
+
+    def _await_step(self, control: StepControl, r: int, partners: list[str], poll_s: float = 0.25) -> Any:
+        """The all-reduce step's result (`ExactAverager.step`, hivemind's ``StepControl``), or its cancellation
+        once it is still looking for a group (hivemind's ``AveragingStage.LOOKING_FOR_GROUP``) for 1 s after no
+        partner of the barrier is left in round ``r`` (their heartbeats say a later round, or are gone): their group
+        closed without this peer (`set_target_group_size`), and hivemind would search out the step's whole timeout
+        (``allreduce_timeout_s``, 45 s at the default: seen under churn, `bench/churn.py`). The caller then recovers
+        as after any failed all-reduce (`_recover`). A step that found its group is never cancelled.
+
+        Raises:
+            concurrent.futures.CancelledError: it was given up; whatever the step raises (no group within its timeout ...).
+        """
+        given_up_at: float | None = None
+        while not control.done():
+            time.sleep(poll_s)
+            if not partners or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                given_up_at = None
+                continue
+            try:
+                left = [p.name for p in self._others() if p.name in partners and p.round <= r]
+            except Exception as e:  # a failed read decides nothing
+                log.debug("%s round %d: reading heartbeats failed: %r", self.swarm.name, r, e)
+                continue
+            if left:
+                given_up_at = None
+            elif given_up_at is None:
+                given_up_at = time.monotonic()
+            elif time.monotonic() - given_up_at >= 1.0 and control.cancel():
+                log.warning("%s round %d: %s finished the round without this peer's group: no longer looking for "
+                            "one", self.swarm.name, r, ", ".join(partners))
+        return control.result()
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
