@@ -129,12 +129,12 @@ class DiLoCoRounds:
     budget (``network.round_budget_s``, checked after each step), syncs, and says when the trainer must stop (the
     run's end, a stop request).
 
-    A node that joined a swarm already training (a restart, a standby taking over, a node added mid-run: ``catch_up``)
+    A node that joined a swarm already past its first round (a restart, a standby's takeover, a node added: ``catch_up``)
     ends its first inner phase at the first inner step after another node announced that round ready
     (`Swarm.ready_peers`), with the steps it has: its pseudo-gradient weighs its samples like any other. Without
     this the round's barrier held every other node for the joiner's set-up and then its H whole steps (12-15 s a kill
-    at the embedded default under churn, `bench/churn.py`). A run's nodes launched together announce before any of
-    them trains, so none of them catches up: their rounds stay H steps each. The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
+    at the embedded default under churn, `bench/churn.py`). The run's first round is never caught up
+    (`Swarm.announce_joining`): the nodes launched together all train its H steps. The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
     `after_inner_step` and `finish`; a loop without TRL calls them the same way (`bench/blocked_link.py`).
 
     Args:

@@ -139,10 +139,11 @@ def test_the_barrier_waits_for_a_node_still_setting_up_to_join_its_round():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round_is_ready():
-    """A node that announces its join while other nodes train (a restart, a standby's takeover) is `joined_late`, and
-    its first inner phase catches up: it ends at the first step after another node announced the round ready (not
-    the coordinator, not itself), instead of holding that node at the barrier for H whole steps. A node that announced
-    before any node's heartbeat (nodes launched together) is not late: its rounds keep H steps."""
+    """A node that announces its join while other nodes train a round past the run's first (a restart, a standby's
+    takeover) is `joined_late`, and its first inner phase catches up: it ends at the first step after another node
+    announced the round ready (not the coordinator, not itself), instead of holding that node at the barrier for H
+    whole steps. A node that announced before any node's heartbeat, or while they trained round 0 (nodes launched
+    together), is not late: its rounds keep H steps."""
     a_dht = start_dht(initial_peers=[])
     b_dht = start_dht(initial_peers=[visible_multiaddr(a_dht)])
     a = Swarm(a_dht, run_name="catchup", peer_name="node-a", role="node")
@@ -159,23 +160,30 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
         while "node-a" not in {p.name for p in late.live_peers()}:
             assert time.monotonic() < deadline, late.live_peers()
             time.sleep(0.2)
-        assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 0 and late.joined_late
+        assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 0 and not late.joined_late
+        a.set_round(1)  # node-a trains round 1 now: a node announcing itself is late
+        deadline = time.monotonic() + 30
+        while {p.round for p in late.live_peers() if p.name == "node-a"} != {1}:
+            assert time.monotonic() < deadline, late.live_peers()
+            time.sleep(0.2)
+        assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 1 and late.joined_late
 
         def rounds(swarm: Swarm, catch_up: bool) -> DiLoCoRounds:
             config = type("Config", (), {"inner_steps": 4, "rounds": 2,
                                          "network": type("Net", (), {"round_budget_s": None})()})()
-            peer = type("Peer", (), {"swarm": swarm, "round": 0, "config": config})()
+            peer = type("Peer", (), {"swarm": swarm, "round": 1, "config": config})()
             return DiLoCoRounds(peer, stop, host=None, clock=None, catch_up=catch_up)
 
         catching, keeping = rounds(late, late.joined_late), rounds(together, together.joined_late)
-        coordinator.announce_ready(0, 0.0)
-        late.announce_ready(0, 1.0)  # its own record does not end its phase
+        coordinator.announce_ready(1, 0.0)
+        late.announce_ready(1, 1.0)  # its own record does not end its phase
+        a.announce_ready(0, 1.0)  # nor another round's
         time.sleep(1.0)
         assert not catching.caught_up() and not keeping.caught_up()
-        a.announce_ready(0, 1.0)
+        a.announce_ready(1, 1.0)
         deadline = time.monotonic() + 30
         while not catching.caught_up():
-            assert time.monotonic() < deadline, late.ready_peers(0)
+            assert time.monotonic() < deadline, late.ready_peers(1)
             time.sleep(0.2)
         assert not keeping.caught_up()  # node-together trains its H steps
     finally:

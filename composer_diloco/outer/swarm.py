@@ -224,15 +224,16 @@ class Swarm:
         ``period_s`` seconds with a ``ttl_s`` expiry until `start_heartbeat`, so a joiner that dies is waited for
         at most ``ttl_s`` (or less: its dial fails, `_ping_the_late`).
 
-        It also sets ``joined_late``: other nodes' heartbeats were already up (they train while this node sets up),
-        so its first inner phase ends when they are ready (`composer_diloco.diloco.DiLoCoRounds`); nodes launched
-        together all announce before any heartbeat of a node, and none of them is late.
+        It also sets ``joined_late``: another node's heartbeat says it trains a round past the run's first (it trains
+        while this node sets up), so this node's first inner phase ends when the others are ready
+        (`composer_diloco.diloco.DiLoCoRounds`). The run's first round is never caught up: every node that joins it
+        trains its H steps (nodes launched together, of which the quickest may beat before the slowest announces).
 
         Returns:
             The round this node means to join (the barrier of that round, and only that one, waits for it).
         """
         peers = [p for p in self.live_peers() if p.name != self.name]
-        self.joined_late = any(p.role == "node" for p in peers)
+        self.joined_late = any(p.role == "node" and p.round > 0 for p in peers)
         newest = max((p.round for p in peers), default=0)
         intended = newest if joins_round(peers, newest, join_grace_s, get_dht_time()) else newest + 1
         try:
