@@ -303,11 +303,11 @@ class Coordinator:
             try:
                 return start_dht(initial_peers=known_peers, listen=self.options.listen,
                                  announce=self.options.announce, secret=self.secret, identity_path=identity,
-                                 identity_is_new=self._new_identity)
+                                 identity_free=self._new_identity)
             except NoPeerAnswered as e:
                 log.info("none of the %d peers of the last round answered (%s): starting alone", len(known_peers), e)
         return start_dht(initial_peers=[], listen=self.options.listen, announce=self.options.announce,
-                         secret=self.secret, identity_path=identity, identity_is_new=self._new_identity)
+                         secret=self.secret, identity_path=identity, identity_free=self._new_identity)
 
     def _reload_from_live_nodes(self, checkpoint: Path) -> bool:
         """Adopt the state of a live node if it is ahead of the checkpoint just loaded (the swarm went on). Not asked

@@ -128,7 +128,9 @@ class Node:
         self.config: RunConfig | None = None
         self.swarm_round = 0  # the newest round a live peer was in when this node joined
         self.own_dir = Path(options.run_dir) / options.name  # metrics, identity key, error feedback, lock
-        self._new_identity = False  # the identity key was made by this start (`join`): nobody else can hold it
+        # no live peer can hold the identity key: this start made it (`join`), or took the node's folder over from
+        # its process, which has ended (`take_over`); hivemind's check that it is free is then skipped (`start_dht`)
+        self._identity_free = False
         self.metrics = MetricsWriter(self.own_dir / "metrics.jsonl")
         self.tool_calls = ToolCallTally()
         self.memory_plan = None  # composer_diloco.policy.memory_plan.MemoryPlan, once `plan_memory` ran
@@ -188,7 +190,7 @@ class Node:
         that round."""
         o, expected, secret = self.options, checked.expected_config, checked.secret  # secret None: an open run
         self._lock_own_dir()  # from here on <run-dir>/<name> is this process's, its identity too
-        self._new_identity = not (self.own_dir / IDENTITY_FILE).exists()
+        self._identity_free = self._identity_free or not (self.own_dir / IDENTITY_FILE).exists()
         peer_id = load_or_create_identity(self.own_dir / IDENTITY_FILE)
         log.info("peer ID %s (its key: %s)", peer_id, self.own_dir / IDENTITY_FILE)
         self.dht = self._start_dht(secret)
@@ -345,8 +347,13 @@ class Node:
     def take_over(self, lock: Any, prepared: Any | None) -> None:
         """Start as this node's standby did (`nodes.standby.Standby.wait`): ``lock`` is the node's folder lock it
         holds (released at `close`), ``prepared`` its `nodes.standby.Prepared` (None: nothing prepared), used by
-        `join` when the run's published config is the one it was prepared for."""
+        `join` when the run's published config is the one it was prepared for. The lock proves that the process
+        which held this node's folder, hence its identity key, has ended: hivemind's check that the key is free (a
+        temporary p2pd looking the peer ID up: 2-3 s of a takeover on a loaded machine) is skipped. (Its DHT and
+        averager daemons may outlive it by up to the reaper's poll, `composer_diloco.reaper`, during which the check
+        could even find the key taken.)"""
         self.hold_folder(lock)
+        self._identity_free = True
         self.prepared = prepared
         if prepared is not None:
             self.stop.add_cleanup(prepared.close)
@@ -374,7 +381,7 @@ class Node:
             try:
                 return start_dht(initial_peers=[*o.peers, *seen], listen=o.listen, announce=o.announce or None,
                                  secret=secret, identity_path=str(self.own_dir / IDENTITY_FILE),
-                                 identity_is_new=self._new_identity)
+                                 identity_free=self._identity_free)
             except NoPeerAnswered:
                 left = deadline - time.monotonic()
                 if left < 1.0 or self.stop.event.is_set():

@@ -83,14 +83,15 @@ def check_addresses(listen: str | None, announce: list[str]) -> None:
 
 def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: list[str] | None = None,
               secret: bytes | None = None, identity_path: str | None = None,
-              identity_is_new: bool = False, client_mode: bool = False) -> hivemind.DHT:
+              identity_free: bool = False, client_mode: bool = False) -> hivemind.DHT:
     """Start a hivemind DHT peer (its own p2pd daemon). ``listen`` defaults to 127.0.0.1 on a free port.
 
     ``secret`` closes the run: every DHT RPC is signed and checked with it, bound to the connection's peer IDs
     (`composer_diloco.outer.auth.ClosedDHT`). ``identity_path``: the private key file that fixes the peer ID
-    (`composer_diloco.outer.identity`); None: a new peer ID every start. ``identity_is_new``: the key was made by
-    this start, so no other peer can hold it: hivemind's check that it is free (a temporary p2pd dialing the initial
-    peers, ~0.5 s) is skipped. ``client_mode``: a read-only client (hivemind's ``client_mode``): it serves no DHT
+    (`composer_diloco.outer.identity`); None: a new peer ID every start. ``identity_free``: the caller knows that no
+    live peer holds the key (this start made it, or took it over from the process that held it, which has ended), so
+    hivemind's check that it is free is skipped: a temporary p2pd that bootstraps from the initial peers and looks the
+    peer ID up, 0.5 s on an idle machine, 2-3 s on a loaded one. ``client_mode``: a read-only client (hivemind's ``client_mode``): it serves no DHT
     request, stores no one's records and enters no peer's routing table (`coordinator.status`).
 
     Raises:
@@ -104,7 +105,7 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
         kwargs["client_mode"] = True
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
-        if identity_is_new:
+        if identity_free:
             kwargs["check_if_identity_free"] = False
     dht_type: type[hivemind.DHT] = hivemind.DHT
     if secret is not None:
