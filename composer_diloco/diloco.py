@@ -144,7 +144,7 @@ class DiLoCoRounds:
         host: the node (`RoundHost`).
         clock: the inner phase's `PhaseClock` (its parts are taken at each phase's end).
         overlap: the background sync with ``[outer] overlap``, None for blocking rounds.
-        catch_up: this node joined a swarm whose nodes were already training (`Swarm.joined_late`).
+        catch_up: this node joined a swarm already past its first round (`Swarm.joined_late`).
 
     Attributes:
         trainer: the `InnerTrainer`, set by `attach` (the trainer is built with this callback in it).

@@ -717,13 +717,15 @@ class DiLoCoPeer:
     def _await_step(self, control: StepControl, r: int, partners: list[str], poll_s: float = 0.25) -> Any:
         """The all-reduce step's result (`ExactAverager.step`, hivemind's ``StepControl``), or its cancellation
         once it is still looking for a group (hivemind's ``AveragingStage.LOOKING_FOR_GROUP``) for 1 s after no
-        partner of the barrier is left in round ``r`` (their heartbeats say a later round, or are gone): their group
-        closed without this peer (`set_target_group_size`), and hivemind would search out the step's whole timeout
-        (``allreduce_timeout_s``, 45 s at the default: seen under churn, `bench/churn.py`). The caller then recovers
-        as after any failed all-reduce (`_recover`). A step that found its group is never cancelled.
+        partner of the barrier is left in round ``r`` (their heartbeats say a later round, or expired:
+        `Swarm.still_in_round`): their group closed without this peer (`set_target_group_size`), and hivemind would
+        search out the step's whole timeout (``allreduce_timeout_s``, 45 s at the default: seen under churn,
+        `bench/churn.py`). The caller then recovers as after any failed all-reduce (`_recover`). A step that found
+        its group is never cancelled.
 
         Raises:
-            concurrent.futures.CancelledError: it was given up; whatever the step raises (no group within its timeout ...).
+            concurrent.futures.CancelledError: it was given up; else whatever the step raises (no group within its
+                timeout, a failed all-reduce).
         """
         given_up_at: float | None = None
         while not control.done():
@@ -732,7 +734,7 @@ class DiLoCoPeer:
                 given_up_at = None
                 continue
             try:
-                left = [p.name for p in self._others() if p.name in partners and p.round <= r]
+                left = self.swarm.still_in_round(r, partners)
             except Exception as e:  # a failed read decides nothing
                 log.debug("%s round %d: reading heartbeats failed: %r", self.swarm.name, r, e)
                 continue

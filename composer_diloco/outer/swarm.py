@@ -386,6 +386,12 @@ class Swarm:
             self._last_read[p.name] = p
         return out
 
+    def still_in_round(self, round_: int, names: list[str]) -> list[str]:
+        """Which of ``names`` are live peers at round ``round_`` or behind it (not past it), a heartbeat that this
+        read missed but an earlier one returned counting until its TTL (`_unexpired`)."""
+        wanted = set(names)
+        return sorted({p.name for p in self._unexpired(self.live_peers()) if p.name in wanted and p.round <= round_})
+
     def _unexpired(self, peers: list[PeerRecord]) -> list[PeerRecord]:
         """``peers`` (one DHT read) and the heartbeats earlier reads returned of peers this one did not, whose TTL
         (``heartbeat_ttl_s``, the same on every peer of a run) has not run out: a record still stored that a read
