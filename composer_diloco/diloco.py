@@ -174,8 +174,9 @@ class DiLoCoRounds:
         faults.point("inner_step_end")
         if self.stop.is_set():
             return True
-        if self.steps >= self.config.inner_steps or self.out_of_time() or self.caught_up():
-            self.end_round(model)
+        full = self.steps >= self.config.inner_steps or self.out_of_time()
+        if full or self.caught_up():
+            self.end_round(model, caught_up=not full)
         return self.peer.round >= self.config.rounds or self.stop.is_set()
 
     def start_inner_phase(self) -> None:
@@ -207,13 +208,14 @@ class DiLoCoRounds:
                      self.steps, self.config.inner_steps, ", ".join(early))
         return bool(early)
 
-    def end_round(self, model: nn.Module) -> None:
-        """Steps 1 to 5 of the module docstring, blocking or overlapped.
+    def end_round(self, model: nn.Module, caught_up: bool = False) -> None:
+        """Steps 1 to 5 of the module docstring, blocking or overlapped; ``caught_up``: a late joiner's first phase
+        ended early (`caught_up`), recorded in its metrics line.
 
         Raises:
             ArchitectureMismatch: from the sync (a peer's state of another model).
         """
-        phase = self._close_inner_phase()                                       # 1.
+        phase = self._close_inner_phase(caught_up)                              # 1.
         if self.overlap is None:
             result = self.peer.sync(model, float(phase.stats.samples), stop=self.stop)  # 2. ... theta loaded
             if result is None:
@@ -246,8 +248,7 @@ class DiLoCoRounds:
                 phase.blocked_seconds += time.monotonic() - entered
             self._record_settled([done])
 
-    def _close_inner_phase(self) -> InnerPhase:
-        caught_up = self.catch_up and self.steps < self.config.inner_steps and not self.out_of_time()
+    def _close_inner_phase(self, caught_up: bool) -> InnerPhase:
         self.catch_up = False  # a joiner's first phase only: from the next round on it starts with the others
         parts = self.clock.take()
         ended = time.monotonic()  # what follows is the round's end: the inner loop stands still from here

@@ -24,7 +24,6 @@ failure returns False, its reason in `DiLoCoPeer.last_download_error`, and leave
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
@@ -49,7 +48,7 @@ from composer_diloco.outer.screening import pseudo_gradient_norm
 from composer_diloco.outer.state_transfer import (
     DEFAULT_CHUNK_BYTES, DownloadReport, Manifest, StateTransfer, StateTransferError,
 )
-from composer_diloco.outer.swarm import PeerRecord, Swarm, first_divergence, joins_round
+from composer_diloco.outer.swarm import PeerRecord, Swarm, all_reduce_began, first_divergence, joins_round
 
 log = logging.getLogger(__name__)
 
@@ -1014,12 +1013,13 @@ class DiLoCoPeer:
             log.info("%s: the swarm is at round %d, past our round %d: downloading its state", self.swarm.name,
                      newest, self.round)
             self.load_state_from_peers(timeout_s, min_round=newest)
-        r = self.round
-        if r == intended and joins_round(self._others(), r, math.inf, get_dht_time()):
+        r, others = self.round, self._others()
+        began = all_reduce_began(others, r)
+        if r == intended and not began:
             return newest  # the barrier of round r waits for us: we said so when our set-up began
-        if r != intended and joins_round(self._others(), r, join_grace_s, get_dht_time()):
+        if r != intended and joins_round(others, r, join_grace_s, get_dht_time()):
             return newest  # the others wait for us at the barrier
-        if r == intended:  # our set-up outlasted the round: its group closed, it can take no member (`joins_round`)
+        if began:  # our set-up outlasted the round: its group closed, it can take no member
             log.info("round %d's all-reduce began while this node set up: joining at the next round boundary", r)
         else:
             log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerRecord", "first_divergence", "joins_round", "replica_thetas"]
+__all__ = ["PeerRecord", "all_reduce_began", "first_divergence", "joins_round", "replica_thetas"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,17 @@ class PeerRecord:
         return self.maddr.rsplit("/p2p/", 1)[1] if "/p2p/" in self.maddr else ""
 
 
+def all_reduce_began(peers: list[PeerRecord], round_: int) -> bool:
+    """Whether a peer (the coordinator included) published that it began the all-reduce of ``round_`` or a later
+    round (its heartbeat's ``info["averaging_round"]``, set by `DiLoCoPeer._all_reduce`): that group can take no
+    member. A value that is not a round number does not count."""
+    return any(isinstance(a := p.info.get("averaging_round"), int) and a >= round_ for p in peers)
+
+
 def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:
     """Whether a node setting up now still joins ``round_`` (else it waits for the next round boundary).
 
-    It does when no peer has begun the all-reduce of ``round_`` (their heartbeat's ``info["averaging_round"]``,
-    published as each peer's all-reduce begins, `DiLoCoPeer._all_reduce`) and either no node is training ``round_``
+    It does when no peer has begun the all-reduce of ``round_`` (`all_reduce_began`) and either no node is training ``round_``
     yet or the first of them entered it at most ``join_grace_s`` seconds ago (DHT time, `PeerRecord.since`): the
     others then wait for it at that round's barrier. A group whose all-reduce began cannot take a member: a node that
     joined that round (a standby taking over a node killed in it, a quick restart) trained it, found no group and
@@ -52,7 +58,7 @@ def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: 
         peers: the live peers' heartbeats (this node's own excluded).
         round_: the round in question; now: DHT time (`hivemind.utils.timed_storage.get_dht_time`), seconds.
     """
-    if any(isinstance(a := p.info.get("averaging_round"), int) and a >= round_ for p in peers):
+    if all_reduce_began(peers, round_):
         return False
     training = [p.since for p in peers if p.role == "node" and p.round == round_]
     return not training or now - min(training) <= join_grace_s

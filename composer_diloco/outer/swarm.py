@@ -34,7 +34,7 @@ from composer_diloco.config import ConfigError, RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer.address_form import LISTEN_EXAMPLE, PEER_EXAMPLE
 from composer_diloco.outer.peer_records import (  # noqa: F401 (re-exported: what a heartbeat says)
-    PeerRecord, first_divergence, joins_round, replica_thetas,
+    PeerRecord, all_reduce_began, first_divergence, joins_round, replica_thetas,
 )
 
 log = logging.getLogger(__name__)
@@ -536,5 +536,5 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, *, maddrs: list[str], timeou
 
 
 __all__ = ["ConfigError", "LINEAGE_ROUNDS", "PeerRecord", "Swarm", "SwarmError", "check_addresses", "fetch_run_config",
-           "first_divergence", "joins_round", "parse_multiaddr", "publish_config", "replica_thetas", "start_dht",
+           "all_reduce_began", "first_divergence", "joins_round", "parse_multiaddr", "publish_config", "replica_thetas", "start_dht",
            "visible_multiaddr"]
