@@ -242,6 +242,13 @@ def summary_lines(status: SwarmStatus) -> list[str]:
         verdict = f"yes, {len(names)} peer(s) on theta {sha[:_HASH_DIGITS]}"
     else:
         verdict = "NO: " + "; ".join(f"{sha[:_HASH_DIGITS]}: {', '.join(names)}" for sha, names in agree.items())
+    # a node still loading the round's average (its sync ends a moment after the coordinator's) is named, not miscounted
+    published = {n for names in agree.values() for n in names}
+    dropped = facts.get("dropped") or {}
+    finishing = sorted(p.name for p in status.peers if p.round == round_ - 1 and p.info.get("phase") == "sync"
+                       and p.name not in published and p.name not in dropped)
+    if finishing:
+        verdict += f"; still finishing it: {', '.join(finishing)}"
     lines.append(f"last round {round_ - 1}: agreement: {verdict}")
     if facts:  # the coordinator's word on its last round (published right after it; a read between sees the one before)
         group = facts.get("group") or []
