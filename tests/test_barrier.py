@@ -193,6 +193,21 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
         b_dht.shutdown()
 
 
+def test_a_caught_up_phase_is_not_a_deadline_hit():
+    """`InnerPhase.record`: ``deadline_hit`` keeps meaning "the round budget (or a stop) cut the phase"; a late
+    joiner's short first phase says ``caught_up`` instead, and a phase of H steps says neither."""
+    from composer_diloco.diloco import InnerPhase
+    from composer_diloco.inner.step import RoundStats
+
+    def record(steps: int, caught_up: bool) -> dict:
+        phase = InnerPhase(round=3, stats=RoundStats((), 8), steps=steps, seconds=1.0, parts={}, caught_up=caught_up)
+        return phase.record(inner_steps=4)
+
+    assert (record(2, caught_up=True)["deadline_hit"], record(2, caught_up=True)["caught_up"]) == (False, True)
+    assert (record(2, caught_up=False)["deadline_hit"], record(2, caught_up=False)["caught_up"]) == (True, False)
+    assert (record(4, caught_up=False)["deadline_hit"], record(4, caught_up=False)["caught_up"]) == (False, False)
+
+
 def test_a_round_is_joinable_for_its_grace_after_its_first_node_entered_it():
     """`joins_round`, the one rule of `Swarm.announce_joining` and `DiLoCoPeer.join_at_round_boundary`: the age of a
     round is that of its first node in it; the coordinator's record and other rounds' nodes do not count."""
