@@ -21,6 +21,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     agree              every round's peers recorded one ``global_sha256``
     back_after_kill_s  per kill, seconds from the kill to the first inner phase of the node's next life (a restart:
                        ``--restart-after-s`` and its whole start; a standby: its takeover)
+    join_seconds_median per way a life joined (``joined_as``: ``process``, ``standby, prepared``, ``standby,
+                       unprepared``), the lives that got to train and the median seconds of each part of their join
+                       (``join_seconds`` of their first metrics line, `composer_diloco.timing.JOIN_PHASES`)
     exits_on_their_own node lives that ended with an error, not by the schedule (e.g. a join that found no peer to
                        send the global model while the coordinator was down): with ``--standby`` its standby takes
                        over and a new one is started, as after a kill; without, the node is not restarted (only the
@@ -214,6 +217,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
     alive = inner = kept = sync = startup = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
+    joins: dict[str, list[dict]] = {}  # how a life joined -> the join's parts of each such life (`JOIN_PHASES`)
     for life in lives:
         end = life.ended or time.time()
         began = life.began
@@ -224,6 +228,9 @@ def summarize(churn: Churn, rounds: int) -> dict:
         sync += sum(_stood_still(r) for r in mine)
         if mine:
             first = min(_inner_started(r) for r in mine)
+            opening = next((r for r in mine if "join_seconds" in r), None)
+            if opening is not None:
+                joins.setdefault(opening["joined_as"], []).append(opening["join_seconds"])
             startup += max(0.0, first - began)
             if life.replaces_kill_at is not None:
                 back_after.append(first - life.replaces_kill_at)
@@ -244,7 +251,20 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # kill -> the next life's first inner phase (a restart: + --restart-after-s and its whole start)
         "back_after_kill_s": sorted(round(x, 1) for x in back_after),
         "coordinator_kills": sum(1 for x in churn.lives if x.name == "coordinator" and x.killed),
+        # where the joins went: per way of joining, how many lives and the median seconds of each part
+        "join_seconds_median": {how: {"lives": len(parts), **_medians(parts)} for how, parts in sorted(joins.items())},
     }
+
+
+def _medians(parts: list[dict]) -> dict:
+    """The median seconds of each join part over ``parts`` (a part a life did not have counts as 0) and of their
+    total, ``total``."""
+    from statistics import median
+
+    keys = sorted({k for p in parts for k in p})
+    out = {k: round(median(p.get(k, 0.0) for p in parts), 2) for k in keys}
+    out["total"] = round(median(sum(p.values()) for p in parts), 2)
+    return out
 
 
 def main() -> int:

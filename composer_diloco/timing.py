@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["INNER_PHASES", "PhaseClock", "cuda_sync_for"]
+__all__ = ["INNER_PHASES", "JOIN_PHASES", "PhaseClock", "cuda_sync_for"]
 
 INNER_PHASES = {
     "generation": "the policy decoding the episodes' turns (with tokenizing the contexts and parsing the calls)",
@@ -33,6 +33,21 @@ INNER_PHASES = {
     "trainer": "transformers' Trainer between these: data loading, gradient clipping, logging, callbacks",
 }
 """The parts of a node's inner phase (`PhaseClock` phases; the metrics line's ``inner_phase_seconds``)."""
+
+JOIN_PHASES = {
+    "imports": "the process's start to the join: Python, torch, transformers, TRL, hivemind (absent for a standby's "
+               "takeover, whose process imported them while it waited)",
+    "dht": "the DHT peer's start (its p2pd, the bootstrap, re-dials while no --peer answers) and the run config's read",
+    "plan": "the memory plan (its tokenizer and the env package's demonstrations)",
+    "env": "this node's env servers up and their sessions open (a reset each)",
+    "model": "the policy's skeleton: the architecture, and the base weights of a --model or [lora] run, on the CPU",
+    "averager": "the DiLoCo peer: hivemind's averager process and the outer optimizer's state",
+    "state": "the global model's download, the wait for the round boundary, theta into the placed policy",
+    "trainer": "TRL's trainer built, up to the first inner phase",
+    "join": "the rest: option checks, the task file, the swarm's records",
+}
+"""The parts of a node's join, from its process's start (or a standby's takeover) to its first inner phase: a
+`PhaseClock` with base ``"join"``, logged once and written in the life's first metrics line (``join_seconds``)."""
 
 
 def cuda_sync_for(device: str | object) -> Callable[[], None] | None:

@@ -45,7 +45,7 @@ from composer_diloco.outer.swarm import (
 )
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, grpo_args
-from composer_diloco.timing import PhaseClock, cuda_sync_for
+from composer_diloco.timing import JOIN_PHASES, PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
 from nodes.folder_lock import NodeBusy, lock_node_folder
@@ -139,6 +139,11 @@ class Node:
         self.rounds: DiLoCoRounds | None = None  # the round loop (`composer_diloco.diloco`), made in train
         self._own_lock = None  # <run-dir>/<name>/node.lock once held (`_lock_own_dir`, or a standby's `take_over`)
         self.prepared = None  # nodes.standby.Prepared: what this process's standby built before it took over
+        # where the join's seconds go (`JOIN_PHASES`), from the process's start, or from a standby's takeover
+        self.join_clock = PhaseClock("join")
+        self.joined_as = "process"  # or "standby, prepared" / "standby, unprepared" (`take_over`)
+        self.join_seconds: dict[str, float] | None = None  # set at the first inner phase, written in the first line
+        self._imports_s = _process_age_s()
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -161,7 +166,8 @@ class Node:
         own_server, intended = self._enter_run(checked)       # 2. DHT, run config, own env server, joining record
         opening = self._plan_and_open_sessions(checked, protocols)  # 3. memory plan, tasks, --env-url sessions
         model = self._build_peer(checked, own_server, opening)      # 4. model skeleton, own env's sessions, peer
-        self._load_global_model(model, checked, intended)     # 5. theta from a peer, the swarm's round, heartbeat
+        with self.join_clock.phase("state"):
+            self._load_global_model(model, checked, intended)  # 5. theta from a peer, the swarm's round, heartbeat
 
     def _check_before_network(self) -> tuple[CheckedOptions, dict[str, str]]:
         """Join, phase 1: what is cheap to check, before any network: this node's own choices (device, dtype, batch,
@@ -176,7 +182,8 @@ class Node:
         check_addresses(o.listen, o.announce)
         load_or_create_identity(self.own_dir / IDENTITY_FILE, create=False)  # a bad key: one line, no network
         if checked.expected_config is not None:  # the config this node agreed to: refused before any network
-            self.plan_memory(checked.expected_config)
+            with self.join_clock.phase("plan"):
+                self.plan_memory(checked.expected_config)
         protocols = {}
         for url in o.env_urls:
             wait_for_env(url, timeout_s=o.join_timeout_s)
@@ -193,9 +200,10 @@ class Node:
         self._identity_free = self._identity_free or not (self.own_dir / IDENTITY_FILE).exists()
         peer_id = load_or_create_identity(self.own_dir / IDENTITY_FILE)
         log.info("peer ID %s (its key: %s)", peer_id, self.own_dir / IDENTITY_FILE)
-        self.dht = self._start_dht(secret)
-        self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
-        self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
+        with self.join_clock.phase("dht"):
+            self.dht = self._start_dht(secret)
+            self.stop.add_cleanup(self.dht.shutdown)  # hivemind's shutdown is idempotent
+            self.config = config = fetch_run_config(self.dht, run_name=o.run_name, timeout_s=o.join_timeout_s)
         diff = config_diff(expected, config) if expected is not None else []
         if diff:
             raise NodeError(f"run {config.run_name!r} has another config than --config {str(o.expected_config)!r}: "
@@ -205,6 +213,8 @@ class Node:
         save_run_config(self.own_dir, config)  # for a standby of this node (nodes.standby)
         if self.prepared is not None:
             self.prepared = self.prepared.for_config(config)
+            if self.prepared is None:
+                self.joined_as = "standby, prepared for another config"
         self.metrics.reporter = Reporter(config, peer=o.name, role="node",
                                          extra={"placement": self.placement.describe()})
         self.stop.add_cleanup(self.metrics.reporter.finish)
@@ -234,7 +244,8 @@ class Node:
         so a bad env costs seconds, not the model download. Returns the session options (`open_env_sessions`'s
         keywords), for this node's own env server's sessions in phase 4."""
         o, config = self.options, self.config
-        self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
+        with self.join_clock.phase("plan"):
+            self.plan_memory(config)  # sets self.batch: --batch-size, or the largest micro-batch the memory plan fits
         log.info("training on %s: %s", self.placement.describe(), self.batch.describe())
         self.tasks = TaskSet.load(config.tasks)  # a bad [tasks] dataset fails here, before any env or model
         self.task_shard = shard = checked.shard
@@ -244,8 +255,9 @@ class Node:
         opening = dict(max_tool_calls=config.env.max_tool_calls, reset_kwargs=config.env.reset_kwargs,
                        per_url=o.env_sessions or config.env.sessions_per_url, tasks=self.tasks, check_row=first_row)
         if o.env_urls:  # round-robin over the URLs; each URL's protocol was detected in phase 1
-            self.sessions = open_env_sessions(list(o.env_urls), self.batch.episodes_per_step, protocols=protocols,
-                                              **opening)
+            with self.join_clock.phase("env"):
+                self.sessions = open_env_sessions(list(o.env_urls), self.batch.episodes_per_step,
+                                                  protocols=protocols, **opening)
         return opening
 
     def _build_peer(self, checked: CheckedOptions, own_server: Any, opening: dict[str, Any]) -> nn.Module:
@@ -256,14 +268,17 @@ class Node:
         if self.prepared is not None and self.prepared.skeleton is not None:  # a standby built it for this config
             (model, self.tokenizer), self.prepared.skeleton = self.prepared.skeleton, None
         else:
-            model, self.tokenizer = policy_skeleton(config)
+            with self.join_clock.phase("model"):
+                model, self.tokenizer = policy_skeleton(config)
         # a full-fine-tuning --model: what this node loaded is the run's base, theta's round-0 value (checked against
         # the run's at the download, and at round 0 nothing else travels)
         base = _full_model_sha256(model) if config.model is not None and config.lora is None else None
         if own_server is not None:
-            server = own_server.wait(config.env.connect_timeout_s)  # EnvServerError as `start_env_server` raises it
-            self.env_servers.append(server)
-            self.sessions = open_env_sessions([server.url], self.batch.episodes_per_step, **opening)
+            with self.join_clock.phase("env"):
+                server = own_server.wait(config.env.connect_timeout_s)  # EnvServerError as `start_env_server` raises
+                self.env_servers.append(server)
+                self.sessions = open_env_sessions([server.url], self.batch.episodes_per_step, **opening)
+        self.join_clock.enter("averager")
         self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)
         self.peer.chunk_bytes = checked.state_chunk_bytes
         self.stop.add_cleanup(self.peer.shutdown)
@@ -272,6 +287,7 @@ class Node:
 
             self.overlap = OverlappedSync(self.peer, self.stop.event)
             self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
+        self.join_clock.exit("averager")
         return model
 
     def _load_global_model(self, model: nn.Module, checked: CheckedOptions, intended: int) -> None:
@@ -355,6 +371,8 @@ class Node:
         self.hold_folder(lock)
         self._identity_free = True
         self.prepared = prepared
+        self.join_clock, self._imports_s = PhaseClock("join"), None  # this life's join starts at the takeover
+        self.joined_as = "standby, prepared" if prepared is not None else "standby, unprepared"
         if prepared is not None:
             self.stop.add_cleanup(prepared.close)
 
@@ -480,6 +498,7 @@ class Node:
         if remaining <= 0 or self.swarm_round >= config.rounds:
             log.info("the run is already over (round %d of %d)", max(peer.round, self.swarm_round), config.rounds)
             return 0
+        self.join_clock.enter("trainer")
         out_dir = Path(tempfile.mkdtemp(prefix=f"trl-{self.options.name}-"))
         args = grpo_args(config, output_dir=out_dir, max_steps=remaining * config.inner_steps,
                          use_cpu=self.placement.use_cpu, bf16=self.placement.bf16,
@@ -502,6 +521,8 @@ class Node:
         )
         self.rounds.attach(self.trainer)
         first = peer.round
+        self.join_clock.exit("trainer")
+        self._joined()
         self.rounds.start_inner_phase()
         if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
             self.memory_peak.reset()
@@ -523,6 +544,17 @@ class Node:
             self._keep_final_model()
             self.tool_calls.check()
         return peer.round - first
+
+    def _joined(self) -> None:
+        """The join ended (the first inner phase starts now): keep its parts (`JOIN_PHASES`, seconds) for the life's
+        first metrics line, and log them."""
+        parts = {k: round(v, 3) for k, v in self.join_clock.take().items() if v > 0}
+        if self._imports_s is not None:
+            parts = {"imports": round(self._imports_s, 3), **parts}
+        self.join_seconds = parts
+        order = {k: i for i, k in enumerate(JOIN_PHASES)}
+        log.info("joined as %s in %.1f s: %s", self.joined_as, sum(parts.values()),
+                 ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: order.get(kv[0], 99))))
 
     def _keep_final_model(self) -> None:
         """At the run's end with no coordinator alive to checkpoint theta, save it under this node's folder."""
@@ -577,6 +609,8 @@ class Node:
                   **memory}
         if fold is not None:
             record["fold"] = fold
+        if self.join_seconds is not None:  # this life's first line: where its join's seconds went
+            record["join_seconds"], record["joined_as"], self.join_seconds = self.join_seconds, self.joined_as, None
         self.metrics.write(record)
         self.swarm.set_info(last_round=result.round, inner_seconds=record["inner_seconds"],  # status
                             sync_seconds=record["sync_seconds"], samples=record["samples"])
@@ -627,3 +661,13 @@ def _full_model_sha256(model) -> str:
 
 
 __all__ = ["Node", "NodeBusy", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (psutil; a node's imports before its `Node` is made), None when unreadable."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # an unreadable /proc: the join's first part is left out, nothing else
+        return None

@@ -194,5 +194,14 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path
     records = run.records()
     assert [r["round"] for r in records["node-1"]] == [0, 1, *range(killed_in + 1, rounds)], records["node-1"]
     assert all(r["time"] > killed_at - 5 for r in records["node-1"][killed_in:]), records["node-1"]
+    # each life's first line says where its join went (`JOIN_PHASES`): the first from its process's start, the
+    # takeover from the kill, without the imports, the skeleton or the env server's launch its standby did
+    first, taken = records["node-1"][0], records["node-1"][killed_in]
+    assert first["joined_as"] == "process" and {"imports", "dht", "state", "trainer"} <= first["join_seconds"].keys()
+    assert taken["joined_as"] == "standby, prepared", taken
+    assert {"dht", "env", "state", "trainer"} <= taken["join_seconds"].keys(), taken["join_seconds"]
+    assert not {"imports", "model"} & taken["join_seconds"].keys(), taken["join_seconds"]
+    assert 0 < sum(taken["join_seconds"].values()) < taken["inner_started"] - killed_at + 2.0, (taken, killed_at)
+    assert not any("join_seconds" in r for i, r in enumerate(records["node-1"]) if i not in (0, killed_in))
     shas = assert_agree(records, range(rounds))
     assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[rounds - 1]
