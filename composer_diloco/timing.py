@@ -43,7 +43,7 @@ JOIN_PHASES = {
     "model": "the policy's skeleton: the architecture, and the base weights of a --model or [lora] run, on the CPU",
     "averager": "the DiLoCo peer: hivemind's averager process and the outer optimizer's state",
     "state": "the global model's download, the wait for the round boundary, theta into the placed policy",
-    "trainer": "TRL's trainer built, up to the first inner phase",
+    "trainer": "TRL's trainer built and its train() set up (the optimizer, accelerate's wrapping, the dataloader)",
     "join": "the rest: option checks, the task file, the swarm's records",
 }
 """The parts of a node's join, from its process's start (or a standby's takeover) to its first inner phase: a

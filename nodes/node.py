@@ -44,7 +44,7 @@ from composer_diloco.outer.swarm import (
     NoPeerAnswered, Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
 from composer_diloco.inner.step import RoundStats
-from composer_diloco.inner.trainer import ComposerGRPOTrainer, RoundCallback, grpo_args
+from composer_diloco.inner.trainer import ComposerGRPOTrainer, OnceTrainingBegins, RoundCallback, grpo_args
 from composer_diloco.timing import JOIN_PHASES, PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
@@ -467,7 +467,7 @@ class Node:
         free, source = device_free_bytes(self.placement.device)
         host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
         kw = dict(device=self.placement.name, bf16=self.placement.bf16, free=free, free_source=source,
-                  host_free=host_free, inputs=plan_inputs(config))
+                  host_free=host_free, inputs=self._plan_inputs(config, plan_inputs))
         if NodeBatch.picks_itself(o.batch_size, o.grad_accum):
             choice = choose_batch(config, model_config, gradient_checkpointing=o.gradient_checkpointing, **kw)
             self.batch = NodeBatch(choice.micro_batch, choice.grad_accum, config.grpo.num_generations,
@@ -480,6 +480,14 @@ class Node:
                                           gradient_checkpointing=o.gradient_checkpointing, **kw)
         log.info("%s", self.memory_plan.describe())
         return self.memory_plan
+
+    def _plan_inputs(self, config: RunConfig, compute: Any) -> Any:
+        """The memory plan's inputs for ``config``: those this process's standby computed for the same config (a
+        takeover's plan then reads only the free memory), else ``compute(config)``."""
+        prepared = self.prepared
+        if prepared is not None and prepared.plan_inputs is not None and prepared.config.digest() == config.digest():
+            return prepared.plan_inputs
+        return compute(config)
 
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:
@@ -515,18 +523,15 @@ class Node:
                                    catch_up=self.swarm.joined_late)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
-            peer_name=self.options.name, args=args, callbacks=[RoundCallback(self.rounds), *self._tracker_callbacks()],
+            peer_name=self.options.name, args=args,
+            callbacks=[RoundCallback(self.rounds), OnceTrainingBegins(self._first_inner_phase),
+                       *self._tracker_callbacks()],
             tasks=self.tasks,
             task_shard=self.task_shard, clock=self.clock, rollout_engine=engine,
         )
         self.rounds.attach(self.trainer)
         first = peer.round
-        self.join_clock.exit("trainer")
-        self._joined()
-        self.rounds.start_inner_phase()
-        if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
-            self.memory_peak.reset()
-        self.trainer.train()
+        self.trainer.train()  # TRL's set-up (optimizer, accelerate, dataloader), then `_first_inner_phase`, then steps
         while peer.round < config.rounds and not self.stop.event.is_set():
             # a heal took this node back to an earlier round (`DiLoCoPeer._heal_split`): its inner steps ran out before
             # the run's last round. Train the rounds left; TRL reuses the optimizer, so AdamW's moments carry on.
@@ -544,6 +549,14 @@ class Node:
             self._keep_final_model()
             self.tool_calls.check()
         return peer.round - first
+
+    def _first_inner_phase(self) -> None:
+        """TRL's ``train()`` has set up (`OnceTrainingBegins`): the join ends and the first inner phase starts."""
+        self.join_clock.exit("trainer")
+        self._joined()
+        self.rounds.start_inner_phase()
+        if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
+            self.memory_peak.reset()
 
     def _joined(self) -> None:
         """The join ended (the first inner phase starts now): keep its parts (`JOIN_PHASES`, seconds) for the life's

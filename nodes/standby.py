@@ -142,12 +142,16 @@ class Prepared:
         skeleton: ``(model, tokenizer)`` of `composer_diloco.policy.load.policy_skeleton` on the CPU, or None when it failed (the
             join builds it again and raises there).
         seconds: wall seconds the preparation took.
+        plan_inputs: the memory plan's inputs for ``config`` (`composer_diloco.policy.memory_plan.plan_inputs`: the
+            tokenizer's and the env's demonstrations' part, which does not change while the standby waits; the free
+            memory is read again at the takeover), or None.
     """
 
     config: RunConfig
     env_server: Any | None
     skeleton: tuple[Any, Any] | None
     seconds: float
+    plan_inputs: Any | None = None
 
     def for_config(self, config: RunConfig) -> Prepared | None:
         """This preparation when ``config`` (the run's published config, read at takeover) has its digest; else
@@ -272,13 +276,13 @@ def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None
     t0 = time.monotonic()
     server = (launch_env_server(config.env.server_module, args=config.env.server_args, log_path=env_log)
               if own_env_server else None)
-    plan_inputs(config)
+    inputs = plan_inputs(config)
     try:
         skeleton = policy_skeleton(config)
     except Exception as e:  # the join builds it again and raises its own error
         log.warning("standby: the policy skeleton did not build (%s: %s)", type(e).__name__, e)
         skeleton = None
-    return Prepared(config, server, skeleton, time.monotonic() - t0)
+    return Prepared(config, server, skeleton, time.monotonic() - t0, plan_inputs=inputs)
 
 
 __all__ = ["FINISHED_FILE", "LOCK_POLL_S", "RUN_CONFIG_FILE", "Prepared", "Standby", "StandbyStart", "finished_since",

@@ -46,7 +46,8 @@ def _until(predicate, timeout_s: float = 60.0) -> None:
 
 def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_node_ends(tmp_path):
     """While the node holds its folder the standby waits, having prepared from the config the node wrote (its env
-    server launched, the policy skeleton built); the node's end hands it the lock at once."""
+    server launched, the memory plan's inputs computed, the policy skeleton built); the node's end hands it the lock
+    at once."""
     own = tmp_path / "node-a"
     own.mkdir()
     node_lock = try_lock(own / "node.lock")
@@ -56,6 +57,9 @@ def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_no
     try:
         _until(lambda: standby.prepared is not None)
         assert standby.prepared.skeleton is not None and standby.prepared.env_server is not None
+        from composer_diloco.policy.memory_plan import plan_inputs
+        assert standby.prepared.plan_inputs == plan_inputs(RunConfig())  # the takeover's plan reads free memory only
+        assert standby.prepared.plan_inputs.prompt_tokens  # the env's demonstrations rendered: a real bound
         assert standby.prepared.env_server.wait(60).url.startswith("http://127.0.0.1:")  # a healthy env server
         time.sleep(0.5)
         assert thread.is_alive() and standby.seen_held  # the node still holds it: the standby waits

@@ -281,6 +281,25 @@ class RoundCallback(TrainerCallback):
         return control
 
 
+class OnceTrainingBegins(TrainerCallback):
+    """Calls ``begin()`` once, at the first ``on_train_begin``: after transformers' ``train()`` has built the
+    optimizer, wrapped the model (``accelerator.prepare``) and made the dataloader, before the first step. A node
+    starts its first inner phase there, so that set-up counts as its join, not as inner-loop seconds.
+
+    Args:
+        begin: called with no arguments; later ``train()`` calls (a heal's) do not call it again.
+    """
+
+    def __init__(self, begin: Any):
+        self.begin = begin
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        begin, self.begin = self.begin, None
+        if begin is not None:
+            begin()
+        return control
+
+
 class _OptimizerPhase(TrainerCallback):
     """Counts the optimizer step (AdamW's ``step``, between transformers' ``on_pre_optimizer_step`` and
     ``on_optimizer_step``) as the clock's ``"optimizer"`` phase."""
