@@ -278,16 +278,15 @@ class Node:
                 server = own_server.wait(config.env.connect_timeout_s)  # EnvServerError as `start_env_server` raises
                 self.env_servers.append(server)
                 self.sessions = open_env_sessions([server.url], self.batch.episodes_per_step, **opening)
-        self.join_clock.enter("averager")
-        self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)
-        self.peer.chunk_bytes = checked.state_chunk_bytes
-        self.stop.add_cleanup(self.peer.shutdown)
-        if config.outer.overlap:  # `[outer] overlap`: sync in the background (composer_diloco.outer.overlap)
-            from composer_diloco.outer.overlap import OverlappedSync
+        with self.join_clock.phase("averager"):
+            self.peer = DiLoCoPeer(model, config, self.swarm, holds_theta=False, base_sha256=base)
+            self.peer.chunk_bytes = checked.state_chunk_bytes
+            self.stop.add_cleanup(self.peer.shutdown)
+            if config.outer.overlap:  # `[outer] overlap`: sync in the background (composer_diloco.outer.overlap)
+                from composer_diloco.outer.overlap import OverlappedSync
 
-            self.overlap = OverlappedSync(self.peer, self.stop.event)
-            self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
-        self.join_clock.exit("averager")
+                self.overlap = OverlappedSync(self.peer, self.stop.event)
+                self.stop.add_cleanup(self.overlap.close)  # runs before peer.shutdown (cleanups run last first)
         return model
 
     def _load_global_model(self, model: nn.Module, checked: CheckedOptions, intended: int) -> None:
