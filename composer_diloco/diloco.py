@@ -85,15 +85,15 @@ class InnerPhase:
     def record(self, inner_steps: int) -> dict:
         """The phase's keys of a round's metrics line (`SyncResult.record` gives the sync's): the stats'
         (`RoundStats.record`), ``inner_steps``, ``inner_seconds`` and ``blocked_seconds`` (seconds, 3 decimals),
-        ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H, and not ``caught_up``: the round budget or a stop
-        ended it), ``caught_up``, ``inner_phase_seconds`` (by part, 4
-        decimals, in `INNER_PHASES` order) and ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0
+        ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H, and not ``caught_up``: the round budget or a
+        stop ended it), ``caught_up``, ``inner_phase_seconds`` (by part, 4 decimals, in `INNER_PHASES` order) and ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0
         when there was none)."""
         generation = self.parts.get("generation", 0.0)
         tokens = self.stats.generated_tokens
         return {
             **self.stats.record(), "inner_steps": self.steps, "inner_seconds": round(self.seconds, 3),
-            "blocked_seconds": round(self.blocked_seconds, 3), "deadline_hit": self.steps < inner_steps and not self.caught_up,
+            "blocked_seconds": round(self.blocked_seconds, 3),
+            "deadline_hit": self.steps < inner_steps and not self.caught_up,
             "caught_up": self.caught_up,
             "inner_phase_seconds": {k: round(self.parts[k], 4)
                                     for k in sorted(self.parts, key=lambda k: _PHASE_ORDER.get(k, 99))},

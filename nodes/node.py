@@ -449,7 +449,7 @@ class Node:
         """
         from composer_diloco.policy.context_length import check_context_length
         from composer_diloco.policy.memory_plan import (
-            PeakMemory, check_plan, choose_batch, device_free_bytes, plan_inputs,
+            PeakMemory, check_plan, choose_batch, device_free_bytes,
         )
 
         o = self.options
@@ -466,7 +466,7 @@ class Node:
         free, source = device_free_bytes(self.placement.device)
         host_free = None if self.placement.use_cpu else device_free_bytes("cpu")[0]
         kw = dict(device=self.placement.name, bf16=self.placement.bf16, free=free, free_source=source,
-                  host_free=host_free, inputs=self._plan_inputs(config, plan_inputs))
+                  host_free=host_free, inputs=self._plan_inputs(config))
         if NodeBatch.picks_itself(o.batch_size, o.grad_accum):
             choice = choose_batch(config, model_config, gradient_checkpointing=o.gradient_checkpointing, **kw)
             self.batch = NodeBatch(choice.micro_batch, choice.grad_accum, config.grpo.num_generations,
@@ -480,13 +480,16 @@ class Node:
         log.info("%s", self.memory_plan.describe())
         return self.memory_plan
 
-    def _plan_inputs(self, config: RunConfig, compute: Any) -> Any:
-        """The memory plan's inputs for ``config``: those this process's standby computed for the same config (a
-        takeover's plan then reads only the free memory), else ``compute(config)``."""
+    def _plan_inputs(self, config: RunConfig) -> Any:
+        """The memory plan's inputs for ``config`` (`composer_diloco.policy.memory_plan.plan_inputs`): those this
+        process's standby computed for the same config (a takeover's plan then reads only the free memory), else
+        computed now."""
+        from composer_diloco.policy.memory_plan import plan_inputs
+
         prepared = self.prepared
         if prepared is not None and prepared.plan_inputs is not None and prepared.config.digest() == config.digest():
             return prepared.plan_inputs
-        return compute(config)
+        return plan_inputs(config)
 
     # -- training -----------------------------------------------------------------------------------------
     def train(self) -> int:

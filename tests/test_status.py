@@ -177,7 +177,8 @@ def test_status_of_a_live_run_lists_every_node_and_is_no_peer_then_sigterm_stops
             assert run_round - 1 <= int(round_) <= run_round + 1 and phase in ("inner", "sync"), table[name]
             assert float(age) < 10, table[name]
         assert table["coordinator"][1:6] == ("coordinator", "cpu", "fp32", str(run_round), "sync"), once.stdout
-        # every peer is on the one theta, or named as still loading it (the nodes' syncs end just after the coordinator's)
+        # every peer is on the one theta, or named as still loading it (the nodes' syncs end just after the
+        # coordinator's)
         agreed = re.search(r"last round \d+: agreement: yes, (\d) peer\(s\) on theta [0-9a-f]{12}"
                            r"(?:; still finishing it: ([\w, -]+))?\n", once.stdout)
         assert agreed, once.stdout
