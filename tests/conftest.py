@@ -187,3 +187,111 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
     if prefork.FORKED or prefork.EXECED:
         terminalreporter.write_line(prefork.summary())
+
+
+# -- what a failing CI run shows while it still runs ------------------------------------------------------------------
+# CI shows the tail of the suite's output, and pytest prints a failure's traceback only at the session's end: a run
+# that outlives CI's clock (stop 57: eleven multi-process tests failing one after another, none reproducible on
+# another 2-core box) ends without a word of why. So a failure is described when it happens, with the machine's
+# busiest processes, and every multi-process test ends with no stray process of the session behind it.
+_SESSION_STARTED = time.time()
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _CONFIG.append(config)
+
+
+def _terminal():
+    """The session's terminal reporter (None without one, e.g. under ``-p no:terminal``)."""
+    return _CONFIG[0].pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
+
+
+def busiest_processes(n: int = 6, interval_s: float = 0.5) -> list[str]:
+    """The ``n`` processes of the machine using the most CPU over ``interval_s`` seconds, one line each (pid, parent,
+    CPU %, resident MB, command), for a failure's report."""
+    procs = list(psutil.process_iter(["pid", "ppid", "cmdline", "name"]))
+    for p in procs:
+        try:
+            p.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(interval_s)
+    rows = []
+    for p in procs:
+        try:
+            rows.append((p.cpu_percent(None), p.info["pid"], p.info["ppid"], p.memory_info().rss >> 20,
+                         " ".join(p.info["cmdline"] or [p.info["name"] or "?"]).replace("\n", " ")[:110]))
+        except psutil.Error:
+            continue
+    rows.sort(reverse=True)
+    return [f"  pid {pid} (parent {ppid}) {cpu:5.1f}% cpu {rss} MB: {cmd}" for cpu, pid, ppid, rss, cmd in rows[:n]]
+
+
+_STRAY_NOTES: list[str] = []  # what `no_strays_after_multiprocess_tests` killed, printed after the test's teardown
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failed test's last traceback lines and the machine's busiest processes, printed as it fails; after a
+    teardown, the orphans it killed (outside the test's output capture, so they reach CI's log)."""
+    tw = _terminal()
+    if tw is None:
+        return
+    while _STRAY_NOTES:
+        tw.write_line("\n" + _STRAY_NOTES.pop(0))
+    if not report.failed:
+        return
+    lines = report.longreprtext.splitlines()
+    tw.write_line(f"\n--- {report.nodeid} failed in its {report.when} after {report.duration:.1f} s; its last lines:")
+    for line in lines[-25:]:
+        tw.write_line(f"  {line[:200]}")
+    tw.write_line("--- the machine's busiest processes now:")
+    for line in busiest_processes():
+        tw.write_line(line)
+
+
+def _session_strays() -> list[psutil.Process]:
+    """Processes of this session outside pytest's tree: orphans (parent pid 1) started since the session began whose
+    command runs this checkout's interpreter, code or hivemind's ``p2pd``."""
+    me, markers = os.getpid(), (sys.prefix, str(Path(__file__).resolve().parents[1]), "p2pd")
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]):
+        info = p.info
+        if info["ppid"] != 1 or info["pid"] == me or (info["create_time"] or 0.0) < _SESSION_STARTED:
+            continue
+        cmd = " ".join(info["cmdline"] or [])
+        if any(m in cmd for m in markers):
+            out.append(p)
+    return out
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_strays_after_multiprocess_tests(request: pytest.FixtureRequest):
+    """After a multi-process test: its peers' reapers (`composer_diloco.reaper`) get 5 s to take their orphans down;
+    whatever of the session is still an orphan then is killed and named on the terminal, so that a leak costs the
+    test that made it, not the CPU of every test after it."""
+    yield
+    if request.node.get_closest_marker("multiprocess") is None:
+        return
+    deadline = time.monotonic() + 5.0
+    strays = _session_strays()
+    while strays and time.monotonic() < deadline:
+        time.sleep(0.25)
+        strays = [p for p in strays if _running(p)]
+    if not strays:
+        return
+    names = []
+    for p in strays:
+        try:
+            names.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+            p.kill()
+        except psutil.Error:
+            continue
+    _STRAY_NOTES.append(f"{request.node.nodeid} left {len(names)} orphan process(es), killed now: " + "; ".join(names))
