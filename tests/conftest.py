@@ -69,6 +69,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     root = Path(kept).absolute() if kept else Path(tempfile.mkdtemp(prefix="composer-diloco-user-cache-"))
     root.mkdir(parents=True, exist_ok=True)
     session.stash[_USER_CACHE] = root
+    _SESSION.append(session)
     session.stash[_PREVIOUS_CACHE_ENV] = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(root)
 
@@ -228,6 +229,11 @@ def busiest_processes(n: int = 6, interval_s: float = 0.5) -> list[str]:
     return [f"  pid {pid} (parent {ppid}) {cpu:5.1f}% cpu {rss} MB: {cmd}" for cpu, pid, ppid, rss, cmd in rows[:n]]
 
 
+STOP_AFTER_FAILURES_IN_A_ROW = 4
+"""Multi-process tests failing one after another that stop the session (as ``--maxfail`` does): each can take its
+whole timeout, and eleven in a row outlived CI's 90 minutes (stop 57)."""
+_RUN_OF_FAILURES: list[str] = []
+_SESSION: list[pytest.Session] = []
 _STRAY_NOTES: list[str] = []  # what `no_strays_after_multiprocess_tests` killed, printed after the test's teardown
 
 
@@ -239,6 +245,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     while _STRAY_NOTES:
         tw.write_line("\n" + _STRAY_NOTES.pop(0))
+    if report.when == "call" and "multiprocess" in report.keywords:
+        _RUN_OF_FAILURES[:] = [*_RUN_OF_FAILURES, report.nodeid] if report.failed else []
+        if len(_RUN_OF_FAILURES) >= STOP_AFTER_FAILURES_IN_A_ROW and _SESSION:
+            _SESSION[0].shouldstop = (f"{len(_RUN_OF_FAILURES)} multi-process tests failed in a row "
+                                      f"({', '.join(_RUN_OF_FAILURES)}): the machine, not one test, is the likelier "
+                                      "cause; stopping so that the reasons above are printed within CI's time")
     if not report.failed:
         return
     lines = report.longreprtext.splitlines()
