@@ -727,8 +727,12 @@ class DiLoCoPeer:
                 timeout, a failed all-reduce).
         """
         given_up_at: float | None = None
-        while not control.done():
-            time.sleep(poll_s)
+        while True:
+            try:  # returns the moment the step ends (a sleep first cost every all-reduce up to ``poll_s``)
+                return control.result(timeout=poll_s)
+            except TimeoutError:
+                if control.done():  # the step's own TimeoutError (no group in time), not the wait's
+                    raise
             if not partners or control.stage != AveragingStage.LOOKING_FOR_GROUP:
                 given_up_at = None
                 continue
@@ -744,7 +748,6 @@ class DiLoCoPeer:
             elif time.monotonic() - given_up_at >= 1.0 and control.cancel():
                 log.warning("%s round %d: %s finished the round without this peer's group: no longer looking for "
                             "one", self.swarm.name, r, ", ".join(partners))
-        return control.result()
 
     def _outer_step(self, r: int, reduced: _Reduced) -> SyncStatus:
         """theta <- OuterOpt(theta, Delta) and advance to round ``r + 1``; a Delta that missed elements is settled
