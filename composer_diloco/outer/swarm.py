@@ -425,7 +425,7 @@ class Swarm:
         return self._records(f"ready.{round_}", set())
 
     def wait_for_round(self, round_: int, *, slack_s: float, matchmaking_s: float,
-                       stop: threading.Event | None = None, poll_s: float = 0.25) -> tuple[float, list[str]] | None:
+                       stop: threading.Event | None = None, poll_s: float = 0.1) -> tuple[float, list[str]] | None:
         """Block until every live node training toward ``round_`` is ready, and the live coordinator too, or
         ``slack_s`` after the first ready node.
 
@@ -445,6 +445,10 @@ class Swarm:
         keep waiting (a loaded peer may be slow to answer a DHT ping; one CI run lost a live node at round 0,
         perhaps that way). A newer heartbeat of it brings it
         back. Under churn this was the barrier's largest wait: every kill held each other peer for up to the TTL.
+
+        ``poll_s``: seconds between two reads of the round's records. Every peer but the last one ready learns that
+        the round is complete at its next read, and the all-reduce starts once all of them are in it: at 0.25 s that
+        wait was ~0.125 s of every round's barrier on average (three DHT reads a poll, only while a round waits).
 
         Returns:
             ``(scheduled_time, ready_nodes)``: the DHT time at which all peers start the all-reduce (the same
