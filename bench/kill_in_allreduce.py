@@ -15,6 +15,8 @@ Reported (``OUT/kill_in_allreduce.json`` and one line on stdout):
     exit_codes          every process's exit code (node-0's first life: -9)
 
     python bench/kill_in_allreduce.py --out runs/kar --standby                 (this checkout)
+    python bench/kill_in_allreduce.py --out runs/kar-ov --standby --overlap    (the sync overlapped, as in
+                                                                                bench/configs/overlap.toml)
     python bench/kill_in_allreduce.py --out runs/kar-before --standby --code /tmp/before   (another checkout, e.g. a
                                                                                 worktree of an older commit)
 
@@ -43,6 +45,8 @@ def main() -> int:
     ap.add_argument("--round", type=int, default=3, help="the round in whose all-reduce node-0 is killed")
     ap.add_argument("--standby", action="store_true", help="node-0 has a warm standby beside it")
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code the peers run (default: this one)")
+    ap.add_argument("--overlap", action="store_true", help="[outer] overlap = true: the all-reduce runs under the next "
+                                                           "inner phase (bench/churn.py --config bench/configs/overlap.toml)")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder")
@@ -55,7 +59,8 @@ def main() -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     config = write_config(out / "run.toml", f"rounds = {a.rounds}\ninner_steps = 2\n[network]\nheartbeat_s = 1.0\n"
-                                              "heartbeat_ttl_s = 6.0\naveraging_timeout_s = 45.0\n")
+                                              "heartbeat_ttl_s = 6.0\naveraging_timeout_s = 45.0\n"
+                                              + ("[outer]\noverlap = true\n" if a.overlap else ""))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
     run = LocalRun(out / "run", config)
     names = [f"node-{i}" for i in range(a.nodes)]
