@@ -65,11 +65,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     never reused)."""
     from composer_diloco.policy.cache import CACHE_ENV
 
+    _SESSION.append(session)
     kept = os.environ.get("COMPOSER_DILOCO_TEST_WARM_DIR")
     root = Path(kept).absolute() if kept else Path(tempfile.mkdtemp(prefix="composer-diloco-user-cache-"))
     root.mkdir(parents=True, exist_ok=True)
     session.stash[_USER_CACHE] = root
-    _SESSION.append(session)
     session.stash[_PREVIOUS_CACHE_ENV] = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(root)
 
@@ -195,17 +195,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # that outlives CI's clock (stop 57: eleven multi-process tests failing one after another, none reproducible on
 # another 2-core box) ends without a word of why. So a failure is described when it happens, with the machine's
 # busiest processes, and every multi-process test ends with no stray process of the session behind it.
+from tests_support import alive, cmdline  # noqa: E402 - the suite's helpers (pythonpath = tests)
+
 _SESSION_STARTED = time.time()
-_CONFIG: list[pytest.Config] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    _CONFIG.append(config)
+_SESSION: list[pytest.Session] = []  # the session, from `pytest_sessionstart` on
 
 
 def _terminal():
     """The session's terminal reporter (None without one, e.g. under ``-p no:terminal``)."""
-    return _CONFIG[0].pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
+    return _SESSION[0].config.pluginmanager.get_plugin("terminalreporter") if _SESSION else None
 
 
 def busiest_processes(n: int = 6, interval_s: float = 0.5) -> list[str]:
@@ -233,7 +231,6 @@ STOP_AFTER_FAILURES_IN_A_ROW = 4
 """Multi-process tests failing one after another that stop the session (as ``--maxfail`` does): each can take its
 whole timeout, and eleven in a row outlived CI's 90 minutes (stop 57)."""
 _RUN_OF_FAILURES: list[str] = []
-_SESSION: list[pytest.Session] = []
 _STRAY_NOTES: list[str] = []  # what `no_strays_after_multiprocess_tests` killed, printed after the test's teardown
 
 
@@ -247,7 +244,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         tw.write_line("\n" + _STRAY_NOTES.pop(0))
     if report.when == "call" and "multiprocess" in report.keywords:
         _RUN_OF_FAILURES[:] = [*_RUN_OF_FAILURES, report.nodeid] if report.failed else []
-        if len(_RUN_OF_FAILURES) >= STOP_AFTER_FAILURES_IN_A_ROW and _SESSION:
+        if len(_RUN_OF_FAILURES) >= STOP_AFTER_FAILURES_IN_A_ROW:
             _SESSION[0].shouldstop = (f"{len(_RUN_OF_FAILURES)} multi-process tests failed in a row "
                                       f"({', '.join(_RUN_OF_FAILURES)}): the machine, not one test, is the likelier "
                                       "cause; stopping so that the reasons above are printed within CI's time")
@@ -277,13 +274,6 @@ def _session_strays() -> list[psutil.Process]:
     return out
 
 
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def no_strays_after_multiprocess_tests(request: pytest.FixtureRequest):
     """After a multi-process test: its peers' reapers (`composer_diloco.reaper`) get 5 s to take their orphans down;
@@ -296,13 +286,12 @@ def no_strays_after_multiprocess_tests(request: pytest.FixtureRequest):
     strays = _session_strays()
     while strays and time.monotonic() < deadline:
         time.sleep(0.25)
-        strays = [p for p in strays if _running(p)]
+        strays = [p for p in strays if alive(p)]
     if not strays:
         return
-    names = []
+    names = [f"{p.pid} {cmdline(p)[:100]}" for p in strays]
     for p in strays:
         try:
-            names.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
             p.kill()
         except psutil.Error:
             continue
