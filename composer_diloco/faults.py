@@ -16,6 +16,9 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     slow_reply:R:S             as a reducer in round R's all-reduce, wait S seconds before returning the last
                                averaged part of its share to each sender: its own average is complete by then
                                (a late reply)                                             (`reply_delay_s`)
+    stall_reducer:R            as a reducer in round R's all-reduce, never add this peer's own part to its share:
+                               its reducer waits for it for ever, where no stream timer of hivemind's runs (a hung
+                               reducer; the all-reduce's own watch ends it)                 (`stalls_reducer`)
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
                                                                                         (point checkpoint_written)
     step_delay:*:S             sleep S seconds after every inner step (a slow node)          (point inner_step_end)
@@ -47,7 +50,7 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
     import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
+KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
          "nan_pseudo_gradient", "hold", "slow_state", "kill_in_state_serve")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end", "pseudo_gradient"]
 
@@ -147,6 +150,12 @@ def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Ten
 def withholds_replies(round_: int | None) -> bool:
     """True when this peer, as a reducer of round ``round_``, answers one sender only (``kill_in_reply``)."""
     return _plan.armed("kill_in_reply", round_) is not None
+
+
+def stalls_reducer(round_: int | None) -> bool:
+    """True when this peer, as a reducer of round ``round_``, never adds its own part to its share
+    (``stall_reducer``)."""
+    return _plan.armed("stall_reducer", round_) is not None
 
 
 def reply_delay_s(round_: int | None) -> float:

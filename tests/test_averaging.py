@@ -39,3 +39,23 @@ def test_three_peers_agree_bit_for_bit(tmp_path):
     int8_bytes = sum(r["int8"]["bytes_sent"] for r in results)
     assert 1.8 < none_bytes / fp16_bytes < 2.2 and 3.2 < none_bytes / int8_bytes < 4.4, (
         none_bytes, fp16_bytes, int8_bytes)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_hung_reducer_ends_its_all_reduce_and_says_where_it_stood(tmp_path):
+    """A reducer that hangs where no stream timer of hivemind's runs (peer 2 never adds its own part to its share:
+    fault ``stall_reducer``) used to wait out the step's whole ``allreduce_timeout`` (40 s here; 45 s at the
+    default, seen once under churn, BENCHMARKS.md 3k). Once the others' parts are in, nothing is left to wait for
+    but its own share, and the all-reduce's watch (`ExactAllReduceRunner._watch`) ends it half a ``sender_timeout``
+    later (1.5 s here), saying where it stood: its step fails within seconds. The two others give its share up
+    after hivemind's ``reducer_timeout`` (6 s), as before, and agree: the same zeros in its share."""
+    results = run_peer_trio(HERE / "stall_peer.py", tmp_path, timeout_s=200)
+    hung, others = results[2], results[:2]
+    print(f"\nhung reducer's step failed after {hung['seconds']:.1f} s; the others' took "
+          f"{', '.join(format(o['seconds'], '.1f') for o in others)} s")
+    assert hung["outcome"] != "averaged" and hung["seconds"] < 20.0, hung  # not the 40 s allreduce_timeout
+    assert all(o["outcome"] == "averaged" and o["failed_size"] > 0 for o in others), others
+    assert others[0]["mean_sha"] == others[1]["mean_sha"] and others[0]["failed_size"] == others[1]["failed_size"]
+    log = (tmp_path / "2.json.log").read_text()
+    assert "(only this peer's own share is left): given up" in log and "reducer part 0/" in log, log[-3000:]

@@ -57,7 +57,10 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
+import sys
 import threading
+import time
+import traceback
 import typing
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -66,7 +69,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -142,6 +145,98 @@ class ExactAllReduceRunner(AllReduceRunner):
         with self._bytes_sent.get_lock():
             self._bytes_sent.value += message_bytes
 
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        """hivemind's ``run`` (the averaged tensors, in order), watched: see `_watch`."""
+        watch = asyncio.create_task(self._watch())
+        try:
+            async for tensor in super().run():
+                yield tensor
+        finally:
+            watch.cancel()
+
+    def _progress(self) -> tuple:
+        """What changes whenever this all-reduce moves: parts taken in as a reducer, the reducer's current part,
+        averaged parts registered from every reducer, payload bytes sent, senders banned."""
+        reducer, container = self.tensor_part_reducer, self.tensor_part_container
+        return (sum(reducer.num_parts_received), reducer.current_part_index,
+                tuple(container._outputs_registered_by_peer), self._bytes_sent.value, len(self.banned_senders))
+
+    def _only_own_share_left(self) -> bool:
+        """True when nothing from another peer is still to come: every other reducer's averaged parts are in (or
+        given up: zeros), every other sender sent all its parts or was banned, and this peer's own share is not
+        done. Only this peer's own parts can still move it: it is local work, not a wait on the network."""
+        me = self.ordered_peer_ids.index(self.peer_id)
+        reducer, container = self.tensor_part_reducer, self.tensor_part_container
+        registered, expected = container._outputs_registered_by_peer, container.num_parts_by_peer
+        reducers_done = all(registered[i] == expected[i] for i in range(len(expected)) if i != me)
+        senders_done = all(p in self.banned_senders or reducer.num_parts_received[i] == reducer.num_parts
+                           for i, p in enumerate(self.sender_peer_ids) if p != self.peer_id)
+        return reducers_done and senders_done and registered[me] < expected[me]
+
+    async def _watch(self, poll_s: float = 0.5) -> None:
+        """End an all-reduce that stopped moving, and say where it stood.
+
+        hivemind times each stream on its own (a sender's next part within ``sender_timeout``, a reducer's within
+        ``reducer_timeout``), not the all-reduce: one stuck where no stream timer runs (this peer's own share
+        never finishing, its senders given up on it) waited out the step's whole timeout
+        (`composer_diloco.outer.peer`'s ``allreduce_timeout_s``, 45 s at the default; seen once in 18 kills of an
+        overlapped churn run, BENCHMARKS.md 3k). After ``sender_timeout`` seconds without progress (`_progress`)
+        this logs where the all-reduce stands (`describe`) at WARNING. It finalizes the runner with an
+        `AllreduceException` (the step fails, the peer resyncs as after any failed all-reduce) after half a
+        ``sender_timeout`` without progress when nothing but its own share is left (`_only_own_share_left`: no
+        stream is waited for, and finishing the share is local work of milliseconds a part), and after
+        ``reducer_timeout + sender_timeout`` in any case: later than hivemind's own bound on any one stream, so a
+        slow reducer is still given up alone, as hivemind does.
+        """
+        warn_s = self.sender_timeout or 10.0
+        give_up_s = (self.reducer_timeout or 2 * warn_s) + warn_s
+        last, since, warned = self._progress(), time.monotonic(), False
+        while True:
+            await asyncio.sleep(poll_s)
+            now = self._progress()
+            if now != last:
+                last, since, warned = now, time.monotonic(), False
+                continue
+            stalled = time.monotonic() - since
+            own_only = stalled >= warn_s / 2 and self._only_own_share_left()
+            if own_only or stalled >= give_up_s:
+                why = "only this peer's own share is left" if own_only else "no stream moved"
+                log.warning("all-reduce: no progress for %.1f s (%s): given up, the step fails%s", stalled, why,
+                            "" if warned else f": {self.describe()}")
+                self.finalize(exception=AllreduceException(f"no progress for {stalled:.1f} s ({why})"))
+                return
+            if stalled >= warn_s and not warned:
+                warned = True
+                log.warning("all-reduce: no progress for %.0f s: %s", stalled, self.describe())
+
+    def describe(self) -> str:
+        """One line on where this all-reduce stands: this peer's reducer (its current part, how many of the
+        senders counted for it have added it, parts taken from each sender, where each banned sender's parts stop),
+        the averaged parts registered from each reducer, and this process's other threads (idle pool workers
+        counted, every other thread's innermost frames): what a stalled all-reduce waits for."""
+        reducer, container = self.tensor_part_reducer, self.tensor_part_container
+        short = [str(p)[-6:] for p in self.sender_peer_ids]
+        failed = {s: a for s, a in zip(short, reducer.sender_failed_after) if a != float("inf")}
+        outputs = [f"{str(p)[-6:]} {n}/{m}" for p, n, m in zip(self.ordered_peer_ids,
+                                                                container._outputs_registered_by_peer,
+                                                                container.num_parts_by_peer)]
+        parts = (f"reducer part {reducer.current_part_index}/{reducer.num_parts} "
+                 f"({reducer.current_part_accumulated_from} of {reducer.num_current_senders} senders in), "
+                 f"received {dict(zip(short, reducer.num_parts_received))}, banned after {failed}, "
+                 f"finished {reducer.finished.is_set()}; averaged parts in: {', '.join(outputs)}")
+        frames, idle, busy = sys._current_frames(), 0, []
+        for thread in threading.enumerate():  # hivemind's loop is uvloop's: its executor is not ours to inspect
+            frame = frames.get(thread.ident)
+            if thread is threading.current_thread() or frame is None:
+                continue
+            stack = traceback.extract_stack(frame)[-3:]
+            if stack[-1].name == "_worker" and stack[-1].filename.endswith("thread.py"):
+                idle += 1  # a pool worker waiting for a job (in C: `SimpleQueue.get`)
+                continue
+            where = " <- ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(stack))
+            busy.append(f"{thread.name}: {where}")
+        return parts + f"; threads: {idle} idle workers, others: {'; '.join(busy) or 'none'}"
+
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
             try:
@@ -155,6 +250,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     await self._ban_sender(peer_id)
                 raise
         # Our own part: average it here, then take it through the compression the others receive it with.
+        if faults.stalls_reducer(self._round):
+            await asyncio.Event().wait()  # never set: the fault's hung reducer (`_watch` ends the all-reduce)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
