@@ -54,6 +54,7 @@ round: that grows with N, where the butterfly's ``2 (n - 1) / n x vector`` does 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import logging
 import multiprocessing as mp
@@ -212,8 +213,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     def describe(self) -> str:
         """One line on where this all-reduce stands: this peer's reducer (its current part, how many of the
         senders counted for it have added it, parts taken from each sender, where each banned sender's parts stop),
-        the averaged parts registered from each reducer, and this process's other threads (idle pool workers
-        counted, every other thread's innermost frames): what a stalled all-reduce waits for."""
+        the averaged parts registered from each reducer, this process's other threads (idle pool workers counted,
+        every other thread's innermost frames) and its event loop's tasks, counted by where each is suspended
+        (`_awaiting`): what a stalled all-reduce waits for."""
         reducer, container = self.tensor_part_reducer, self.tensor_part_container
         short = [str(p)[-6:] for p in self.sender_peer_ids]
         failed = {s: a for s, a in zip(short, reducer.sender_failed_after) if a != float("inf")}
@@ -235,7 +237,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 continue
             where = " <- ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(stack))
             busy.append(f"{thread.name}: {where}")
-        return parts + f"; threads: {idle} idle workers, others: {'; '.join(busy) or 'none'}"
+        tasks = collections.Counter(_awaiting(t.get_coro()) for t in asyncio.all_tasks())
+        waits = "; ".join(f"{n} x {where}" for where, n in tasks.most_common(12))
+        return parts + f"; threads: {idle} idle workers, others: {'; '.join(busy) or 'none'}; tasks: {waits}"
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
@@ -372,6 +376,22 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _die_after_answer(self) -> None:
         await asyncio.sleep(1.0)
         faults.point("reducer_answered", self._round)
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a task's coroutine is suspended: its outermost frame and, following what each frame awaits, the
+    innermost one reachable (the chain stops where an async generator is iterated: its ``asend`` object hides it).
+    For `ExactAllReduceRunner.describe`: e.g. a handler blocked writing a reply to a peer that reads nothing more."""
+    def where(frame: Any) -> str:
+        return f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+
+    outer = inner = None
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            outer, inner = outer or where(frame), where(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return f"{outer} > {inner}" if outer != inner else str(outer)
 
 
 class _ClosingAfterLastPart:
