@@ -250,6 +250,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                                       "cause; stopping so that the reasons above are printed within CI's time")
     if not report.failed:
         return
+    if report.when == "call" and "multiprocess" in report.keywords:
+        import prefork
+
+        # after one multi-process failure, every later test's forked peers hung at their DHT's start (stop 57's CI,
+        # and once here, 2026-12-01): whatever the cause, the next test gets a template of its own
+        prefork.stop_template()
+        tw.write_line("\n--- the suite's process template is started afresh for the next test")
     lines = report.longreprtext.splitlines()
     tw.write_line(f"\n--- {report.nodeid} failed in its {report.when} after {report.duration:.1f} s; its last lines:")
     for line in lines[-25:]:

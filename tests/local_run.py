@@ -170,8 +170,53 @@ class LocalRun:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.all_tails()}")
+                raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.all_tails()}"
+                                     f"{self.dump_stacks()}")
             time.sleep(poll_s)
+
+    def dump_stacks(self, settle_s: float = 1.5) -> str:
+        """Where this run's live processes are: SIGUSR1 (`prefork.DUMP_SIGNAL`) to every process forked from the
+        suite's template (each peer, and the DHT and averager processes hivemind forks from it, which keep the
+        template's command line), then, per peer, the stack lines they wrote to its log (each thread's frames in
+        this checkout's code and hivemind's, innermost first). Exec'd processes (env servers, the reaper, p2pd) are
+        left alone: SIGUSR1 would end them. "" when nothing was running."""
+        import psutil
+
+        sizes, signalled = {}, 0
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                continue
+            log_path = self.run_dir / "logs" / f"{name}.log"
+            sizes[name] = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                root = psutil.Process(proc.pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in tree:
+                try:
+                    if any("prefork.py" in part for part in p.cmdline()):
+                        p.send_signal(prefork.DUMP_SIGNAL)
+                        signalled += 1
+                except psutil.Error:
+                    pass
+        if not signalled:
+            return ""
+        time.sleep(settle_s)
+        out = []
+        for name, size in sizes.items():
+            with open(self.run_dir / "logs" / f"{name}.log", "rb") as f:
+                f.seek(size)
+                text = f.read().decode(errors="replace")
+            keep: list[str] = []
+            for block in text.split("\n\n"):  # one thread's stack a block (faulthandler's format)
+                lines = block.strip().splitlines()
+                frames = [line.strip() for line in lines[1:] if line.strip().startswith("File ") and any(
+                    m in line for m in ("composer_diloco", "hivemind", "/nodes/", "/coordinator/", "asyncio"))]
+                if lines and "hread 0x" in lines[0] and frames:  # threads idle in the standard library: left out
+                    keep += [lines[0].split(" (")[0], *(f"  {f}" for f in frames[:8])]
+            out.append(f"--- {name}: stacks ---\n" + "\n".join(keep[:150]))
+        return "\n" + "\n".join(out)
 
     def wait_round(self, name: str, round_: int, timeout_s: float = 300) -> dict:
         """Wait until ``name`` wrote its metrics line of ``round_``; returns it."""
@@ -182,7 +227,8 @@ class LocalRun:
         try:
             return self.procs[name].wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still running after {timeout_s:.0f} s\n{self.all_tails()}") from None
+            raise AssertionError(f"{name} still running after {timeout_s:.0f} s\n{self.all_tails()}"
+                                 f"{self.dump_stacks()}") from None
 
     def assert_exit_ok(self, *names: str, timeout_s: float = 300) -> None:
         """Wait for each peer in ``names`` in turn (``timeout_s`` each) and assert it exited 0, with its log's tail."""

@@ -42,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("nodes.cli", "nodes.node", "nodes.standby", "coordinator.cli", "coordinator.coordinator")
 """What the template imports: everything ``python -m nodes join`` and ``python -m coordinator start`` import."""
 
+DUMP_SIGNAL = signal.SIGUSR1
+"""The signal on which a forked process (and every process hivemind forks from it) prints its threads' stacks."""
+
 READ_WHEN_USED = ("COMPOSER_DILOCO_", "COLUMNS", "LINES", "TTY_", "PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
 """Environment variables (prefixes) read when they are used, not at start or import: this project's (its cache, its
 fault plan, its secret, its device-memory cap), the terminal's (rich reads them as it makes a console) and pytest's
@@ -70,6 +73,11 @@ def _run_child(request: dict, fds: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
+        import faulthandler
+
+        # SIGUSR1 writes every thread's Python stack to stderr (its log), here and in the processes hivemind forks
+        # from it: what a test that timed out reads of a process that hangs (`local_run.LocalRun.dump_stacks`)
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
         os.environ.clear()
         os.environ.update(request["env"])
         import runpy
