@@ -138,15 +138,23 @@ def visible_multiaddr(dht: hivemind.DHT) -> str:
     return addrs[0]
 
 
-def publish_config(dht: hivemind.DHT, config: RunConfig) -> None:
+def publish_config(dht: hivemind.DHT, config: RunConfig, attempts: int = 5, retry_s: float = 1.0) -> None:
     """Store the run config (canonical JSON) in the DHT registry of runs, for nodes to read.
 
+    hivemind's ``store`` is False when none of the nodes it chose took the record: right after a restart, its routing
+    table may still name peers that died with the last life (seen in CI: a coordinator restarted beside live nodes
+    exited on one such store). It is tried ``attempts`` times, ``retry_s`` seconds apart.
+
     Raises:
-        SwarmError: the DHT refused the record.
+        SwarmError: the DHT refused the record every time.
     """
-    ok = dht.store(RUNS_KEY, config.to_json(), get_dht_time() + _RECORD_TTL_S, subkey=config.run_name)
-    if not ok:
-        raise SwarmError(f"could not store the config of run {config.run_name!r} in the DHT")
+    for attempt in range(attempts):
+        if dht.store(RUNS_KEY, config.to_json(), get_dht_time() + _RECORD_TTL_S, subkey=config.run_name):
+            return
+        if attempt + 1 < attempts:
+            time.sleep(retry_s)
+    raise SwarmError(f"could not store the config of run {config.run_name!r} in the DHT ({attempts} tries, "
+                     f"{retry_s:.0f} s apart)")
 
 
 def fetch_run_config(dht: hivemind.DHT, *, run_name: str | None, timeout_s: float) -> RunConfig:
