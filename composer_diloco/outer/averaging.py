@@ -235,7 +235,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if stack[-1].name == "_worker" and stack[-1].filename.endswith("thread.py"):
                 idle += 1  # a pool worker waiting for a job (in C: `SimpleQueue.get`)
                 continue
-            where = " <- ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(stack))
+            where = " <- ".join(_where(f.name, f.filename, f.lineno) for f in reversed(stack))
             busy.append(f"{thread.name}: {where}")
         tasks = collections.Counter(_awaiting(t.get_coro()) for t in asyncio.all_tasks())
         waits = "; ".join(f"{n} x {where}" for where, n in tasks.most_common(12))
@@ -378,12 +378,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         faults.point("reducer_answered", self._round)
 
 
+def _where(function: str, filename: str, lineno: int) -> str:
+    """``function (file.py:line)``: one frame in `ExactAllReduceRunner.describe`'s line."""
+    return f"{function} ({filename.rsplit('/', 1)[-1]}:{lineno})"
+
+
 def _awaiting(coro: Any) -> str:
     """Where a task's coroutine is suspended: its outermost frame and, following what each frame awaits, the
     innermost one reachable (the chain stops where an async generator is iterated: its ``asend`` object hides it).
     For `ExactAllReduceRunner.describe`: e.g. a handler blocked writing a reply to a peer that reads nothing more."""
     def where(frame: Any) -> str:
-        return f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+        return _where(frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno)
 
     outer = inner = None
     while coro is not None:
