@@ -15,7 +15,10 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        life's first inner phase, its line's ``inner_started``: imports, env server, DHT join, state
                        download), ``sync`` (the seconds each round's sync
                        stopped the inner loop: ``blocked_seconds``, which is ``sync_seconds`` unless the sync
-                       overlaps), ``lost`` (the rest: the inner phase a kill cut short, waits between rounds)
+                       overlaps), ``lost`` (the rest), split into ``lost_after_last_round`` (from a life's last round
+                       line to its end: the inner phase a kill cut short, with ``[outer] overlap`` also the phase
+                       whose sync was under way; the run's shutdown) and ``lost_between_rounds`` (the seconds between
+                       a life's rounds that are neither inner phase nor blocked sync)
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -214,7 +217,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
 
     records = read_metrics(churn.run_dir)
     canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
-    alive = inner = kept = sync = startup = 0.0
+    alive = inner = kept = sync = startup = tail = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
     joins: dict[str, list[dict]] = {}  # how a life joined -> the join's parts of each such life (`JOIN_PHASES`)
@@ -232,6 +235,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
             if opening is not None:
                 joins.setdefault(opening["joined_as"], []).append(opening["join_seconds"])
             startup += max(0.0, first - began)
+            tail += max(0.0, end - max(r["time"] for r in mine))
             if life.replaces_kill_at is not None:
                 back_after.append(first - life.replaces_kill_at)
         else:
@@ -243,6 +247,9 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
         "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
                   "lost": share(alive - inner - startup - sync)},
+        # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown) and the rest (the
+        # seconds between a life's rounds that are neither inner phase nor blocked sync)
+        "lost_after_last_round": share(tail), "lost_between_rounds": share(alive - inner - startup - sync - tail),
         "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
         "agree": replicas_agree(records),
         "node_lives": len(lives),
@@ -388,9 +395,12 @@ def main() -> int:
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
               "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
               "config": str(a.config) if a.config else None, "standby": a.standby,
-              "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives]}
+              "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives],
+              # every life, wall times (seconds since the epoch): the report can be read again against the metrics
+              "lives": [{"name": x.name, "started": x.started, "began": x.began, "ended": x.ended, "killed": x.killed,
+                         "standby": x.standby, "replaces_kill_at": x.replaces_kill_at} for x in churn.lives]}
     (a.out / "churn.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k != "exit_codes"}))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("exit_codes", "lives")}))
     return 0 if report["rounds"] >= a.rounds and report["agree"] else 1
 
 
