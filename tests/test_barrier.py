@@ -193,6 +193,70 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
         b_dht.shutdown()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_barrier_does_not_wait_for_a_late_joiners_set_up_only_for_its_inner_phase():
+    """A node that joins a swarm past its first round (a standby's takeover) is not waited for while it sets up, by
+    its joining record or by its heartbeat (its ``info`` says ``phase: "joining"``, ``joined_late``): under churn that
+    wait held every other peer for the takeover's seconds (BENCHMARKS 3m). From its first inner phase
+    (`Swarm.first_inner_phase`, stored at once) the barrier waits for it as for any node."""
+    a, b = _pair(TTL_S)
+    late = Swarm(b.dht, run_name="barrier", peer_name="node-late", role="node")
+    try:
+        for s in (a, b):
+            s.set_round(2)  # the swarm trains round 2: a node announcing itself now is late
+        deadline = time.monotonic() + 30
+        while {p.round for p in late.live_peers() if p.name in ("node-a", "node-b")} != {2}:
+            assert time.monotonic() < deadline, late.live_peers()
+            time.sleep(0.2)
+        late.set_info(phase="joining")  # as `Node` does before it announces itself
+        assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 2 and late.joined_late
+        a.announce_ready(2, 1.0)
+        b.announce_ready(2, 1.0)
+        started = time.monotonic()
+        result = a.wait_for_round(2, slack_s=SLACK_S, matchmaking_s=0.0)
+        assert result is not None and result[1] == ["node-a", "node-b"], result
+        late.set_round(2)
+        late.start_heartbeat(PERIOD_S, TTL_S)  # its state is loaded: it beats, still setting up
+        deadline = time.monotonic() + 30
+        while not any(p.name == "node-late" for p in a.live_peers()):
+            assert time.monotonic() < deadline, a.live_peers()
+            time.sleep(0.2)
+        result = a.wait_for_round(2, slack_s=SLACK_S, matchmaking_s=0.0)
+        assert result is not None and result[1] == ["node-a", "node-b"], result
+        assert time.monotonic() - started < 10, "the barrier waited for a late joiner's set-up"
+        late.first_inner_phase()  # from now on it is waited for
+        deadline = time.monotonic() + 30
+        while not any(p.name == "node-late" and p.info.get("phase") == "inner" for p in a.live_peers()):
+            assert time.monotonic() < deadline, a.live_peers()
+            time.sleep(0.2)
+        done: list = []
+        waiter = threading.Thread(target=lambda: done.append(a.wait_for_round(2, slack_s=SLACK_S, matchmaking_s=0.0)))
+        waiter.start()
+        time.sleep(3 * PERIOD_S)
+        assert not done, done
+        late.announce_ready(2, 1.0)
+        waiter.join(timeout=30)
+        assert done and done[0] is not None and done[0][1] == ["node-a", "node-b", "node-late"], done
+    finally:
+        late.close()
+        _close(a, b)
+
+
+def test_a_late_joiner_is_setting_up_until_its_first_inner_phase():
+    """`setting_up_late`: a node record whose ``info`` says ``phase: "joining"`` and ``joined_late``; not a node
+    launched with the run (no ``joined_late``), not one in its inner phase, not the coordinator."""
+    from composer_diloco.outer.peer_records import setting_up_late
+
+    def record(role: str = "node", **info) -> PeerRecord:
+        return PeerRecord("x", role, 3, 0.0, info=info)
+
+    assert setting_up_late(record(phase="joining", joined_late=True))
+    assert not setting_up_late(record(phase="joining"))
+    assert not setting_up_late(record(phase="inner", joined_late=True))
+    assert not setting_up_late(record("coordinator", phase="joining", joined_late=True))
+
+
 def test_a_caught_up_phase_is_not_a_deadline_hit():
     """`InnerPhase.record`: ``deadline_hit`` keeps meaning "the round budget (or a stop) cut the phase"; a late
     joiner's short first phase says ``caught_up`` instead, and a phase of H steps says neither."""

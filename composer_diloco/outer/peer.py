@@ -997,7 +997,8 @@ class DiLoCoPeer:
         (`Swarm.announce_joining`, by the same rule) joins that round however long its set-up took (the others wait
         for it at that round's barrier), unless a peer already began that round's all-reduce: the group is closed,
         and the peer would train the round only to find no group, while the others waited for it at the next round's
-        barrier.
+        barrier. A late joiner (``swarm.joined_late``: the swarm was past its first round) is not waited for while it
+        sets up: it also takes the next round boundary when another node announced round r ready.
 
         Args:
             join_grace_s: seconds a round may have been underway for this peer to still join it.
@@ -1018,12 +1019,19 @@ class DiLoCoPeer:
             self.load_state_from_peers(timeout_s, min_round=newest)
         r, others = self.round, self._others()
         began = all_reduce_began(others, r)
-        if r == intended and not began:
+        # a late joiner (`Swarm.announce_joining`) is waited for only from its first inner phase on: once a node of
+        # round r is ready, r's barrier may close without it (`Swarm.wait_for_round`)
+        ready = [] if began or not self.swarm.joined_late else sorted(
+            n for n, v in self.swarm.ready_peers(r).items() if n != self.swarm.name and v.get("role") == "node")
+        if r == intended and not began and not ready:
             return newest  # the barrier of round r waits for us: we said so when our set-up began
-        if r != intended and joins_round(others, r, join_grace_s, get_dht_time()):
+        if r != intended and not ready and joins_round(others, r, join_grace_s, get_dht_time()):
             return newest  # the others wait for us at the barrier
         if began:  # our set-up outlasted the round: its group closed, it can take no member
             log.info("round %d's all-reduce began while this node set up: joining at the next round boundary", r)
+        elif ready:  # the barrier does not wait for a late joiner's set-up: the round may close any moment
+            log.info("round %d: %s ready while this node set up: joining at the next round boundary", r,
+                     ", ".join(ready))
         else:
             log.info("round %d has been underway for more than %.0f s: joining at the next round boundary", r,
                      join_grace_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerRecord", "all_reduce_began", "first_divergence", "joins_round", "replica_thetas"]
+__all__ = ["PeerRecord", "all_reduce_began", "first_divergence", "joins_round", "replica_thetas", "setting_up_late"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ def all_reduce_began(peers: list[PeerRecord], round_: int) -> bool:
     round (its heartbeat's ``info["averaging_round"]``, set by `DiLoCoPeer._all_reduce`): that group can take no
     member. A value that is not a round number does not count."""
     return any(isinstance(a := p.info.get("averaging_round"), int) and a >= round_ for p in peers)
+
+
+def setting_up_late(peer: PeerRecord) -> bool:
+    """Whether ``peer`` is a node that joined a swarm already past its first round (a restart, a standby's takeover, a
+    node added: `Swarm.announce_joining` set ``info["joined_late"]``) and has not begun its first inner phase yet
+    (``info["phase"]`` is still ``"joining"``). The round barrier does not wait for such a node
+    (`Swarm.wait_for_round`)."""
+    return peer.role == "node" and peer.info.get("phase") == "joining" and peer.info.get("joined_late") is True
 
 
 def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:

@@ -34,7 +34,7 @@ from composer_diloco.config import ConfigError, RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer.address_form import LISTEN_EXAMPLE, PEER_EXAMPLE
 from composer_diloco.outer.peer_records import (  # noqa: F401 (re-exported: what a heartbeat says)
-    PeerRecord, all_reduce_began, first_divergence, joins_round, replica_thetas,
+    PeerRecord, all_reduce_began, first_divergence, joins_round, replica_thetas, setting_up_late,
 )
 
 log = logging.getLogger(__name__)
@@ -237,12 +237,19 @@ class Swarm:
         while this node sets up), so this node's first inner phase ends when the others are ready
         (`composer_diloco.diloco.DiLoCoRounds`). The run's first round is never caught up: every node that joins it
         trains its H steps (nodes launched together, of which the quickest may beat before the slowest announces).
+        A late joiner says so in its ``info`` (``joined_late``, in this record and its heartbeats) until its first
+        inner phase begins (`first_inner_phase`): the barrier does not wait for its set-up (`wait_for_round`), which
+        under churn held every other node for a standby's takeover, 7-10 s a kill on a 2-core box, to gain one
+        inner step of the joiner's (BENCHMARKS 3m).
 
         Returns:
-            The round this node means to join (the barrier of that round, and only that one, waits for it).
+            The round this node means to join (the barrier of that round waits for it from its first inner phase on,
+            and, when it is not ``joined_late``, from now on).
         """
         peers = [p for p in self.live_peers() if p.name != self.name]
         self.joined_late = any(p.role == "node" and p.round > 0 for p in peers)
+        if self.joined_late:
+            self.info["joined_late"] = True
         newest = max((p.round for p in peers), default=0)
         intended = newest if joins_round(peers, newest, join_grace_s, get_dht_time()) else newest + 1
         try:
@@ -270,6 +277,11 @@ class Swarm:
         self._joining = threading.Thread(target=renew, name=f"joining-{self.name}", daemon=True)
         self._joining.start()
         return intended
+
+    def first_inner_phase(self) -> None:
+        """This node's first inner phase begins: its ``info`` says ``phase: "inner"`` and no longer ``joined_late``,
+        stored at once (not at the next heartbeat), so that the barrier of its round waits for it from now on."""
+        self.set_info(phase="inner", joined_late=None, publish=True)
 
     def joining_peers(self) -> list[PeerRecord]:
         """Nodes setting up to join (`announce_joining`) whose record has not expired, as records of the round they
@@ -445,7 +457,11 @@ class Swarm:
         up ``slack_s`` after the first ready node.
 
         So is a node that announced it is setting up to join ``round_`` (`announce_joining`) and has no heartbeat
-        yet: nodes launched together all train the run's first round.
+        yet: nodes launched together all train the run's first round. A node that joined a swarm already past its
+        first round is not waited for while it sets up (`setting_up_late`: a restart, a standby's takeover, a node
+        added), only from its first inner phase on: once another node of its round is ready it would bring one inner
+        step (`DiLoCoRounds.caught_up`) for the whole set-up's wait of every other peer; it takes the next round's
+        state instead (`DiLoCoPeer.join_at_round_boundary`).
 
         A peer waited for whose heartbeat is late (older than 1.5 heartbeat periods) is dialed at its multiaddr, at
         most once a period (`_ping_the_late`): one whose dial fails (its process killed: its p2pd is gone, the dial
@@ -470,11 +486,13 @@ class Swarm:
             if ready:
                 peers = self._unexpired(self.live_peers())
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
-                waited = [p for p in peers if (p.role == "node" and p.round <= round_)
+                waited = [p for p in peers if (p.role == "node" and p.round <= round_ and not setting_up_late(p))
                           or (p.role == "coordinator" and round_ - 1 <= p.round <= round_)]
-                # and nodes still setting up to join this very round (not those given up at an earlier one)
+                # and nodes still setting up to join this very round (not those given up at an earlier one, nor late
+                # joiners: they wait for the next round boundary when they find this round's nodes ready)
                 beating = {p.name for p in peers}
-                waited += [p for p in self.joining_peers() if p.round == round_ and p.name not in beating]
+                waited += [p for p in self.joining_peers()
+                           if p.round == round_ and p.name not in beating and not setting_up_late(p)]
                 self._ping_the_late(round_, [p for p in waited if p.name not in announced], unanswered, pinged)
                 live = {p.name for p in waited if unanswered.get(p.name) != p.t}
                 first = min(v["t"] for v in ready.values())
