@@ -15,10 +15,11 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        life's first inner phase, its line's ``inner_started``: imports, env server, DHT join, state
                        download), ``sync`` (the seconds each round's sync
                        stopped the inner loop: ``blocked_seconds``, which is ``sync_seconds`` unless the sync
-                       overlaps), ``lost`` (the rest), split into ``lost_after_last_round`` (from a life's last round
-                       line to its end: the inner phase a kill cut short, with ``[outer] overlap`` also the phase
-                       whose sync was under way; the run's shutdown) and ``lost_between_rounds`` (the seconds between
-                       a life's rounds that are neither inner phase nor blocked sync)
+                       overlaps), ``lost`` (the rest), split into ``lost_after_last_round`` (from the end of the last
+                       phase a life's round lines record to the life's end: the inner phase a kill cut short, with
+                       ``[outer] overlap`` also the phase whose sync was under way; the run's shutdown) and
+                       ``lost_between_rounds`` (the seconds between a life's rounds that are neither inner phase nor
+                       blocked sync)
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -211,6 +212,14 @@ def _inner_started(record: dict) -> float:
     return record["time"] - record["inner_seconds"] - _stood_still(record)
 
 
+def _phase_ended(record: dict) -> float:
+    """Wall time a node round's inner phase and its standstill ended: its inner phase's start, plus ``inner_seconds``,
+    plus the seconds its sync stopped the loop. Not the line's ``time``: with ``[outer] overlap`` a round's line is
+    written once its sync is done, under the next round's inner phase, so a life's last line is a phase later than
+    the last work it records."""
+    return _inner_started(record) + record["inner_seconds"] + _stood_still(record)
+
+
 def summarize(churn: Churn, rounds: int) -> dict:
     """The report of the module docstring, from the lives and every peer's metrics lines."""
     from composer_diloco.metrics import read_metrics, replicas_agree, thetas_by_round
@@ -235,7 +244,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
             if opening is not None:
                 joins.setdefault(opening["joined_as"], []).append(opening["join_seconds"])
             startup += max(0.0, first - began)
-            tail += max(0.0, end - max(r["time"] for r in mine))
+            tail += max(0.0, end - max(_phase_ended(r) for r in mine))
             if life.replaces_kill_at is not None:
                 back_after.append(first - life.replaces_kill_at)
         else:
