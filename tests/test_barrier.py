@@ -243,6 +243,35 @@ def test_the_barrier_does_not_wait_for_a_late_joiners_set_up_only_for_its_inner_
         _close(a, b)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_dead_lifes_heartbeat_is_not_waited_for_once_its_name_set_up_again():
+    """A standby takes a killed node over under its name and peer ID: the dead life's last heartbeat still looks live
+    until its TTL, and a dial of its multiaddr reaches the new life (here: node-b's heartbeats stop, its DHT answers).
+    Once the name announced itself again (`Swarm.announce_joining`, newer than that heartbeat) the barrier does not
+    wait for it (`superseded`); under churn it waited the TTL, 10-12 s, at every kill (BENCHMARKS 3m)."""
+    a, b = _pair(TTL_S)
+    again = Swarm(b.dht, run_name="barrier", peer_name="node-b", role="node")
+    try:
+        for s in (a, b):
+            s.set_round(2)
+        deadline = time.monotonic() + 30
+        while {p.round for p in a.live_peers()} != {2}:
+            assert time.monotonic() < deadline, a.live_peers()
+            time.sleep(0.2)
+        b.close()  # node-b's life ends: no more heartbeats; its peer ID still answers (the new life's p2pd)
+        again.set_info(phase="joining")
+        assert again.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 2 and again.joined_late
+        a.announce_ready(2, 1.0)
+        started = time.monotonic()
+        result = a.wait_for_round(2, slack_s=SLACK_S, matchmaking_s=0.0)
+        assert result is not None and result[1] == ["node-a"], result
+        assert time.monotonic() - started < 15, "the barrier waited for a dead life's heartbeat"
+    finally:
+        again.close()
+        _close(a, b)
+
+
 def test_a_late_joiner_is_setting_up_until_its_first_inner_phase():
     """`setting_up_late`: a node record whose ``info`` says ``phase: "joining"`` and ``joined_late``; not a node
     launched with the run (no ``joined_late``), not one in its inner phase, not the coordinator."""
@@ -255,6 +284,17 @@ def test_a_late_joiner_is_setting_up_until_its_first_inner_phase():
     assert not setting_up_late(record(phase="joining"))
     assert not setting_up_late(record(phase="inner", joined_late=True))
     assert not setting_up_late(record("coordinator", phase="joining", joined_late=True))
+
+
+def test_a_heartbeat_older_than_its_names_joining_record_is_superseded():
+    """`superseded`: a node's heartbeat older than the joining record of its name is a life that ended; a newer one
+    (the life's first heartbeat came after its joining record) is not, nor is a name with no joining record."""
+    from composer_diloco.outer.peer_records import superseded
+
+    beat = PeerRecord("node-b", "node", 2, 10.0)
+    assert superseded(beat, {"node-b": PeerRecord("node-b", "node", 2, 12.0)})
+    assert not superseded(beat, {"node-b": PeerRecord("node-b", "node", 2, 9.0)})
+    assert not superseded(beat, {"node-c": PeerRecord("node-c", "node", 2, 12.0)})
 
 
 def test_a_caught_up_phase_is_not_a_deadline_hit():

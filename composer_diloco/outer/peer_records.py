@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerRecord", "all_reduce_began", "first_divergence", "joins_round", "replica_thetas", "setting_up_late"]
+__all__ = ["PeerRecord", "all_reduce_began", "first_divergence", "joins_round", "replica_thetas", "setting_up_late",
+           "superseded"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,16 @@ def setting_up_late(peer: PeerRecord) -> bool:
     (``info["phase"]`` is still ``"joining"``). The round barrier does not wait for such a node
     (`Swarm.wait_for_round`)."""
     return peer.role == "node" and peer.info.get("phase") == "joining" and peer.info.get("joined_late") is True
+
+
+def superseded(heartbeat: PeerRecord, joining: dict[str, PeerRecord]) -> bool:
+    """Whether ``heartbeat`` is the last record of a life that ended: its name announced itself again since
+    (``joining``: name -> the `Swarm.announce_joining` record, renewed each heartbeat period until that life's first
+    heartbeat, whose ``t`` is then newer). A standby's takeover or a restart under the same ``--name`` keeps the peer
+    ID, so the dead life's multiaddr still answers a dial (the new life's p2pd takes it) and only this tells the two
+    lives apart. Both ``t`` are DHT times of the same name's processes, as a rule on one machine."""
+    j = joining.get(heartbeat.name)
+    return heartbeat.role == "node" and j is not None and j.t > heartbeat.t
 
 
 def joins_round(peers: list[PeerRecord], round_: int, join_grace_s: float, now: float) -> bool:

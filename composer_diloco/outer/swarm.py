@@ -34,7 +34,7 @@ from composer_diloco.config import ConfigError, RunConfig
 from composer_diloco.lifecycle import keep_signal_handlers
 from composer_diloco.outer.address_form import LISTEN_EXAMPLE, PEER_EXAMPLE
 from composer_diloco.outer.peer_records import (  # noqa: F401 (re-exported: what a heartbeat says)
-    PeerRecord, all_reduce_began, first_divergence, joins_round, replica_thetas, setting_up_late,
+    PeerRecord, all_reduce_began, first_divergence, joins_round, replica_thetas, setting_up_late, superseded,
 )
 
 log = logging.getLogger(__name__)
@@ -461,7 +461,9 @@ class Swarm:
         first round is not waited for while it sets up (`setting_up_late`: a restart, a standby's takeover, a node
         added), only from its first inner phase on: once another node of its round is ready it would bring one inner
         step (`DiLoCoRounds.caught_up`) for the whole set-up's wait of every other peer; it takes the next round's
-        state instead (`DiLoCoPeer.join_at_round_boundary`).
+        state instead (`DiLoCoPeer.join_at_round_boundary`). Nor is the last heartbeat of a life that ended once its
+        name announced itself again (`superseded`: a standby's takeover keeps the peer ID, so the dead life's
+        multiaddr answers the ping below; under churn the barrier waited 10-12 s for it at every kill, BENCHMARKS 3m).
 
         A peer waited for whose heartbeat is late (older than 1.5 heartbeat periods) is dialed at its multiaddr, at
         most once a period (`_ping_the_late`): one whose dial fails (its process killed: its p2pd is gone, the dial
@@ -484,14 +486,16 @@ class Swarm:
             announced = self.ready_peers(round_)
             ready = {n: v for n, v in announced.items() if v.get("role") == "node"}
             if ready:
-                peers = self._unexpired(self.live_peers())
+                joining = {p.name: p for p in self.joining_peers()}
+                # the last heartbeat of a life that ended is not waited for once its name set up again
+                peers = [p for p in self._unexpired(self.live_peers()) if not superseded(p, joining)]
                 # live nodes at this round or behind it (finishing the previous sync) are still coming
                 waited = [p for p in peers if (p.role == "node" and p.round <= round_ and not setting_up_late(p))
                           or (p.role == "coordinator" and round_ - 1 <= p.round <= round_)]
                 # and nodes still setting up to join this very round (not those given up at an earlier one, nor late
                 # joiners: they wait for the next round boundary when they find this round's nodes ready)
                 beating = {p.name for p in peers}
-                waited += [p for p in self.joining_peers()
+                waited += [p for p in joining.values()
                            if p.round == round_ and p.name not in beating and not setting_up_late(p)]
                 self._ping_the_late(round_, [p for p in waited if p.name not in announced], unanswered, pinged)
                 live = {p.name for p in waited if unanswered.get(p.name) != p.t}
