@@ -337,6 +337,9 @@ class Swarm:
                 live = self.live_peers()  # and into `_last_read`
                 now = get_dht_time()
                 alive = {p.name for p in live} | {p.peer_id for p in live}
+                # a name setting up again (a standby's takeover, a restart) is a new life, not a partition: it dials
+                # the peers its last life saw itself (`Node`), and its peer ID would answer this ping at once
+                alive |= {p.name for p in self.joining_peers()}
                 lost = {p.maddr for name, p in list(self._last_read.items())
                         if p.maddr and name != self.name and name not in alive and now - p.t < forget_s}
                 lost |= {m for m in self.initial_peers if m.rsplit("/p2p/", 1)[-1] not in alive}
