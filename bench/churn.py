@@ -33,12 +33,20 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        over and a new one is started, as after a kill; without, the node is not restarted (only the
                        schedule's kills are, so a run whose nodes cannot start ends as stalled)
     orphans            processes of the run still alive after it (p2pd, env servers, hivemind workers)
+    blocked_s          the nodes' blocked sync seconds: in all, in round lines blocked more than 2 s, and in lines
+                       whose inner phase ended within 15 s after another node's life began (a barrier waiting for a
+                       restart or a takeover)
+    contributed_unrecorded_samples
+                       sample weight the coordinator averaged in beyond the node lines of its rounds: with
+                       ``[outer] overlap`` a kill may cut the phase at whose end a node would have written the line of
+                       the round before, whose pseudo-gradient reached the model (goodput counts that phase as lost)
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
     python bench/churn.py --out runs/churn --kill-every-s 0   (no churn: the same run's goodput without faults)
     python bench/churn.py --out runs/churn --config bench/configs/overlap.toml   (the run's TOML: here the sync overlaps)
     python bench/churn.py --out runs/churn-before --code /tmp/before   (the peers run another checkout's code, e.g. a
                                                                       worktree of an older commit; the same schedule)
+    python bench/churn.py --out runs/churn --report   (runs nothing: the finished run in --out summarized again)
     python bench/churn.py --out runs/churn-sb --standby   (each node has a warm standby, `composer-node join --standby`:
                                                            a kill takes only the node's process, its standby takes over
                                                            and a new standby is started where a restart would be)
@@ -72,7 +80,7 @@ class Life:
     """One process of a peer, from spawn to exit."""
 
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a life read back from churn.json (--report)
     started: float
     ended: float | None = None
     killed: bool = False
@@ -251,6 +259,8 @@ def summarize(churn: Churn, rounds: int) -> dict:
             startup += end - began
     by_round = thetas_by_round(records)
     share = (lambda x: round(x / alive, 3)) if alive else (lambda x: None)
+    blocked = _blocked(records, lives)
+    unrecorded = _unrecorded_samples(records)
     return {
         "goodput": share(inner), "goodput_kept": share(kept),
         "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
@@ -259,6 +269,10 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown) and the rest (the
         # seconds between a life's rounds that are neither inner phase nor blocked sync)
         "lost_after_last_round": share(tail), "lost_between_rounds": share(alive - inner - startup - sync - tail),
+        "blocked_s": blocked,
+        # sample weight the coordinator averaged in with no node line of that round: a life's overlapped phase whose
+        # sync ended before a kill cut the next phase, when the line would have been written (`_unrecorded_samples`)
+        "contributed_unrecorded_samples": unrecorded,
         "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
         "agree": replicas_agree(records),
         "node_lives": len(lives),
@@ -270,6 +284,50 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # where the joins went: per way of joining, how many lives and the median seconds of each part
         "join_seconds_median": {how: {"lives": len(parts), **_medians(parts)} for how, parts in sorted(joins.items())},
     }
+
+
+def _blocked(records: dict[str, list[dict]], lives: list[Life], near_s: float = 15.0) -> dict:
+    """The nodes' blocked sync seconds (`_stood_still`) over every round line: ``total``, ``over_2s`` (in lines blocked
+    more than 2 s) and ``near_a_new_life`` (in lines whose inner phase ended within ``near_s`` seconds after another
+    node's life began: the barrier waiting for a restart or a takeover)."""
+    starts = [(x.name, x.began) for x in lives]
+    total = over = near = 0.0
+    for name, mine in records.items():
+        for r in mine:
+            if r.get("role") != "node":
+                continue
+            b = _stood_still(r)
+            ended = _inner_started(r) + r["inner_seconds"]
+            total += b
+            over += b if b > 2.0 else 0.0
+            near += b if any(n != name and 0.0 <= ended - t <= near_s for n, t in starts) else 0.0
+    return {"total": round(total, 1), "over_2s": round(over, 1), "near_a_new_life": round(near, 1)}
+
+
+def _unrecorded_samples(records: dict[str, list[dict]]) -> int:
+    """Samples the coordinator's rounds averaged in (``weight_total``) beyond those of the node lines that hold the
+    same theta: the pseudo-gradients that reached the model from a phase no line records (a node writes a round's
+    line when it folds the sync, with ``[outer] overlap`` at the end of the next phase, which a kill may cut)."""
+    nodes: dict[int, float] = {}
+    for name, mine in records.items():
+        for r in mine:
+            if r.get("role") == "node":
+                nodes[(r["round"], r["global_sha256"])] = nodes.get((r["round"], r["global_sha256"]), 0) + r["samples"]
+    return round(sum(max(0.0, c.get("weight_total", 0.0) - nodes.get((c["round"], c["global_sha256"]), 0.0))
+                     for c in records.get("coordinator", [])))
+
+
+def _report_again(out: Path, rounds: int | None) -> int:
+    """``--report``: summarize a finished run again from its ``churn.json`` (every life's times) and its metrics, with
+    this checkout's `summarize`; prints the new summary's line, writes nothing."""
+    saved = json.loads((out / "churn.json").read_text())
+    churn = Churn(out.resolve(), rounds or saved["of"], "")
+    for x in saved["lives"]:
+        churn.lives.append(Life(x["name"], None, x["started"], x["ended"], x["killed"], x["standby"],
+                                took_over=x["began"] if x["standby"] else None,
+                                replaces_kill_at=x["replaces_kill_at"]))
+    print(json.dumps(summarize(churn, churn.rounds)))
+    return 0
 
 
 def _medians(parts: list[dict]) -> dict:
@@ -301,7 +359,13 @@ def main() -> int:
                     help="the run's TOML (default: the embedded default), e.g. one with [outer] overlap = true")
     ap.add_argument("--standby", action="store_true",
                     help="give each node a warm standby (module docstring); a kill takes the node's process only")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: summarize the finished run in --out again (its churn.json and metrics)")
     a = ap.parse_args()
+    if a.report:
+        if not (a.out / "churn.json").is_file():
+            ap.error(f"--report: {str(a.out / 'churn.json')!r} does not exist: --out must be a finished churn run")
+        return _report_again(a.out, None)
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {str(a.out)!r} is not empty: pick a new folder (a run dir continues the run it holds)")
     a.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,44 @@
+"""The churn bench's accounting (`bench/churn.py`): where a life's lost tail starts with the sync overlapped, which
+blocked seconds it puts near another node's new life, and the sample weight the coordinator averaged in from phases
+no node line records. Pure functions on hand-made metrics lines: the bench itself runs for minutes (BENCHMARKS 3m)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("churn_bench", ROOT / "bench" / "churn.py")
+churn = importlib.util.module_from_spec(_spec)
+sys.modules["churn_bench"] = churn  # dataclasses look their module up
+_spec.loader.exec_module(churn)
+
+
+def _line(peer: str, round_: int, *, started: float, inner: float = 4.0, blocked: float = 0.5, samples: int = 32,
+          sha: str = "s", written: float | None = None) -> dict:
+    return {"role": "node", "peer": peer, "round": round_, "inner_started": started, "inner_seconds": inner,
+            "blocked_seconds": blocked, "sync_seconds": 3.0, "samples": samples, "global_sha256": f"{sha}{round_}",
+            "time": written if written is not None else started + inner + blocked}
+
+
+def test_a_lifes_tail_starts_where_its_last_recorded_phase_ended_not_at_the_lines_write_time():
+    # with [outer] overlap the line of round 7 is written one phase later than the phase it records ends
+    line = _line("node-0", 7, started=100.0, inner=4.0, blocked=0.5, written=109.0)
+    assert churn._phase_ended(line) == 104.5
+
+
+def test_blocked_seconds_are_split_by_size_and_by_a_new_life_nearby():
+    records = {"node-0": [_line("node-0", 1, started=100.0, blocked=0.5),
+                          _line("node-0", 2, started=110.0, blocked=6.0)],  # ends inner at 114: node-1 began at 108
+               "node-1": [_line("node-1", 2, started=112.0, blocked=3.0)]}  # its own new life does not count
+    lives = [churn.Life("node-0", None, 90.0), churn.Life("node-1", None, 108.0)]
+    assert churn._blocked(records, lives) == {"total": 9.5, "over_2s": 9.0, "near_a_new_life": 6.0}
+
+
+def test_weight_the_coordinator_averaged_beyond_the_node_lines_is_unrecorded():
+    records = {"node-0": [_line("node-0", 3, started=0.0), _line("node-0", 4, started=5.0)],
+               "node-1": [_line("node-1", 3, started=0.0)],  # killed in round 5's phase: no line of round 4
+               "coordinator": [{"role": "coordinator", "round": 3, "global_sha256": "s3", "weight_total": 64.0},
+                               {"role": "coordinator", "round": 4, "global_sha256": "s4", "weight_total": 64.0}]}
+    assert churn._unrecorded_samples(records) == 32
+    records["coordinator"][1]["global_sha256"] = "other"  # a node line of another theta is no part of that round
+    assert churn._unrecorded_samples(records) == 64
