@@ -596,12 +596,8 @@ class Node:
     # -- what a round tells the node (`composer_diloco.diloco.RoundHost`) ---------------------------------------
     def round_phase(self, phase: str) -> None:
         """The round entered ``"inner"`` or ``"sync"``: published in this node's DHT info (`composer-coordinator
-        status`). A late joiner's first ``"inner"`` is stored at once (`Swarm.first_inner_phase`): the round's
-        barrier waits for it from then on, not during its set-up."""
-        if phase == "inner" and self.swarm.info.get("joined_late"):
-            self.swarm.first_inner_phase()
-        else:
-            self.swarm.set_info(phase=phase)
+        status`; a late joiner's first ``"inner"`` is stored at once, `Swarm.set_info`)."""
+        self.swarm.set_info(phase=phase)
 
     def inner_phase_ended(self, phase: InnerPhase) -> None:
         """Before the round's sync: count its parsed tool calls (`ToolCallTally`) and warn of env failures."""

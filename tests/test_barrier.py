@@ -199,7 +199,7 @@ def test_the_barrier_does_not_wait_for_a_late_joiners_set_up_only_for_its_inner_
     """A node that joins a swarm past its first round (a standby's takeover) is not waited for while it sets up, by
     its joining record or by its heartbeat (its ``info`` says ``phase: "joining"``, ``joined_late``): under churn that
     wait held every other peer for the takeover's seconds (BENCHMARKS 3m). From its first inner phase
-    (`Swarm.first_inner_phase`, stored at once) the barrier waits for it as for any node."""
+    (`Swarm.set_info` with ``phase="inner"``, stored at once) the barrier waits for it as for any node."""
     a, b = _pair(TTL_S)
     late = Swarm(b.dht, run_name="barrier", peer_name="node-late", role="node")
     try:
@@ -225,7 +225,7 @@ def test_the_barrier_does_not_wait_for_a_late_joiners_set_up_only_for_its_inner_
         result = a.wait_for_round(2, slack_s=SLACK_S, matchmaking_s=0.0)
         assert result is not None and result[1] == ["node-a", "node-b"], result
         assert time.monotonic() - started < 10, "the barrier waited for a late joiner's set-up"
-        late.first_inner_phase()  # from now on it is waited for
+        late.set_info(phase="inner")  # its first inner phase: from now on it is waited for
         deadline = time.monotonic() + 30
         while not any(p.name == "node-late" and p.info.get("phase") == "inner" for p in a.live_peers()):
             assert time.monotonic() < deadline, a.live_peers()

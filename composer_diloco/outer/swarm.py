@@ -238,7 +238,7 @@ class Swarm:
         (`composer_diloco.diloco.DiLoCoRounds`). The run's first round is never caught up: every node that joins it
         trains its H steps (nodes launched together, of which the quickest may beat before the slowest announces).
         A late joiner says so in its ``info`` (``joined_late``, in this record and its heartbeats) until its first
-        inner phase begins (`first_inner_phase`): the barrier does not wait for its set-up (`wait_for_round`), which
+        inner phase begins (`set_info` with ``phase="inner"``, stored at once): the barrier does not wait for its set-up (`wait_for_round`), which
         under churn held every other node for a standby's takeover, 7-10 s a kill on a 2-core box, to gain one
         inner step of the joiner's (BENCHMARKS 3m).
 
@@ -277,11 +277,6 @@ class Swarm:
         self._joining = threading.Thread(target=renew, name=f"joining-{self.name}", daemon=True)
         self._joining.start()
         return intended
-
-    def first_inner_phase(self) -> None:
-        """This node's first inner phase begins: its ``info`` says ``phase: "inner"`` and no longer ``joined_late``,
-        stored at once (not at the next heartbeat), so that the barrier of its round waits for it from now on."""
-        self.set_info(phase="inner", joined_late=None, publish=True)
 
     def joining_peers(self) -> list[PeerRecord]:
         """Nodes setting up to join (`announce_joining`) whose record has not expired, as records of the round they
@@ -375,7 +370,12 @@ class Swarm:
         for the store), once the heartbeat has started.
 
         Values must be what the DHT's msgpack serializer takes (str, int, float, bool, None, and lists or
-        str-keyed dicts of them); that is checked by the store, not here."""
+        str-keyed dicts of them); that is checked by the store, not here.
+
+        A late joiner's first ``phase="inner"`` also drops ``joined_late`` and is stored at once: the barrier of its
+        round waits for it from then on (`announce_joining`, `setting_up_late`)."""
+        if fields.get("phase") == "inner" and self.info.get("joined_late"):
+            fields["joined_late"], publish = None, True
         for key, value in fields.items():
             if value is None:
                 self.info.pop(key, None)
