@@ -253,8 +253,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" and "multiprocess" in report.keywords:
         import prefork
 
-        # after one multi-process failure, every later test's forked peers hung at their DHT's start (stop 57's CI,
-        # and once here, 2026-12-01): whatever the cause, the next test gets a template of its own
+        # after one multi-process failure, every later test's forked peers hung at their DHT's start (stop 57's CI):
+        # hivemind's process-wide locks, shared through the template until `prefork._own_process_locks`. Whatever
+        # else a failed test may leave in the template's children, the next test gets a template of its own
         prefork.stop_template()
         tw.write_line("\n--- the suite's process template is started afresh for the next test")
     lines = report.longreprtext.splitlines()

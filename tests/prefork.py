@@ -69,6 +69,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
         if request.get("netns"):
             _enter_netns(request["netns"])
         os.setsid()
+        _own_process_locks()
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -121,6 +122,25 @@ def _run_child(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001 - a closed pipe: nothing left to say
                 pass
         os._exit(code)
+
+
+def _own_process_locks() -> None:
+    """Give the forked child hivemind's process-wide locks of its own, as a fresh interpreter makes them at import.
+
+    hivemind keeps multiprocessing locks at class level (`MPFuture`'s update and initialization locks, `SharedBytes`',
+    `_AsyncContextWrapper`'s executor lock), made once when the template imported it: every process forked from the
+    template would share one semaphore with every other process of the session. A process SIGKILLed while it held
+    one (a test's kill landing inside an `MPFuture` update, held for one pipe write) left it taken for good, and every
+    later node's and coordinator's DHT start stood in ``_send_update`` forever: the CI hang of stop 57 and of
+    2026-12-01 (``test_two_nodes_train_on_their_shards_of_a_jsonl_task_file``). hivemind's own
+    `MPFuture.reset_backend` makes the first three anew."""
+    import multiprocessing as mp
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
 def _enter_netns(name: str) -> None:
