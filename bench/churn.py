@@ -36,6 +36,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     blocked_s          the nodes' blocked sync seconds: in all, in round lines blocked more than 2 s, and in lines
                        whose inner phase ended within 15 s after another node's life began (a barrier waiting for a
                        restart or a takeover)
+    steady             goodput once the run is under way: from the first inner phase of the last node to start,
+                       inner-loop seconds over node-seconds alive (every node's first start left out, every kill and
+                       takeover after it in: what a run of hours sees)
     contributed_unrecorded_samples
                        sample weight the coordinator averaged in beyond the node lines of its rounds: with
                        ``[outer] overlap`` a kill may cut the phase at whose end a node would have written the line of
@@ -270,6 +273,8 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # seconds between a life's rounds that are neither inner phase nor blocked sync)
         "lost_after_last_round": share(tail), "lost_between_rounds": share(alive - inner - startup - sync - tail),
         "blocked_s": blocked,
+        # the same goodput from the moment the last node began training (`_steady`): the run's first starts left out
+        "steady": _steady(records, lives, time.time()),
         # sample weight the coordinator averaged in with no node line of that round: a life's overlapped phase whose
         # sync ended before a kill cut the next phase, when the line would have been written (`_unrecorded_samples`)
         "contributed_unrecorded_samples": unrecorded,
@@ -302,6 +307,24 @@ def _blocked(records: dict[str, list[dict]], lives: list[Life], near_s: float = 
             over += b if b > 2.0 else 0.0
             near += b if any(n != name and 0.0 <= ended - t <= near_s for n, t in starts) else 0.0
     return {"total": round(total, 1), "over_2s": round(over, 1), "near_a_new_life": round(near, 1)}
+
+
+def _steady(records: dict[str, list[dict]], lives: list[Life], end: float) -> dict:
+    """Goodput once the run is under way: from ``from`` (wall time, seconds since the epoch), the moment the last node
+    began its first inner phase, to ``end``; inner-loop seconds of the phases that began after it over node-seconds
+    alive after it. The first start of every node (its imports, its memory plan, its first join: a one-time cost of
+    tens of seconds on this box, a share that depends only on how long the run is) is left out; every kill, takeover,
+    restart and sync after it is in. ``{"from": None, ...}`` when some node never trained."""
+    firsts = [min((_inner_started(r) for r in mine if r.get("role") == "node"), default=None)
+              for name, mine in records.items() if name != "coordinator"]
+    if not firsts or None in firsts:
+        return {"from": None, "goodput": None, "node_seconds_alive": 0.0}
+    start = max(firsts)
+    alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
+    inner = sum(r["inner_seconds"] for mine in records.values() for r in mine
+                if r.get("role") == "node" and _inner_started(r) >= start)
+    return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
+            "node_seconds_alive": round(alive, 1)}
 
 
 def _unrecorded_samples(records: dict[str, list[dict]]) -> int:

@@ -42,3 +42,14 @@ def test_weight_the_coordinator_averaged_beyond_the_node_lines_is_unrecorded():
     assert churn._unrecorded_samples(records) == 32
     records["coordinator"][1]["global_sha256"] = "other"  # a node line of another theta is no part of that round
     assert churn._unrecorded_samples(records) == 64
+
+
+def test_steady_goodput_starts_at_the_last_nodes_first_phase():
+    records = {"node-0": [_line("node-0", 0, started=10.0), _line("node-0", 1, started=20.0)],
+               "node-1": [_line("node-1", 1, started=20.0)],  # its first start took until 20
+               "coordinator": [{"role": "coordinator", "round": 1, "global_sha256": "s1", "weight_total": 64.0}]}
+    lives = [churn.Life("node-0", None, 0.0, ended=30.0), churn.Life("node-1", None, 0.0, ended=30.0)]
+    # after 20: node-0's round 1 and node-1's round 1, 4 s each, over 10 + 10 node-seconds alive
+    assert churn._steady(records, lives, end=30.0) == {"from": 20.0, "goodput": 0.4, "node_seconds_alive": 20.0}
+    records["node-2"] = []  # a node that never trained: no steady state to speak of
+    assert churn._steady(records, lives, end=30.0)["goodput"] is None
