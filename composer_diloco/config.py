@@ -259,6 +259,13 @@ class NetworkConfig(_Section):
         None, gt=0, description="Wall seconds a node may spend in a round's inner phase: at the deadline it stops "
                                 "after the current inner step and syncs with what it has (null = always H steps).",
     )
+    round_ends_at_first_ready: bool = Field(
+        False, description="Every node ends its inner phase at the first inner step after another node announced the "
+                           "round ready: the fastest node's H steps set the round's length and the others sync with "
+                           "the steps they have, weighted by their samples, so nobody waits at the barrier for a "
+                           "straggler's last steps (false: every node trains H steps; a late joiner's first phase "
+                           "ends so either way).",
+    )
     join_grace_s: float = Field(
         30.0, ge=0, description="A node joining a round that started more than this many seconds ago waits for the "
                                 "next round boundary instead of holding the others up.",
@@ -458,7 +465,7 @@ class RunConfig(_Section):
     def to_json(self) -> str:
         """Canonical JSON (sorted keys) used to publish the config in the DHT. A run without ``[lora]`` (or
         ``[sparse_codec]``), with ``outer.overlap`` off, without ``env.max_tool_reply_tokens``, or with the
-        ``network.state_*`` settings at their defaults, without ``[report]``, or with ``warmstart.hint_rate`` 0 has no such key, so its JSON and `digest` are those of a config written
+        ``network.state_*`` settings at their defaults, without ``[report]``, with ``warmstart.hint_rate`` 0, or without ``network.round_ends_at_first_ready`` has no such key, so its JSON and `digest` are those of a config written
         before it existed (a loss channel's later keys likewise: `ChannelSettings.omit_at_default`)."""
         data = self.model_dump(mode="json")
         for optional in ("lora", "sparse_codec", "codec_options"):  # absent sections keep the JSON of configs written before them
@@ -475,6 +482,8 @@ class RunConfig(_Section):
             data.pop("report")
         if not data["warmstart"].get("hint_rate"):  # a warm start without hints: likewise
             data["warmstart"].pop("hint_rate", None)
+        if not data["network"].get("round_ends_at_first_ready"):  # every node trains H steps: likewise
+            data["network"].pop("round_ends_at_first_ready", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

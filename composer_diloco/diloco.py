@@ -69,8 +69,8 @@ class InnerPhase:
         blocked_seconds: wall seconds the inner loop stood still from ``ended`` on (blocking: the whole sync;
             overlapped: waiting for the previous round's theta, the fold and the hand-off; for the run's last round
             also its own sync).
-        caught_up: a late joiner's first phase, ended at the first inner step after another node of its round was
-            ready (`DiLoCoRounds.catch_up`).
+        caught_up: ended at the first inner step after another node of its round was ready: a late joiner's first
+            phase (`DiLoCoRounds.catch_up`), or any phase with ``network.round_ends_at_first_ready``.
     """
 
     round: int
@@ -135,7 +135,9 @@ class DiLoCoRounds:
     (`Swarm.ready_peers`), with the steps it has: its pseudo-gradient weighs its samples like any other. Without
     this the round's barrier held every other node for the joiner's set-up and then its H whole steps (12-15 s a kill
     at the embedded default under churn, `bench/churn.py`). The run's first round is never caught up
-    (`Swarm.announce_joining`): the nodes launched together all train its H steps. The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
+    (`Swarm.announce_joining`): the nodes launched together all train its H steps. With
+    ``network.round_ends_at_first_ready`` every phase of every node ends so: a round lasts the fastest node's H steps
+    and a straggler's pseudo-gradient weighs the samples of the steps it had. The trainer's callback (`composer_diloco.inner.trainer.RoundCallback`) calls
     `after_inner_step` and `finish`; a loop without TRL calls them the same way (`bench/blocked_link.py`).
 
     Args:
@@ -193,9 +195,10 @@ class DiLoCoRounds:
         return budget is not None and time.monotonic() - self.started >= budget
 
     def caught_up(self) -> bool:
-        """True when this phase catches up (``catch_up``) and another node announced its round ready: the phase
-        ends now rather than hold that node at the barrier. One DHT read per inner step, in a catching-up phase only."""
-        if not self.catch_up:
+        """True when this phase catches up (``catch_up``, or every phase with ``network.round_ends_at_first_ready``)
+        and another node announced its round ready: the phase ends now rather than hold that node at the barrier. One
+        DHT read per inner step, in such phases only."""
+        if not (self.catch_up or self.config.network.round_ends_at_first_ready):
             return False
         me = self.peer.swarm.name
         try:
@@ -204,9 +207,10 @@ class DiLoCoRounds:
             log.debug("%s: reading round %d's ready records failed: %r", me, self.peer.round, e)
             return False
         early = sorted(n for n, v in ready.items() if n != me and v.get("role") == "node")
-        if early:
-            log.info("%s: caught up with round %d after %d of %d inner steps (%s ready)", me, self.peer.round,
-                     self.steps, self.config.inner_steps, ", ".join(early))
+        if early:  # every round with round_ends_at_first_ready: not news then
+            log.log(logging.INFO if self.catch_up else logging.DEBUG, "%s: caught up with round %d after %d of %d "
+                    "inner steps (%s ready)", me, self.peer.round, self.steps, self.config.inner_steps,
+                    ", ".join(early))
         return bool(early)
 
     def end_round(self, model: nn.Module, caught_up: bool = False) -> None:

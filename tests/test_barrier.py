@@ -143,7 +143,7 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
     takeover) is `joined_late`, and its first inner phase catches up: it ends at the first step after another node
     announced the round ready (not the coordinator, not itself), instead of holding that node at the barrier for H
     whole steps. A node that announced before any node's heartbeat, or while they trained round 0 (nodes launched
-    together), is not late: its rounds keep H steps."""
+    together), is not late: its rounds keep H steps, unless ``[network] round_ends_at_first_ready`` ends every phase so."""
     a_dht = start_dht(initial_peers=[])
     b_dht = start_dht(initial_peers=[visible_multiaddr(a_dht)])
     a = Swarm(a_dht, run_name="catchup", peer_name="node-a", role="node")
@@ -168,24 +168,28 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
             time.sleep(0.2)
         assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 1 and late.joined_late
 
-        def rounds(swarm: Swarm, catch_up: bool) -> DiLoCoRounds:
-            config = type("Config", (), {"inner_steps": 4, "rounds": 2,
-                                         "network": type("Net", (), {"round_budget_s": None})()})()
+        def rounds(swarm: Swarm, catch_up: bool, at_first_ready: bool = False) -> DiLoCoRounds:
+            net = type("Net", (), {"round_budget_s": None, "round_ends_at_first_ready": at_first_ready})()
+            config = type("Config", (), {"inner_steps": 4, "rounds": 2, "network": net})()
             peer = type("Peer", (), {"swarm": swarm, "round": 1, "config": config})()
             return DiLoCoRounds(peer, stop, host=None, clock=None, catch_up=catch_up)
 
         catching, keeping = rounds(late, late.joined_late), rounds(together, together.joined_late)
+        # [network] round_ends_at_first_ready: a phase that is no catch-up ends so too (node-late's swarm, so that
+        # its own ready record below is not another node's)
+        first_ready = rounds(late, False, at_first_ready=True)
         coordinator.announce_ready(1, 0.0)
         late.announce_ready(1, 1.0)  # its own record does not end its phase
         a.announce_ready(0, 1.0)  # nor another round's
         time.sleep(1.0)
-        assert not catching.caught_up() and not keeping.caught_up()
+        assert not catching.caught_up() and not keeping.caught_up() and not first_ready.caught_up()
         a.announce_ready(1, 1.0)
         deadline = time.monotonic() + 30
         while not catching.caught_up():
             assert time.monotonic() < deadline, late.ready_peers(1)
             time.sleep(0.2)
         assert not keeping.caught_up()  # node-together trains its H steps
+        assert first_ready.caught_up()  # unless every round ends at its first ready node
     finally:
         for s in (together, late, coordinator):
             s.close()
