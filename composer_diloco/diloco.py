@@ -200,18 +200,24 @@ class DiLoCoRounds:
         DHT read per inner step, in such phases only."""
         if not (self.catch_up or self.config.network.round_ends_at_first_ready):
             return False
-        me = self.peer.swarm.name
+        me, round_ = self.peer.swarm.name, self.training_round()
         try:
-            ready = self.peer.swarm.ready_peers(self.peer.round)
+            ready = self.peer.swarm.ready_peers(round_)
         except Exception as e:  # a failed read: train on, the next step reads again
-            log.debug("%s: reading round %d's ready records failed: %r", me, self.peer.round, e)
+            log.debug("%s: reading round %d's ready records failed: %r", me, round_, e)
             return False
         early = sorted(n for n, v in ready.items() if n != me and v.get("role") == "node")
         if early:  # every round with round_ends_at_first_ready: not news then
             log.log(logging.INFO if self.catch_up else logging.DEBUG, "%s: caught up with round %d after %d of %d "
-                    "inner steps (%s ready)", me, self.peer.round, self.steps, self.config.inner_steps,
-                    ", ".join(early))
+                    "inner steps (%s ready)", me, round_, self.steps, self.config.inner_steps, ", ".join(early))
         return bool(early)
+
+    def training_round(self) -> int:
+        """The round the current inner phase trains: the peer's round, or with ``[outer] overlap`` and a round in
+        flight the one after it (the peer's round moves on only when the background outer step lands, so until then
+        the others' ready records of the round in flight are not this phase's)."""
+        flight = self.overlap.in_flight if self.overlap is not None else None
+        return self.peer.round if flight is None else flight + 1
 
     def end_round(self, model: nn.Module, caught_up: bool = False) -> None:
         """Steps 1 to 5 of the module docstring, blocking or overlapped; ``caught_up``: a late joiner's first phase

@@ -168,16 +168,22 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
             time.sleep(0.2)
         assert late.announce_joining(PERIOD_S, 3 * PERIOD_S, join_grace_s=30.0) == 1 and late.joined_late
 
-        def rounds(swarm: Swarm, catch_up: bool, at_first_ready: bool = False) -> DiLoCoRounds:
+        def rounds(swarm: Swarm, catch_up: bool, at_first_ready: bool = False,
+                   in_flight: int | None = None) -> DiLoCoRounds:
             net = type("Net", (), {"round_budget_s": None, "round_ends_at_first_ready": at_first_ready})()
-            config = type("Config", (), {"inner_steps": 4, "rounds": 2, "network": net})()
+            config = type("Config", (), {"inner_steps": 4, "rounds": 3, "network": net})()
             peer = type("Peer", (), {"swarm": swarm, "round": 1, "config": config})()
-            return DiLoCoRounds(peer, stop, host=None, clock=None, catch_up=catch_up)
+            # [outer] overlap with round `in_flight` syncing in the background (the peer's round moves on when it lands)
+            overlap = None if in_flight is None else type("Overlap", (), {"in_flight": in_flight})()
+            return DiLoCoRounds(peer, stop, host=None, clock=None, overlap=overlap, catch_up=catch_up)
 
         catching, keeping = rounds(late, late.joined_late), rounds(together, together.joined_late)
         # [network] round_ends_at_first_ready: a phase that is no catch-up ends so too (node-late's swarm, so that
         # its own ready record below is not another node's)
         first_ready = rounds(late, False, at_first_ready=True)
+        # ... with round 1 in flight, the phase trains round 2: round 1's ready records are not its round's
+        overlapped = rounds(late, False, at_first_ready=True, in_flight=1)
+        assert overlapped.training_round() == 2 and first_ready.training_round() == 1
         coordinator.announce_ready(1, 0.0)
         late.announce_ready(1, 1.0)  # its own record does not end its phase
         a.announce_ready(0, 1.0)  # nor another round's
@@ -190,6 +196,7 @@ def test_a_late_joiner_ends_its_first_inner_phase_once_another_node_of_its_round
             time.sleep(0.2)
         assert not keeping.caught_up()  # node-together trains its H steps
         assert first_ready.caught_up()  # unless every round ends at its first ready node
+        assert not overlapped.caught_up()  # node-a's record of round 1, the round in flight: this phase trains on
     finally:
         for s in (together, late, coordinator):
             s.close()
