@@ -38,7 +38,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        restart or a takeover)
     steady             goodput once the run is under way: from the first inner phase of the last node to start,
                        inner-loop seconds over node-seconds alive (every node's first start left out, every kill and
-                       takeover after it in: what a run of hours sees)
+                       takeover after it in: what a run of hours sees), and the swarm's throughput over that window:
+                       ``samples_per_s``, ``kept_samples_per_s`` (goodput alone misleads where nodes share cores: a
+                       node waiting at the barrier leaves its core to the others)
     contributed_unrecorded_samples
                        sample weight the coordinator averaged in beyond the node lines of its rounds: with
                        ``[outer] overlap`` a kill may cut the phase at whose end a node would have written the line of
@@ -314,17 +316,28 @@ def _steady(records: dict[str, list[dict]], lives: list[Life], end: float) -> di
     began its first inner phase, to ``end``; inner-loop seconds of the phases that began after it over node-seconds
     alive after it. The first start of every node (its imports, its memory plan, its first join: a one-time cost of
     tens of seconds on this box, a share that depends only on how long the run is) is left out; every kill, takeover,
-    restart and sync after it is in. ``{"from": None, ...}`` when some node never trained."""
+    restart and sync after it is in. ``{"from": None, ...}`` when some node never trained.
+
+    Beside it the swarm's throughput over the same window (``from`` to the end of the last recorded inner phase):
+    ``samples_per_s`` (episodes trained, every node together) and ``kept_samples_per_s`` (those of rounds whose theta
+    is the coordinator's). On a box whose cores the nodes share, goodput alone misleads: a node waiting at the barrier
+    leaves its core to the others, so a change that removes waits raises goodput while every step gets slower."""
     firsts = [min((_inner_started(r) for r in mine if r.get("role") == "node"), default=None)
               for name, mine in records.items() if name != "coordinator"]
     if not firsts or None in firsts:
-        return {"from": None, "goodput": None, "node_seconds_alive": 0.0}
+        return {"from": None, "goodput": None, "node_seconds_alive": 0.0, "samples_per_s": None,
+                "kept_samples_per_s": None}
     start = max(firsts)
+    canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
+    phases = [r for mine in records.values() for r in mine if r.get("role") == "node" and _inner_started(r) >= start]
     alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
-    inner = sum(r["inner_seconds"] for mine in records.values() for r in mine
-                if r.get("role") == "node" and _inner_started(r) >= start)
+    inner = sum(r["inner_seconds"] for r in phases)
+    window = max((_inner_started(r) + r["inner_seconds"] for r in phases), default=start) - start
+    samples = sum(r["samples"] for r in phases)
+    kept = sum(r["samples"] for r in phases if canonical.get(r["round"]) == r["global_sha256"])
+    per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)
     return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
-            "node_seconds_alive": round(alive, 1)}
+            "node_seconds_alive": round(alive, 1), "samples_per_s": per_s(samples), "kept_samples_per_s": per_s(kept)}
 
 
 def _unrecorded_samples(records: dict[str, list[dict]]) -> int:

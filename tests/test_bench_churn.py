@@ -50,6 +50,9 @@ def test_steady_goodput_starts_at_the_last_nodes_first_phase():
                "coordinator": [{"role": "coordinator", "round": 1, "global_sha256": "s1", "weight_total": 64.0}]}
     lives = [churn.Life("node-0", None, 0.0, ended=30.0), churn.Life("node-1", None, 0.0, ended=30.0)]
     # after 20: node-0's round 1 and node-1's round 1, 4 s each, over 10 + 10 node-seconds alive
-    assert churn._steady(records, lives, end=30.0) == {"from": 20.0, "goodput": 0.4, "node_seconds_alive": 20.0}
+    # and 64 samples over the 4 s from 20 to the last phase's end, 32 of them of the coordinator's theta
+    records["node-1"][0]["global_sha256"] = "other"
+    assert churn._steady(records, lives, end=30.0) == {"from": 20.0, "goodput": 0.4, "node_seconds_alive": 20.0,
+                                                       "samples_per_s": 16.0, "kept_samples_per_s": 8.0}
     records["node-2"] = []  # a node that never trained: no steady state to speak of
     assert churn._steady(records, lives, end=30.0)["goodput"] is None
