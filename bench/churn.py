@@ -225,12 +225,17 @@ def _inner_started(record: dict) -> float:
     return record["time"] - record["inner_seconds"] - _stood_still(record)
 
 
+def _inner_ended(record: dict) -> float:
+    """Wall time a node round's inner phase ended: its start plus ``inner_seconds``."""
+    return _inner_started(record) + record["inner_seconds"]
+
+
 def _phase_ended(record: dict) -> float:
     """Wall time a node round's inner phase and its standstill ended: its inner phase's start, plus ``inner_seconds``,
     plus the seconds its sync stopped the loop. Not the line's ``time``: with ``[outer] overlap`` a round's line is
     written once its sync is done, under the next round's inner phase, so a life's last line is a phase later than
     the last work it records."""
-    return _inner_started(record) + record["inner_seconds"] + _stood_still(record)
+    return _inner_ended(record) + _stood_still(record)
 
 
 def summarize(churn: Churn, rounds: int) -> dict:
@@ -276,7 +281,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "lost_after_last_round": share(tail), "lost_between_rounds": share(alive - inner - startup - sync - tail),
         "blocked_s": blocked,
         # the same goodput from the moment the last node began training (`_steady`): the run's first starts left out
-        "steady": _steady(records, lives, time.time()),
+        "steady": _steady(records, canonical, lives, time.time()),
         # sample weight the coordinator averaged in with no node line of that round: a life's overlapped phase whose
         # sync ended before a kill cut the next phase, when the line would have been written (`_unrecorded_samples`)
         "contributed_unrecorded_samples": unrecorded,
@@ -304,14 +309,14 @@ def _blocked(records: dict[str, list[dict]], lives: list[Life], near_s: float = 
             if r.get("role") != "node":
                 continue
             b = _stood_still(r)
-            ended = _inner_started(r) + r["inner_seconds"]
+            ended = _inner_ended(r)
             total += b
             over += b if b > 2.0 else 0.0
             near += b if any(n != name and 0.0 <= ended - t <= near_s for n, t in starts) else 0.0
     return {"total": round(total, 1), "over_2s": round(over, 1), "near_a_new_life": round(near, 1)}
 
 
-def _steady(records: dict[str, list[dict]], lives: list[Life], end: float) -> dict:
+def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: list[Life], end: float) -> dict:
     """Goodput once the run is under way: from ``from`` (wall time, seconds since the epoch), the moment the last node
     began its first inner phase, to ``end``; inner-loop seconds of the phases that began after it over node-seconds
     alive after it. The first start of every node (its imports, its memory plan, its first join: a one-time cost of
@@ -320,7 +325,7 @@ def _steady(records: dict[str, list[dict]], lives: list[Life], end: float) -> di
 
     Beside it the swarm's throughput over the same window (``from`` to the end of the last recorded inner phase):
     ``samples_per_s`` (episodes trained, every node together) and ``kept_samples_per_s`` (those of rounds whose theta
-    is the coordinator's). On a box whose cores the nodes share, goodput alone misleads: a node waiting at the barrier
+    is the coordinator's, ``canonical``: round -> its ``global_sha256``). On a box whose cores the nodes share, goodput alone misleads: a node waiting at the barrier
     leaves its core to the others, so a change that removes waits raises goodput while every step gets slower."""
     firsts = [min((_inner_started(r) for r in mine if r.get("role") == "node"), default=None)
               for name, mine in records.items() if name != "coordinator"]
@@ -328,11 +333,10 @@ def _steady(records: dict[str, list[dict]], lives: list[Life], end: float) -> di
         return {"from": None, "goodput": None, "node_seconds_alive": 0.0, "samples_per_s": None,
                 "kept_samples_per_s": None}
     start = max(firsts)
-    canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
     phases = [r for mine in records.values() for r in mine if r.get("role") == "node" and _inner_started(r) >= start]
     alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
     inner = sum(r["inner_seconds"] for r in phases)
-    window = max((_inner_started(r) + r["inner_seconds"] for r in phases), default=start) - start
+    window = max((_inner_ended(r) for r in phases), default=start) - start
     samples = sum(r["samples"] for r in phases)
     kept = sum(r["samples"] for r in phases if canonical.get(r["round"]) == r["global_sha256"])
     per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)

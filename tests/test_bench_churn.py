@@ -52,7 +52,8 @@ def test_steady_goodput_starts_at_the_last_nodes_first_phase():
     # after 20: node-0's round 1 and node-1's round 1, 4 s each, over 10 + 10 node-seconds alive
     # and 64 samples over the 4 s from 20 to the last phase's end, 32 of them of the coordinator's theta
     records["node-1"][0]["global_sha256"] = "other"
-    assert churn._steady(records, lives, end=30.0) == {"from": 20.0, "goodput": 0.4, "node_seconds_alive": 20.0,
+    canonical = {1: "s1"}
+    assert churn._steady(records, canonical, lives, end=30.0) == {"from": 20.0, "goodput": 0.4, "node_seconds_alive": 20.0,
                                                        "samples_per_s": 16.0, "kept_samples_per_s": 8.0}
     records["node-2"] = []  # a node that never trained: no steady state to speak of
-    assert churn._steady(records, lives, end=30.0)["goodput"] is None
+    assert churn._steady(records, canonical, lives, end=30.0)["goodput"] is None
