@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -442,7 +443,9 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
     kept = {name: [r for r in metrics[name] if r["round"] <= done] for name in metrics}  # the kill cut the rest
     for name in ("coordinator", "node-a"):
         assert [r["round"] for r in kept[name]] == list(range(done + 1)), metrics[name]
-        assert all(r["peers"] == 2 and r["status"] == "averaged" for r in kept[name]), metrics[name]
+        # a lost round (seen once in CI: round 0, during the relay and the dial) names what both peers logged
+        assert all(r["peers"] == 2 and r["status"] == "averaged" for r in kept[name]), \
+            (metrics[name], _warnings(logs / "coordinator.log"), _warnings(logs / "node-a.log"))
     assert [r["global_sha256"] for r in kept["coordinator"]] == [r["global_sha256"] for r in kept["node-a"]]
     print(f"\nfloods: {floods_seen}")
     assert all(r["answered"] == 0 for r in floods_seen), floods_seen  # none got in
@@ -456,6 +459,24 @@ def test_closed_run_refuses_outsiders(run_dir, tmp_path):
         for root, _, files in os.walk(folder):  # does not follow the warm-start symlink
             for name in files:
                 assert SECRET.encode() not in (Path(root) / name).read_bytes(), Path(root) / name
+
+
+def _warnings(log: Path, limit: int = 40) -> list[str]:
+    """The WARNING/ERROR records of a peer's log (rich's wrapped lines joined), the last ``limit`` of them."""
+    records, current = [], None
+    for line in log.read_text(errors="replace").splitlines():
+        head = line[:18]
+        if head.strip():  # a new record (a timestamp, or the level under the last one's time)
+            if current is not None:
+                records.append(current)
+            current = line.strip()
+        elif current is not None:
+            current += " " + line.strip()
+    if current is not None:
+        records.append(current)
+    # ours (rich: "12:00:01 WARN ..."), hivemind's ("Dec 04 12:00:01.123 [WARN] ..."), asyncio's ("ERROR:asyncio:...")
+    return [r for r in records if re.search(r"\b(WARN|WARNING|ERROR)\b", r[:40]) or r.startswith("Traceback")
+            or r.endswith("Error") or "Error: " in r[:80]][-limit:]
 
 
 # -- replay to another peer, relay between insiders ------------------------------------------------------------
