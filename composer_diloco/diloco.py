@@ -11,6 +11,7 @@ A node's round (`DiLoCoRounds`; `composer_diloco.inner.trainer.RoundCallback` ca
                    handed to a background thread that runs the rest                   `OverlappedSync.end_round`
     3. the channels learn that the policy moved (DPO's reference policy)  `InnerTrainer.refresh_reference`
     4. one record per round that ended                                    `RoundHost.round_ended`
+       (overlapped: at the first inner step after its background sync landed, `OverlappedSync.landed`)
     5. the next inner phase starts                                        `DiLoCoRounds.start_inner_phase`
 
 The coordinator's round is step 2 alone, with no policy (`follow_rounds`): it contributes a zero pseudo-gradient of
@@ -171,12 +172,17 @@ class DiLoCoRounds:
 
     # -- the round -------------------------------------------------------------------------------------------------
     def after_inner_step(self, model: nn.Module) -> bool:
-        """After each inner step: count it, end the round at H steps or the time budget (`end_round`). Returns True
-        when training must stop: the run's last round is done, or a stop was requested."""
+        """After each inner step: count it, record the round in flight if its background sync landed (``[outer]
+        overlap``), end the round at H steps or the time budget (`end_round`). Returns True when training must stop:
+        the run's last round is done, or a stop was requested."""
         self.steps += 1
         faults.point("inner_step_end")
         if self.stop.is_set():
             return True
+        if self.overlap is not None:  # the round in flight is recorded as soon as its sync landed (`landed`)
+            landed = self.overlap.landed()
+            if landed is not None:
+                self._record_settled([landed])
         full = self.steps >= self.config.inner_steps or self.out_of_time()
         if full or self.caught_up():
             self.end_round(model, caught_up=not full)
@@ -270,8 +276,9 @@ class DiLoCoRounds:
         return phase
 
     def _record_settled(self, settled: list) -> None:
-        """Record each background round that ended (`composer_diloco.outer.overlap.Settled`); a dropped phase was
-        never handed off and has no record of its own."""
+        """Record each background round that ended (`composer_diloco.outer.overlap.Settled`), once: a round recorded
+        when its sync landed (`after_inner_step`) is not recorded again at its fold; a dropped phase was never handed
+        off and has no record of its own."""
         for done in settled:
             phase = self._handed_off.pop(done.round, None)
             if done.result is not None and phase is not None:

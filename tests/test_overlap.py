@@ -133,3 +133,11 @@ def test_coordinator_lost_mid_reply_fails_closed_then_restarts(run_dir, tmp_path
         assert all(r["status"] == "averaged" and r["peers"] == 3 for r in lines[:2]), lines
         assert [r["fold"] for r in lines[:2]] == ["rebased", "rebased"] and lines[-1]["fold"] == "final", lines
         assert all(r["blocked_seconds"] >= 0 for r in lines)
+    # a round's line is written at the first inner step after its background sync landed (`OverlappedSync.landed`),
+    # not at the fold one phase later, where a kill would leave a pseudo-gradient that reached theta unrecorded
+    # (`bench/churn.py`'s contributed_unrecorded_samples): before the next phase ended, unless that sync landed late
+    early = [(name, r["round"]) for name in ("node-0", "node-1") for r, after in zip(records[name][:2],
+                                                                                    records[name][1:3])
+             if r["time"] < after["inner_started"] + after["inner_seconds"]]
+    assert early, {name: [(r["round"], r["time"], r["inner_started"], r["inner_seconds"]) for r in records[name][:3]]
+                   for name in ("node-0", "node-1")}

@@ -105,6 +105,7 @@ class _InFlight:
     thread: threading.Thread
     result: SyncResult | None = None
     error: BaseException | None = None
+    reported: bool = False  # `OverlappedSync.landed` gave it out
 
 
 class OverlappedSync:
@@ -124,6 +125,24 @@ class OverlappedSync:
     def in_flight(self) -> int | None:
         """The round whose sync runs in the background, or None."""
         return None if self._inflight is None else self._inflight.round
+
+    def landed(self) -> Settled | None:
+        """The round in flight once its background sync has ended, reported once: a `Settled` with the fold
+        `end_round` will apply to it at the end of this inner phase (``"rebased"``, or ``"dropped"`` when it did not
+        end "averaged" into the next round), so the node can record the round now instead of one phase later, where a
+        kill in between would leave a pseudo-gradient that reached theta with no record. Never blocks; the fold itself
+        still happens in `end_round` (a stop before it loads theta instead, as `drain` does).
+
+        Returns:
+            None while the sync runs, when nothing is in flight, when this round was reported already, and when the
+            background thread raised (the error is raised at the fold).
+        """
+        flight = self._inflight
+        if flight is None or flight.reported or flight.thread.is_alive() or flight.result is None \
+                or flight.error is not None:
+            return None
+        flight.reported = True
+        return Settled(flight.round, flight.result, "rebased" if self._normal(flight) else "dropped")
 
     def end_round(self, model: nn.Module, weight: float) -> RoundEnd:
         """At the end of an inner phase: fold in the round in flight, then hand this phase's round off.
