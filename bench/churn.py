@@ -43,8 +43,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        node waiting at the barrier leaves its core to the others)
     contributed_unrecorded_samples
                        sample weight the coordinator averaged in beyond the node lines of its rounds: with
-                       ``[outer] overlap`` a kill may cut the phase at whose end a node would have written the line of
-                       the round before, whose pseudo-gradient reached the model (goodput counts that phase as lost)
+                       ``[outer] overlap`` a kill after a round's sync landed and before the node's next inner step
+                       (before 7314e18: before the next phase's end) leaves that round's pseudo-gradient in the model
+                       with no line (goodput counts that phase as lost)
 
     python bench/churn.py --out runs/churn                    (the embedded default, 3 nodes, a kill every 25 s)
     python bench/churn.py --out runs/churn --kill-every-s 0   (no churn: the same run's goodput without faults)
@@ -233,8 +234,8 @@ def _inner_ended(record: dict) -> float:
 def _phase_ended(record: dict) -> float:
     """Wall time a node round's inner phase and its standstill ended: its inner phase's start, plus ``inner_seconds``,
     plus the seconds its sync stopped the loop. Not the line's ``time``: with ``[outer] overlap`` a round's line is
-    written once its sync is done, under the next round's inner phase, so a life's last line is a phase later than
-    the last work it records."""
+    written once its sync is done, under the next round's inner phase (at its fold, one phase later, before 7314e18),
+    so a life's last line is later than the last work it records."""
     return _inner_ended(record) + _stood_still(record)
 
 
@@ -346,8 +347,9 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
 
 def _unrecorded_samples(records: dict[str, list[dict]]) -> int:
     """Samples the coordinator's rounds averaged in (``weight_total``) beyond those of the node lines that hold the
-    same theta: the pseudo-gradients that reached the model from a phase no line records (a node writes a round's
-    line when it folds the sync, with ``[outer] overlap`` at the end of the next phase, which a kill may cut)."""
+    same theta: the pseudo-gradients that reached the model from a phase no line records (with ``[outer] overlap`` a
+    node writes a round's line at the first inner step after its sync landed, before 7314e18 at the end of the next
+    phase: a kill in between leaves the phase unrecorded)."""
     nodes: dict[int, float] = {}
     for name, mine in records.items():
         for r in mine:
