@@ -9,8 +9,10 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
     goodput            inner-loop seconds (``inner_seconds`` of every node round line) over node-seconds alive
                        (spawn to exit or kill, every life of every node)
-    goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round
-                       (work that reached the canonical model)
+    goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round,
+                       or, for a round the coordinator was down for, an ancestor of the theta it next recorded
+                       (`_reached_model`; before 2026-12-04 those rounds were not counted): work that reached the
+                       canonical model
     where the rest went, over node-seconds alive: ``startup`` (spawn, or a standby's takeover, to the start of a
                        life's first inner phase, its line's ``inner_started``: imports, env server, DHT join, state
                        download), ``sync`` (the seconds each round's sync
@@ -244,7 +246,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
     from composer_diloco.metrics import read_metrics, replicas_agree, thetas_by_round
 
     records = read_metrics(churn.run_dir)
-    canonical = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
+    canonical = _reached_model(records)  # the coordinator's rounds, and those it missed whose work it took on
     alive = inner = kept = sync = startup = tail = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
@@ -286,7 +288,8 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # sample weight the coordinator averaged in with no node line of that round: a life's overlapped phase whose
         # sync ended before a kill cut the next phase, when the line would have been written (`_unrecorded_samples`)
         "contributed_unrecorded_samples": unrecorded,
-        "rounds": len(by_round), "coordinator_rounds": len(canonical), "of": rounds,
+        "rounds": len(by_round), "coordinator_rounds": len({r["round"] for r in records.get("coordinator", [])}),
+        "of": rounds,
         "agree": replicas_agree(records),
         "node_lives": len(lives),
         "node_kills": sum(1 for x in lives if x.killed),
@@ -326,7 +329,7 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
 
     Beside it the swarm's throughput over the same window (``from`` to the end of the last recorded inner phase):
     ``samples_per_s`` (episodes trained, every node together) and ``kept_samples_per_s`` (those of rounds whose theta
-    is the coordinator's, ``canonical``: round -> its ``global_sha256``). On a box whose cores the nodes share, goodput alone misleads: a node waiting at the barrier
+    reached the coordinator's model, ``canonical``: round -> that ``global_sha256``, `_reached_model`). On a box whose cores the nodes share, goodput alone misleads: a node waiting at the barrier
     leaves its core to the others, so a change that removes waits raises goodput while every step gets slower."""
     firsts = [min((_inner_started(r) for r in mine if r.get("role") == "node"), default=None)
               for name, mine in records.items() if name != "coordinator"]
@@ -343,6 +346,35 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
     per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)
     return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
             "node_seconds_alive": round(alive, 1), "samples_per_s": per_s(samples), "kept_samples_per_s": per_s(kept)}
+
+
+def _reached_model(records: dict[str, list[dict]]) -> dict[int, str]:
+    """Round -> the theta (``global_sha256``) whose work reached the coordinator's model: the coordinator's own lines,
+    and a round it did not record (it was down) when the nodes' theta of that round is an ancestor of the theta the
+    coordinator next recorded. That holds when, from that round to the coordinator's next round K, the node lines of
+    each round name one theta, every node line after it says ``averaged`` (each theta the outer step of the one
+    before, no resync or heal in between), and the nodes' theta of round K is the coordinator's: it began round K
+    from theirs (a restarted coordinator that resumes from a live node). A coordinator that came back with an older
+    theta and made the nodes heal to it leaves no such chain, and their rounds meanwhile are not counted."""
+    reached = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
+    nodes: dict[int, list[dict]] = {}
+    for name, mine in records.items():
+        for r in mine:
+            if name != "coordinator" and r.get("role") == "node":
+                nodes.setdefault(r["round"], []).append(r)
+    later = sorted(reached)
+    for round_ in sorted(set(nodes) - set(reached)):
+        k = next((x for x in later if x > round_), None)
+        if k is None:
+            continue
+        chain = [nodes.get(j, []) for j in range(round_, k + 1)]
+        if any(len({r["global_sha256"] for r in lines}) != 1 for lines in chain):
+            continue  # a round no node recorded, or recorded with two thetas
+        if any(r.get("status") != "averaged" for lines in chain[1:] for r in lines):
+            continue
+        if chain[-1][0]["global_sha256"] == reached[k]:
+            reached[round_] = chain[0][0]["global_sha256"]
+    return reached
 
 
 def _unrecorded_samples(records: dict[str, list[dict]]) -> int:

@@ -57,3 +57,27 @@ def test_steady_goodput_starts_at_the_last_nodes_first_phase():
                                                        "samples_per_s": 16.0, "kept_samples_per_s": 8.0}
     records["node-2"] = []  # a node that never trained: no steady state to speak of
     assert churn._steady(records, canonical, lives, end=30.0)["goodput"] is None
+
+
+def test_rounds_the_coordinator_missed_count_as_kept_when_its_next_theta_descends_from_them():
+    def node(peer, round_, sha=None, status="averaged"):
+        line = _line(peer, round_, started=10.0 * round_)
+        line["status"] = status
+        if sha is not None:
+            line["global_sha256"] = sha
+        return line
+
+    coordinator = [{"role": "coordinator", "round": r, "global_sha256": f"s{r}"} for r in (0, 1, 4, 5)]
+    records = {"node-0": [node("node-0", r) for r in range(6)], "node-1": [node("node-1", r) for r in range(6)],
+               "coordinator": coordinator}
+    # down for rounds 2-3, back from a live node's theta of round 3: its round 4 is the nodes'
+    assert churn._reached_model(records) == {r: f"s{r}" for r in range(6)}
+    # back with another theta, the nodes healed to it in round 4: rounds 2-3 never reached its model
+    records["node-0"][4]["status"] = records["node-1"][4]["status"] = "resynced"
+    assert sorted(churn._reached_model(records)) == [0, 1, 4, 5]
+    records["node-0"][4]["status"] = records["node-1"][4]["status"] = "averaged"
+    records["coordinator"][2]["global_sha256"] = "other"  # its round 4 is not the nodes' theta
+    assert sorted(churn._reached_model(records)) == [0, 1, 4, 5]
+    records["coordinator"][2]["global_sha256"] = "s4"
+    records["node-1"][2] = node("node-1", 2, sha="split")  # the nodes disagreed in round 2: not counted
+    assert sorted(churn._reached_model(records)) == [0, 1, 3, 4, 5]
