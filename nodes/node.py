@@ -537,8 +537,8 @@ class Node:
         # What the imports and the join built (torch, transformers, TRL, hivemind, the policy: ~0.5M objects at the
         # embedded default) lives as long as the process: out of the collector's full passes from here on. train()
         # opens with accelerate's free_memory(), a gc.collect() of the whole heap: 0.9-1.1 s, most of TRL's set-up and
-        # of a standby's takeover (BENCHMARKS.md 3o), then ~0.02 s. A full pass found no garbage to free at this point
-        # (the young generations are collected first).
+        # of a standby's takeover (BENCHMARKS.md 3o), then ~0.02 s. A full pass before train() found no garbage to
+        # free (a trainer built the same way in one process), and the young generations are collected first.
         gc.collect(1)
         gc.freeze()
         self.trainer.train()  # TRL's set-up (optimizer, accelerate, dataloader), then `_first_inner_phase`, then steps
