@@ -100,11 +100,7 @@ def join(
         raise typer.Exit(1)
 
     own_dir = Path(options.run_dir) / options.name
-    base_nice = None  # a standby's nice value before it lowered it (nodes/standby_priority.py)
     if standby:  # is the node it stands by running? Looked at before the imports, which take seconds
-        from nodes.standby_priority import lower_priority
-
-        base_nice = lower_priority()  # first: its imports and preparation yield the cores to the node and a takeover
         from nodes.standby import StandbyStart
 
         standby_start = StandbyStart.now(own_dir)
@@ -137,10 +133,6 @@ def join(
         lock = waiting.wait()
         if lock is None:
             raise typer.Exit(130 if stop.event.is_set() else 0)
-        if base_nice is not None:  # the node's priority again, in every thread and in the env server it launched
-            from nodes.standby_priority import restore_priority
-
-            restore_priority(base_nice)
         node.take_over(lock, waiting.prepared)
     else:
         node.hold_folder(folder_lock)
