@@ -358,10 +358,8 @@ def _reached_model(records: dict[str, list[dict]]) -> dict[int, str]:
     theta and made the nodes heal to it leaves no such chain, and their rounds meanwhile are not counted."""
     reached = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
     nodes: dict[int, list[dict]] = {}
-    for name, mine in records.items():
-        for r in mine:
-            if name != "coordinator" and r.get("role") == "node":
-                nodes.setdefault(r["round"], []).append(r)
+    for r in (r for mine in records.values() for r in mine if r.get("role") == "node"):
+        nodes.setdefault(r["round"], []).append(r)
     later = sorted(reached)
     for round_ in sorted(set(nodes) - set(reached)):
         k = next((x for x in later if x > round_), None)

@@ -142,7 +142,7 @@ class OverlappedSync:
                 or flight.error is not None:
             return None
         flight.reported = True
-        return Settled(flight.round, flight.result, "rebased" if self._normal(flight) else "dropped")
+        return Settled(flight.round, flight.result, self._fold(flight))
 
     def end_round(self, model: nn.Module, weight: float) -> RoundEnd:
         """At the end of an inner phase: fold in the round in flight, then hand this phase's round off.
@@ -158,7 +158,7 @@ class OverlappedSync:
         out = RoundEnd()
         if self._inflight is not None:
             done = self._wait()
-            if done.result is None or not self._normal(done):
+            if self._fold(done) == "dropped":
                 if done.result is not None:
                     log.warning("%s: the overlapped round %d ended %s (round %d now): dropping this phase's local "
                                 "progress and loading theta", self.peer.swarm.name, done.round, done.result.status,
@@ -199,10 +199,14 @@ class OverlappedSync:
                             flight.round, self.join_timeout_s)
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _normal(self, done: _InFlight) -> bool:
-        """True when theta is the outer step of exactly the round handed off (nothing to fail closed on)."""
+    def _fold(self, done: _InFlight) -> Fold:
+        """How a round whose background sync ended reaches the policy: "rebased" when theta is the outer step of
+        exactly the round handed off, else "dropped" (fail closed; also when it has no result). The one rule of
+        `end_round` and `landed`."""
         r = done.result
-        return r.status == "averaged" and r.round == done.round and self.peer.round == done.round + 1
+        normal = r is not None and r.status == "averaged" and r.round == done.round \
+            and self.peer.round == done.round + 1
+        return "rebased" if normal else "dropped"
 
     def _start(self, model: nn.Module, weight: float) -> None:
         handoff = self.peer.hand_off(model, weight)
