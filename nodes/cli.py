@@ -71,9 +71,10 @@ def join(
              "episodes, reproducible), or auto: batched (as fast on an H200, faster on a CPU).")] = "auto",
     standby: Annotated[bool, typer.Option(
         "--standby", help="Run as this node's warm standby (same --run-dir and --name, beside it on its machine): "
-                          "import everything, start its env server and build its policy now, then wait; the moment "
-                          "the node's process ends (a crash, an OOM kill, SIGKILL) take it over, same peer ID, without "
-                          "its restart's seconds. Exits 0 when the node finishes the run. See nodes/standby.py.")
+                          "import everything, start its env server and build its policy now, then wait; each time "
+                          "the node's process ends (a crash, an OOM kill, SIGKILL) fork its next life, same peer ID, "
+                          "without a restart's seconds, and stand by that one too. Exits 0 when the node finishes "
+                          "the run. See nodes/standby.py.")
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -119,23 +120,39 @@ def join(
 
     from composer_diloco.lifecycle import GracefulStop, setup_logging
     from composer_diloco.reaper import watch_this_process
-    from nodes.node import Node
+    from nodes import node as _  # noqa: F401 - imported here, so a standby's forked lives find it imported
 
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
-    node = Node(options, stop)
     watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
-    if standby:  # wait, prepared, until the node's process ends (nodes/standby.py)
+    if standby:  # wait, prepared, until the node's process ends; then fork each of its next lives (nodes/standby.py)
         from nodes.standby import Standby
 
-        waiting = Standby(node.own_dir, stop, own_env_server=not options.env_urls, alone_after_s=join_timeout,
+        waiting = Standby(own_dir, stop, own_env_server=not options.env_urls, alone_after_s=join_timeout,
                           start=standby_start)
-        lock = waiting.wait()
-        if lock is None:
-            raise typer.Exit(130 if stop.event.is_set() else 0)
-        node.take_over(lock, waiting.prepared)
+        raise typer.Exit(waiting.run_lives(
+            lambda lock, prepared, life_stop: _node_life(options, life_stop, verbose, lock, prepared, taken_over=True)))
+    raise typer.Exit(_node_life(options, stop, verbose, folder_lock, None, taken_over=False))
+
+
+def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool) -> int:
+    """One life of the node: join, train until the run's last round, leave; returns the exit code (0: the run
+    finished, 130: stopped by a signal, 1: an error, its one line on stderr).
+
+    Args:
+        options: the `nodes.options.NodeOptions`; stop: this process's `GracefulStop`.
+        lock: the node's folder lock, held (`nodes.folder_lock`), released when the life ends.
+        prepared: what a standby built for it (`nodes.standby.Prepared`), or None.
+        taken_over: a standby's takeover (its join's seconds count from now, `nodes.node.Node.take_over`), not a
+            process started by the command line.
+    """
+    from nodes.node import Node
+
+    node = Node(options, stop)
+    if taken_over:
+        node.take_over(lock, prepared)
     else:
-        node.hold_folder(folder_lock)
+        node.hold_folder(lock)
     code = 0
     try:
         node.join()
@@ -155,7 +172,7 @@ def join(
         code = 1
     finally:
         node.close()
-    raise typer.Exit(code)
+    return code
 
 
 def main() -> int:

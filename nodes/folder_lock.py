@@ -19,6 +19,10 @@ from typing import Any
 from composer_diloco.outer.identity import try_lock
 
 LOCK_FILE = "node.lock"
+HOLDER_FILE = "node.pid"
+"""In ``<run-dir>/<name>/``: ``{"pid", "since"}`` of the process that holds the folder now (`write_holder`), for an
+operator (or `bench/churn.py`) asking which process is the node: after a standby's takeover it is a process the
+standby forked (`nodes.standby.Standby.run_lives`)."""
 LOCK_POLL_S = 0.2  # seconds between two tries of the lock
 LOCK_RETRIES = 5  # more tries, LOCK_POLL_S apart, before `NodeBusy`: a standby started beside the node holds it for
 # an instant while it has not yet seen the node hold it (`nodes.standby.lock_is_held`)
@@ -35,7 +39,7 @@ def lock_node_folder(own_dir: Path, name: str, run_dir: Path | str) -> Any:
     Args:
         own_dir: ``<run-dir>/<name>``; name, run_dir: the node's ``--name`` and ``--run-dir``, for the error.
     Returns:
-        The held lock (`filelock.FileLock`): ``release()`` it at exit (the OS drops it anyway when the process ends).
+        The held lock (`composer_diloco.outer.identity.FileLockHeld`): ``release()`` it at exit (the OS drops it anyway when the process ends).
     Raises:
         NodeBusy: another process holds it (one line naming the folder and what to do).
     """
@@ -51,4 +55,18 @@ def lock_node_folder(own_dir: Path, name: str, run_dir: Path | str) -> Any:
                    f"{str(own_dir / LOCK_FILE)!r} is held): stop it first, or give this node another --name")
 
 
-__all__ = ["LOCK_FILE", "LOCK_POLL_S", "LOCK_RETRIES", "NodeBusy", "lock_node_folder"]
+def write_holder(own_dir: Path) -> None:
+    """Say in ``own_dir / HOLDER_FILE`` that this process holds the folder since now (written whole or not at all).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    import json
+    import os
+
+    from composer_diloco.checkpoint import write_atomic
+
+    write_atomic(Path(own_dir) / HOLDER_FILE, json.dumps({"pid": os.getpid(), "since": time.time()}))
+
+
+__all__ = ["HOLDER_FILE", "LOCK_FILE", "LOCK_POLL_S", "LOCK_RETRIES", "NodeBusy", "lock_node_folder", "write_holder"]

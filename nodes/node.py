@@ -49,7 +49,7 @@ from composer_diloco.inner.trainer import ComposerGRPOTrainer, OnceTrainingBegin
 from composer_diloco.timing import JOIN_PHASES, PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
-from nodes.folder_lock import NodeBusy, lock_node_folder
+from nodes.folder_lock import HOLDER_FILE, NodeBusy, lock_node_folder, write_holder
 from nodes.standby import ENV_SERVER_LOG, save_run_config
 
 log = logging.getLogger(__name__)
@@ -356,9 +356,14 @@ class Node:
 
     def hold_folder(self, lock: Any) -> None:
         """Keep ``lock``, this node's folder lock taken by the caller (`nodes.folder_lock.lock_node_folder`), for
-        the node's life: released at `close`."""
+        the node's life: released at `close`; and say so in ``<run-dir>/<name>/node.pid`` (`nodes.folder_lock.write_holder`:
+        a failed write is a WARNING)."""
         self._own_lock = lock
         self.stop.add_cleanup(lock.release)
+        try:  # which process is the node now (after a standby's takeover, one it forked)
+            write_holder(self.own_dir)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.own_dir / HOLDER_FILE, e)
 
     def take_over(self, lock: Any, prepared: Any | None) -> None:
         """Start as this node's standby did (`nodes.standby.Standby.wait`): ``lock`` is the node's folder lock it

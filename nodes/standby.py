@@ -1,14 +1,20 @@
 """A node's warm standby (`composer-node join --standby`): a second process for the same ``--run-dir`` and ``--name``
-that does the slow part of a node's start ahead of time and takes the node over the moment its process ends.
+that does the slow part of a node's start ahead of time and, each time the node's process ends, starts its next life
+at once, forked from itself (`Standby.run_lives`).
 
 A node restarted after a crash pays its whole start again before its next inner step: the imports (torch,
 transformers, TRL, peft, hivemind, and OpenEnv's server stack, which the memory plan reads the env package's
 demonstrations through: 7-10 s on a 2-core CPU box), its env server's start, and its policy's build (at real size,
 the base model read from disk). A standby pays them while the node still trains, then waits for the node's folder lock
 (``<run-dir>/<name>/node.lock``: the OS drops it when the process holding it ends, SIGKILL and an OOM kill included).
-Once it holds it, it joins the run as that node (`nodes.node.Node.join`: the same identity key, so the same peer ID,
-and the peers its last life saw): what is left is the DHT join, the run config, the state download and the wait for
-the round boundary.
+Once it holds it, it forks the node's next life (`nodes.fork.fork_life`), which joins the run as that node
+(`nodes.node.Node.join`: the same identity key, so the same peer ID, and the peers its last life saw) with the lock
+handed to it: what is left is the DHT join, the run config, the state download and the wait for the round boundary.
+The standby itself goes on standing by: it launches the next life's env server and waits for the lock again, so a
+second crash a few seconds after the first finds it as prepared as the first did. (Until 2026-12-06 the standby became
+the node, and a new standby had to be started after each takeover: its imports and preparation took 25-40 s of a core
+on a loaded 2-core box, beside the nodes' training, and a kill in that window found nothing prepared: BENCHMARKS.md
+3p.)
 
 What it prepares (`Standby.wait`), in order:
 
@@ -18,30 +24,40 @@ What it prepares (`Standby.wait`), in order:
    node's own env server (not with ``--env-url``) and the policy's skeleton (`composer_diloco.policy.load.policy_skeleton`: the
    architecture, and with ``[lora]`` or ``--model`` the base weights, on the CPU). At takeover the server and the
    skeleton are used when the run's published config has the same digest, and stopped / dropped otherwise
-   (`Prepared.for_config`).
+   (`Prepared.for_config`). A forked life gets the skeleton as a copy-on-write copy of the standby's and the env
+   server lent (`composer_diloco.rollout.env_process.BorrowedEnvServer`: the standby stops it when the life ended);
+   the standby keeps its own skeleton and launches a new env server for the life after.
 
 A standby takes the lock only once it has seen it held (the node it stands by was running; looked at first before its
 imports, `StandbyStart`), or after ``--join-timeout`` seconds without ever seeing it held (no node runs under that
 name: it starts the node itself), so a job script may start the node and its standby together: the node takes its
-folder first thing, before its imports (`nodes.folder_lock`), so however slow those are its standby sees it held. It exits 0 without
-joining when the node finished its run (`FINISHED_FILE`: written after the standby started, or at any time when it
-never saw the node running); SIGINT or SIGTERM while it waits: 130. Its cost while it waits: host memory (the
-imports, about 0.5 GB on CPU, and the skeleton: the model's size), one idle env server process, no device memory, and
-CPU only while preparing.
+folder first thing, before its imports (`nodes.folder_lock`), so however slow those are its standby sees it held. It
+exits 0 when the node finished its run (`FINISHED_FILE`: written after the standby started, or at any time when it
+never saw the node running); SIGINT or SIGTERM: 130, after stopping the life it forked; 1 after `MAX_FAILED_LIVES`
+lives in a row failed before any round. Each life it forks is the leader of its own process group and writes its pid
+in ``<run-dir>/<name>/node.pid`` (`nodes.folder_lock.HOLDER_FILE`). Its cost: host memory (the imports, about 0.5 GB
+on CPU, and the skeleton: the model's size, shared copy-on-write with the life it forked), one idle env server
+process, no device memory, and CPU only while preparing.
 
 Fault model: a standby outlives the node's *process* (an exception, an OOM kill, a CUDA error, SIGKILL), not its
-machine: run it on the same machine, beside the node, under its own supervisor (systemd unit or job script), and start
-a new standby after each takeover. Torchft's and Decoupled DiLoCo's spare replicas are the multi-machine form of the
-same idea; this one needs no change to the round protocol, because the standby *is* the node to the others.
+machine: run it on the same machine, beside the node, under its own supervisor (a systemd unit or job script that
+restarts it if it dies). Under systemd the node's first process and the standby are two units; every later life of
+the node runs in the standby's unit (its cgroup), so stopping that unit stops the life too. Torchft's and Decoupled
+DiLoCo's spare replicas are the multi-machine form of the same idea; this one needs no change to the round protocol,
+because each life *is* the node to the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
+import os
 import pkgutil
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +73,15 @@ RUN_CONFIG_FILE = "run_config.json"  # in <run-dir>/<name>/: the run config this
 FINISHED_FILE = "finished.json"  # in <run-dir>/<name>/: written when this node took part in its run's last round
 ENV_SERVER_LOG = "env-server.log"  # in <run-dir>/<name>/: the output of the env server the node started (its last life)
 STANDBY_ENV_SERVER_LOG = "env-server.standby.log"  # ... of the one its standby started (the node's, once it takes over)
+STANDBY_ENV_SERVER_LOG_NEXT = "env-server.standby.1.log"  # a forked life's successor's, while the life plays on the first
+
+MAX_FAILED_LIVES = 3
+"""Lives in a row that may fail (end with an error before writing a round line) before a standby stops forking them
+(`Standby.run_lives`): a node that cannot start (a run that is over, an env that is gone) is not restarted forever."""
+
+LIFE_STOP_S = 7.0
+"""Seconds a stopping standby gives the life it forked to stop on its SIGTERM (the life's hard exit comes at 8 s),
+before it SIGKILLs the life's process group."""
 
 
 def warm_imports() -> int:
@@ -171,8 +196,8 @@ class Prepared:
 
 
 class Standby:
-    """The waiting half of ``composer-node join --standby`` (module docstring): prepare, then wait for the node's
-    folder lock.
+    """``composer-node join --standby`` (module docstring): prepare, wait for the node's folder lock (`wait`), fork the
+    node's next life and stand by it again (`run_lives`).
 
     Args:
         own_dir: ``<run-dir>/<name>``, the node's folder.
@@ -191,23 +216,29 @@ class Standby:
         self.seen_held = start.held  # the lock was held by another process at least once since this standby started
         self.prepared: Prepared | None = None
         self._config_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the RUN_CONFIG_FILE prepared from
+        self._imported = False
+        self.life: ForkedLife | None = None  # the node's life this standby forked, while it runs (`run_lives`)
+        self.lives = 0  # lives forked
+        self.failed_in_a_row = 0  # lives that ended with an error before any round line, in a row
+        self.gave_up: str | None = None  # why this standby stopped forking lives (`MAX_FAILED_LIVES`)
 
     def wait(self) -> Any | None:
         """Prepare (module docstring), then wait until this process holds the node's folder lock.
 
         Returns:
             the held lock (`composer_diloco.outer.identity.try_lock`'s; the caller releases it), or None: the node
-            finished its run while this standby waited, or a signal came.
+            finished its run while this standby waited, a signal came (the life it forked, if one runs, is stopped
+            first: `LIFE_STOP_S`), or it gave up forking lives (`gave_up`).
         Raises:
             ImportError: `warm_imports` failed.
         """
-        t0 = time.monotonic()
-        count = warm_imports()
-        log.info("standby for %s: %d modules imported in %.1f s; waiting for the process that holds %s to end",
-                 self.own_dir.name, count, time.monotonic() - t0, self.own_dir / LOCK_FILE)
+        self._import()
         self.own_dir.mkdir(parents=True, exist_ok=True)
-        while not self.stop.event.is_set():
+        while not self.stop.event.is_set() and self.gave_up is None:
+            self._reap_life()  # the life this standby forked (`run_lives`), once it ended
             lock = try_lock(self.own_dir / LOCK_FILE)  # first: a preparation takes seconds
+            if lock is not None and self.life is not None:
+                self._reap_life(wait_s=LIFE_STOP_S)  # the lock is free: the life it forked has ended, or is ending
             if lock is None:
                 self.seen_held = True
             elif not self.seen_held and time.time() - self.started < self.alone_after_s:
@@ -224,9 +255,163 @@ class Standby:
                 return lock
             self._prepare_if_new_config()
             self.stop.event.wait(LOCK_POLL_S)
+        self._stop_life()
         if self.prepared is not None:
             self.prepared.close()
         return None
+
+    def run_lives(self, life: Callable[[Any, Prepared | None, GracefulStop], int]) -> int:
+        """Stand by the node for the rest of its run: each time its process ends, fork the next one from this
+        prepared process (`nodes.fork.fork_life`), and stand by that one too.
+
+        A fork shares the imports and the policy skeleton this process holds: the new life starts with the DHT join,
+        and this standby is ready for the next end as soon as it launched that life's successor env server (one
+        process's start), instead of a new standby's imports and preparation (25-40 s of a core on a loaded 2-core
+        box, during which a second kill found nothing prepared: BENCHMARKS.md 3p). The lock is handed to the child
+        (`composer_diloco.outer.identity.FileLockHeld.hand_over`): it holds the node's folder from the first instant.
+        Each life is its own session (process group); this process never trains, never touches a GPU (its skeleton
+        is on the CPU) and keeps torch at one thread (`nodes.fork.single_threaded_torch`). Where a fork is unsafe
+        (`nodes.fork.fork_unsafe`: CUDA initialized here, threads running) this process joins as the node itself, as
+        a standby did before, and no standby is left.
+
+        Args:
+            life: what a life runs, ``life(lock, prepared, stop)`` -> its exit code: ``lock`` the node's folder lock it
+                holds, ``prepared`` what this standby built (its env server lent, `BorrowedEnvServer`; None when
+                nothing was), ``stop`` the life's own `GracefulStop`, installed.
+        Returns:
+            The exit code: 0 when the node finished its run, 130 on SIGINT/SIGTERM (forwarded to the life, which
+            gets `LIFE_STOP_S` to stop), 1 after `MAX_FAILED_LIVES` lives in a row ended with an error before any
+            round line (the reason logged at ERROR), or the exit code of ``life`` when it ran in this process.
+        Raises:
+            ImportError: `warm_imports` failed.
+        """
+        from nodes.fork import fork_life, fork_unsafe, single_threaded_torch
+
+        self._import()
+        torch_threads = single_threaded_torch()  # before the preparation's first torch op (`nodes.fork`)
+        while True:
+            lock = self.wait()
+            if lock is None:
+                return 1 if self.gave_up else 130 if self.stop.event.is_set() else 0
+            if self.gave_up is not None:  # the life that just ended was one failure too many
+                lock.release()
+                return 1
+            unsafe = fork_unsafe()
+            if unsafe is not None:
+                import torch
+
+                log.warning("standby: cannot fork %s's next life (%s): this process joins as it, and no standby is "
+                            "left for it", self.own_dir.name, unsafe)
+                torch.set_num_threads(torch_threads)
+                return life(lock, self.prepared, self.stop)
+            handed, server = self._lend_prepared()
+            pid = fork_life(lambda: _forked_life(life, lock, handed, server), torch_threads)
+            lock.hand_over()  # the child holds the folder now, alone
+            self.lives += 1
+            self.life = ForkedLife(pid, time.time(), _round_lines(self.own_dir), server)
+            log.warning("standby: %s's life %d runs as pid %d (its own process group); preparing for the next",
+                        self.own_dir.name, self.lives, pid)
+            self._prepare_successor()
+
+    def _import(self) -> None:
+        """`warm_imports`, once."""
+        if self._imported:
+            return
+        t0 = time.monotonic()
+        count = warm_imports()
+        self._imported = True
+        log.info("standby for %s: %d modules imported in %.1f s; waiting for the process that holds %s to end",
+                 self.own_dir.name, count, time.monotonic() - t0, self.own_dir / LOCK_FILE)
+
+    def _lend_prepared(self) -> tuple[Prepared | None, Any | None]:
+        """What the next forked life takes: this preparation, and its env server once healthy (waited for here:
+        the life cannot poll a process that is not its child; one that does not come up is stopped, and the life
+        starts its own). The server stays this process's (`ForkedLife.env_server`); the life gets it lent."""
+        prepared = self.prepared
+        if prepared is None or prepared.env_server is None:
+            return prepared, None
+        from composer_diloco.rollout.env_process import EnvServerError
+
+        launch = prepared.env_server
+        try:
+            server = launch.wait(prepared.config.env.connect_timeout_s)
+        except EnvServerError as e:
+            log.warning("standby: the env server it prepared did not come up (%s): the node's life starts its own", e)
+            launch.stop()
+            return dataclasses.replace(prepared, env_server=None), None
+        return prepared, server
+
+    def _prepare_successor(self) -> None:
+        """After a fork: the next life's env server, launched now (the skeleton and the memory plan's inputs are this
+        process's still: the life got copies)."""
+        prepared = self.prepared
+        if prepared is None or not self.own_env_server:
+            return
+        from composer_diloco.rollout.env_process import launch_env_server
+
+        try:
+            server = launch_env_server(prepared.config.env.server_module, args=prepared.config.env.server_args,
+                                       log_path=self._next_env_log())
+        except OSError as e:  # the next life starts its own
+            log.warning("standby: could not launch the next life's env server (%s)", e)
+            server = None
+        self.prepared = dataclasses.replace(prepared, env_server=server)
+
+    def _reap_life(self, wait_s: float = 0.0) -> None:
+        """If the life this standby forked has ended, collect it: log how it ended, stop the env server it played on,
+        and count it toward `MAX_FAILED_LIVES`. ``wait_s`` > 0: wait that long for it to end, then SIGKILL its process
+        group (a life that let go of the node's folder and does not exit is stuck in its shutdown) and collect it."""
+        life = self.life
+        if life is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                pid, status = os.waitpid(life.pid, os.WNOHANG)
+            except ChildProcessError:  # collected elsewhere: its end is unknown
+                pid, status = life.pid, None
+            if pid != 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if pid == 0:
+            if wait_s <= 0:
+                return
+            log.warning("standby: %s's life %d (pid %d) did not end within %.0f s: killing its process group",
+                        self.own_dir.name, self.lives, life.pid, wait_s)
+            try:
+                os.killpg(life.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _, status = os.waitpid(life.pid, 0)
+        self.life = None
+        if life.env_server is not None:
+            life.env_server.stop()
+        code = os.waitstatus_to_exitcode(status) if status is not None else None
+        how = ("ended" if code is None else f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited {code}")
+        log.log(logging.INFO if code == 0 else logging.WARNING, "standby: %s's life %d (pid %d) %s after %.1f s",
+                self.own_dir.name, self.lives, life.pid, how, time.time() - life.started)
+        failed = code is not None and code > 0 and code != 130 and _round_lines(self.own_dir) == life.lines
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        if self.failed_in_a_row >= MAX_FAILED_LIVES:
+            self.gave_up = (f"the last {self.failed_in_a_row} lives of {self.own_dir.name} ended with an error before "
+                            f"any round (the last: exit {code}; see its log above): the standby stops")
+            log.error("standby: %s", self.gave_up)
+
+    def _stop_life(self) -> None:
+        """On this standby's stop: SIGTERM the life it forked, give it `LIFE_STOP_S`, then SIGKILL its group."""
+        life = self.life
+        if life is None:
+            return
+        try:
+            os.kill(life.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self._reap_life(wait_s=LIFE_STOP_S)
+
+    def _next_env_log(self) -> Path:
+        """The output file of the env server the next life will play on: not the one the running life's writes."""
+        return self.own_dir / (STANDBY_ENV_SERVER_LOG_NEXT if self.lives % 2 else STANDBY_ENV_SERVER_LOG)
 
     def _prepare_if_new_config(self) -> None:
         """Prepare from `RUN_CONFIG_FILE` when it exists and changed since the last preparation (the node joined a
@@ -250,8 +435,7 @@ class Standby:
                 return
             self.prepared.close()
         try:
-            self.prepared = prepare(config, own_env_server=self.own_env_server,
-                                    env_log=self.own_dir / STANDBY_ENV_SERVER_LOG)
+            self.prepared = prepare(config, own_env_server=self.own_env_server, env_log=self._next_env_log())
         except Exception as e:  # the takeover's join meets it again and fails with its own one-line error
             self.prepared = None
             log.warning("standby: preparing for run %r failed (%s: %s): a takeover starts from scratch",
@@ -261,6 +445,46 @@ class Standby:
                  config.run_name, config.digest(), self.prepared.seconds,
                  "its env server" if self.prepared.env_server is not None else "no env server (--env-url)",
                  "" if self.prepared.skeleton is not None else " (failed: built again at takeover)")
+
+
+@dataclass
+class ForkedLife:
+    """A life of the node that its standby forked (`Standby.run_lives`).
+
+    Attributes:
+        pid: its process (the leader of its own process group).
+        started: when it was forked, time.time().
+        lines: the round lines of ``<name>/metrics.jsonl`` at its start (a life that wrote none failed at its start).
+        env_server: the env server it plays on (`EnvServer`), the standby's own: stopped once the life ended.
+    """
+
+    pid: int
+    started: float
+    lines: int
+    env_server: Any | None = None
+
+
+def _round_lines(own_dir: Path) -> int:
+    """Lines of ``own_dir / metrics.jsonl`` (0 when there is none)."""
+    try:
+        with open(own_dir / "metrics.jsonl", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _forked_life(life: Callable[[Any, Prepared | None, GracefulStop], int], lock: Any, prepared: Prepared | None,
+                 server: Any | None) -> int:
+    """In a forked life (`nodes.fork.fork_life`): its own signal handlers (`GracefulStop`), its own reaper (its DHT's
+    and averager's processes die with it, `composer_diloco.reaper`) and the standby's env server lent, then ``life``."""
+    from composer_diloco.reaper import watch_this_process
+    from composer_diloco.rollout.env_process import BorrowedEnvServer
+
+    stop = GracefulStop().install()
+    watch_this_process()
+    if prepared is not None and server is not None:
+        prepared = dataclasses.replace(prepared, env_server=BorrowedEnvServer(server))
+    return life(lock, prepared, stop)
 
 
 def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None = None) -> Prepared:
@@ -285,5 +509,6 @@ def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None
     return Prepared(config, server, skeleton, time.monotonic() - t0, plan_inputs=inputs)
 
 
-__all__ = ["FINISHED_FILE", "LOCK_POLL_S", "RUN_CONFIG_FILE", "Prepared", "Standby", "StandbyStart", "finished_since",
-           "lock_is_held", "mark_finished", "prepare", "save_run_config", "warm_imports"]
+__all__ = ["FINISHED_FILE", "LIFE_STOP_S", "LOCK_POLL_S", "MAX_FAILED_LIVES", "RUN_CONFIG_FILE", "ForkedLife", "Prepared",
+           "Standby", "StandbyStart", "finished_since", "lock_is_held", "mark_finished", "prepare", "save_run_config",
+           "warm_imports"]

@@ -111,36 +111,19 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
             traceback.print_exc()
             code = 1
-        threading._shutdown()  # as the interpreter's own exit: wait for non-daemon threads, then atexit
-        import atexit
-
-        atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe: nothing left to say
-                pass
-        os._exit(code)
+        from nodes.fork import exit_as_interpreter
+
+        exit_as_interpreter(code)  # non-daemon threads joined, atexit run, streams flushed, os._exit
 
 
 def _own_process_locks() -> None:
-    """Give the forked child hivemind's process-wide locks of its own, as a fresh interpreter makes them at import.
+    """hivemind's process-wide locks of the forked child's own (`nodes.fork.own_process_locks`): made once when the
+    template imported hivemind, every process of the session would share one semaphore, and a process SIGKILLed while
+    it held one left every later DHT start waiting on it (the CI hang of stop 57 and of 2026-12-01)."""
+    from nodes.fork import own_process_locks
 
-    hivemind keeps multiprocessing locks at class level (`MPFuture`'s update and initialization locks, `SharedBytes`',
-    `_AsyncContextWrapper`'s executor lock), made once when the template imported it: every process forked from the
-    template would share one semaphore with every other process of the session. A process SIGKILLed while it held
-    one (a test's kill landing inside an `MPFuture` update, held for one pipe write) left it taken for good, and every
-    later node's and coordinator's DHT start stood in ``_send_update`` forever: the CI hang of stop 57 and of
-    2026-12-01 (``test_two_nodes_train_on_their_shards_of_a_jsonl_task_file``). hivemind's own
-    `MPFuture.reset_backend` makes the first three anew."""
-    import multiprocessing as mp
-
-    from hivemind.utils.asyncio import _AsyncContextWrapper
-    from hivemind.utils.mpfuture import MPFuture
-
-    MPFuture.reset_backend()
-    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+    own_process_locks()
 
 
 def _enter_netns(name: str) -> None:

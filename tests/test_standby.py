@@ -8,7 +8,10 @@ node that finishes the run exits 0 without joining.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -147,16 +150,102 @@ def test_a_node_holds_its_folder_before_its_imports(tmp_path):
         stop_processes([node])
 
 
+LIVES_PEER = ROOT / "tests" / "standby_lives_peer.py"
+
+
+def _standby_of_lives(own: Path, ending: str) -> subprocess.Popen:
+    """tests/standby_lives_peer.py on ``own`` (forked from the suite's template: its imports are done), its log to
+    ``own.log``, its last line (exit code, torch threads) on stdout."""
+    import prefork
+
+    own.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{own}.log", "ab") as log:
+        return prefork.popen([sys.executable, str(LIVES_PEER), str(own), "--ending", ending], stdout=subprocess.PIPE,
+                             stderr=log, text=True, cwd=ROOT, start_new_session=True)
+
+
+def _lives(own: Path) -> list[dict]:
+    path = own / "lives.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_forks_each_life_of_its_node_and_stands_by_it_again(tmp_path):
+    """One standby process, three lives (`Standby.run_lives`): each forked from it, the leader of its own process
+    group, holding the node's folder from its first instant, alone (the standby closed its descriptor of the lock:
+    `FileLockHeld.hand_over`), with torch's threads back at the standby's start count while the standby itself waits
+    at one; the first two SIGKILLed, each followed by the next life at once; the third finishes the run and the
+    standby exits 0."""
+    own = tmp_path / "node-a"
+    standby = _standby_of_lives(own, "killed,killed,finished")
+    try:
+        out, _ = standby.communicate(timeout=150)
+    finally:
+        stop_processes([standby])
+    log = Path(f"{own}.log").read_text()
+    assert standby.returncode == 0, log[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"standby_exit": 0, "standby_torch_threads": 1}
+    lives = _lives(own)
+    assert [x["ending"] for x in lives] == ["killed", "killed", "finished"], lives
+    assert len({x["pid"] for x in lives}) == 3 and {x["parent"] for x in lives} == {standby.pid}, lives
+    for x in lives:
+        assert x["own_session"] and x["holds_lock"] and not x["another_open_file_can_lock"], x
+        assert x["standby_let_go"], x  # no descriptor of the standby's kept the lock
+        assert x["torch_threads"] == 2 and not x["prepared"], x  # nothing prepared: no run config was written
+    assert log.count("standby takes over node-a") == 3, log[-3000:]
+    assert log.count("was killed by SIGKILL") == 2 and "exited 0" in log, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_stops_forking_lives_that_fail_at_their_start(tmp_path):
+    """Lives that exit with an error before any round line (a node that cannot start) are not forked for ever: after
+    `MAX_FAILED_LIVES` in a row the standby exits 1 and says why."""
+    from nodes.standby import MAX_FAILED_LIVES
+
+    own = tmp_path / "node-a"
+    standby = _standby_of_lives(own, "failed")
+    try:
+        standby.communicate(timeout=150)
+    finally:
+        stop_processes([standby])
+    log = Path(f"{own}.log").read_text()
+    assert standby.returncode == 1, log[-3000:]
+    assert len(_lives(own)) == MAX_FAILED_LIVES, _lives(own)
+    assert f"the last {MAX_FAILED_LIVES} lives of node-a ended with an error before any round" in log, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_standby_stops_the_life_it_forked(tmp_path):
+    """SIGTERM to the standby (a job's stop, Ctrl+C) reaches the life it forked, in its own process group: the life
+    stops on it (130), and the standby exits 130 with no process of the life left."""
+    import psutil
+
+    own = tmp_path / "node-a"
+    standby = _standby_of_lives(own, "wait")
+    try:
+        _until(lambda: _lives(own) or standby.poll() is not None, timeout_s=120)
+        life = _lives(own)[0]["pid"]
+        standby.send_signal(signal.SIGTERM)
+        standby.communicate(timeout=30)
+    finally:
+        stop_processes([standby])
+    log = Path(f"{own}.log").read_text()
+    assert standby.returncode == 130, log[-3000:]
+    assert "exited 130" in log and not psutil.pid_exists(life), log[-3000:]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path):
+def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(run_dir, tmp_path):
     """node-1's process is SIGKILLed in round 2's all-reduce: the survivors go on within the averaging timeout, and
-    its standby (started beside it) takes over as the same peer ID, with the env server and policy it prepared, while
-    the survivors are still in that all-reduce. It joins the next round (that group can take no member,
-    `joins_round`) instead of training round 2 to find no group, and trains the rest of the run, every round
-    agreeing; node-0's standby exits 0 when node-0 finishes the run. (The fault tests' node killed in an all-reduce:
+    its standby (started beside it) forks its next life, which takes over as the same peer ID, with the env server and
+    policy the standby prepared, while the survivors are still in that all-reduce. It joins the next round (that group
+    can take no member, `joins_round`) instead of training round 2 to find no group. That life is SIGKILLed in turn
+    (its whole process group, as a crash of the node's process takes it), and the same standby, prepared again,
+    forks a third life that trains the rest of the run, every round agreeing, as the same peer; both standbys exit 0
+    when their node finishes the run, node-0's without ever joining. (The fault tests' node killed in an all-reduce:
     one run for both, the suite's time.)"""
-    rounds, killed_in = 6, 2
+    rounds, killed_in = 8, 2
     hold = tmp_path / "hold-node-1"  # while it exists node-1 pauses after each inner step: its standby prepares
     config = write_config(tmp_path / "standby.toml", f"rounds = {rounds}\ninner_steps = 2\n[network]\n"
                                                      "heartbeat_s = 1.0\nheartbeat_ttl_s = 6.0\n"
@@ -181,31 +270,37 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer(run_dir, tmp_path
         print(f"\nnode SIGKILLed in the all-reduce: the run went on after {went_on['time'] - killed_at:.1f} s "
               f"(status {went_on['status']})")
         assert went_on["time"] - killed_at < AVERAGING_TIMEOUT_S + 10.0  # then at most a resync
+        run.wait_until(lambda: len(run.records().get("node-1", [])) > killed_in, 120, "node-1's second life's round")
+        second = json.loads((run_dir / "node-1" / "node.pid").read_text())["pid"]
+        os.killpg(second, signal.SIGKILL)  # the second life: a crash of the node's process, its DHT's with it
+        killed_again_at = time.time()
         run.assert_exit_ok("coordinator", "node-0", "node-1-standby", "node-0-standby")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
     taken = run.log("node-1-standby")
-    assert "standby takes over node-1 (its process ended): joining as it, prepared in" in taken, taken[-2000:]
-    assert taken.count("env server envs.tool_env.server up at") == 1  # the one it launched while waiting
+    assert taken.count("standby takes over node-1 (its process ended): joining as it, prepared in") == 2, taken[-3000:]
+    assert f"node-1's life 1 (pid {second}) was killed by SIGKILL" in taken, taken[-3000:]
+    assert "node-1's life 2 runs as pid" in taken and "node-1's life 2 (pid" in taken, taken[-3000:]
+    assert taken.count("env server envs.tool_env.server up at") == 2  # one it launched for each life, while waiting
     # the folder lock proved the key's holder ended: hivemind's check that it is free (seconds) is skipped
     assert "Checking that identity" not in taken, taken[-3000:]
     assert "all-reduce failed" not in taken and "could not find a group" not in taken, taken[-3000:]
     ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1") + " " + taken)
-    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert len(ids) == 3 and len(set(ids)) == 1, ids
     assert "node-0 finished its run: the standby exits" in run.log("node-0-standby")
     assert "peer ID" not in run.log("node-0-standby")  # it never joined
     records = run.records()
-    assert [r["round"] for r in records["node-1"]] == [0, 1, *range(killed_in + 1, rounds)], records["node-1"]
-    assert all(r["time"] > killed_at - 5 for r in records["node-1"][killed_in:]), records["node-1"]
-    # each life's first line says where its join went (`JOIN_PHASES`): the first from its process's start, the
+    mine = [r["round"] for r in records["node-1"]]
+    assert mine[:3] == [0, 1, killed_in + 1] and mine[-1] == rounds - 1 and mine == sorted(set(mine)), mine
+    # each life's first line says where its join went (`JOIN_PHASES`): the first from its process's start, each
     # takeover from the kill, without the imports, the skeleton or the env server's launch its standby did
-    first, taken = records["node-1"][0], records["node-1"][killed_in]
-    assert first["joined_as"] == "process" and {"imports", "dht", "state", "trainer"} <= first["join_seconds"].keys()
-    assert taken["joined_as"] == "standby, prepared", taken
-    assert {"dht", "env", "state", "trainer"} <= taken["join_seconds"].keys(), taken["join_seconds"]
-    assert not {"imports", "model"} & taken["join_seconds"].keys(), taken["join_seconds"]
-    assert 0 < sum(taken["join_seconds"].values()) < taken["inner_started"] - killed_at + 2.0, (taken, killed_at)
-    assert not any("join_seconds" in r for i, r in enumerate(records["node-1"]) if i not in (0, killed_in))
+    opening = [r for r in records["node-1"] if "join_seconds" in r]
+    assert [r["joined_as"] for r in opening] == ["process", "standby, prepared", "standby, prepared"], opening
+    assert {"imports", "dht", "state", "trainer"} <= opening[0]["join_seconds"].keys()
+    for taken_over, kill in zip(opening[1:], (killed_at, killed_again_at)):
+        assert {"dht", "env", "state", "trainer"} <= taken_over["join_seconds"].keys(), taken_over["join_seconds"]
+        assert not {"imports", "model"} & taken_over["join_seconds"].keys(), taken_over["join_seconds"]
+        assert 0 < sum(taken_over["join_seconds"].values()) < taken_over["inner_started"] - kill + 2.0, taken_over
     shas = assert_agree(records, range(rounds))
     assert read_outer_state(latest_checkpoint(run_dir))["global_sha256"] == shas[rounds - 1]

@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["IDENTITY_FILE", "IdentityError", "load_or_create_identity", "try_lock"]
+__all__ = ["IDENTITY_FILE", "FileLockHeld", "IdentityError", "load_or_create_identity", "try_lock"]
 
 IDENTITY_FILE = "identity.key"
 """A peer's private key file: the coordinator's in its run dir, a node's in ``<run-dir>/<name>/``."""
@@ -85,15 +85,75 @@ def load_or_create_identity(path: str | os.PathLike[str], *, create: bool = True
     return _peer_id(key, path)
 
 
-def try_lock(path: str | os.PathLike[str]):
-    """Take the OS file lock at ``path`` (``filelock.FileLock``; the OS drops it when the process ends, even on
-    SIGKILL) without waiting: the lock, to ``release()`` at exit, or None when another process holds it. The
-    coordinator's run dir and each node's folder are held this way, so one process owns each identity key."""
-    from filelock import FileLock, Timeout
+class FileLockHeld:
+    """An exclusive ``flock(2)`` lock on a file, held through one open file description: the kernel drops it when
+    `release` is called or when the last descriptor of that description closes, so a process's exit, SIGKILL and an
+    OOM kill included, lets it go. A child forked while it is held shares the description, hence the lock
+    (`hand_over`). Made by `try_lock`.
 
-    lock = FileLock(Path(path))
+    (The project once held these locks with ``filelock.FileLock``, which takes the same ``flock``; a forked life of a
+    standby, `nodes.standby`, needs the descriptor itself, which filelock keeps private.)
+
+    Attributes:
+        path: the lock file.
+    """
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the lock (neither released nor handed over)."""
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Unlock and close the descriptor; idempotent. (Unlocking a description a forked child shares unlocks it for
+        the child too: a parent that handed the lock to a child calls `hand_over`, not this.)"""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def hand_over(self) -> None:
+        """Close this process's descriptor without unlocking: a child forked while the lock was held keeps it, alone,
+        until it releases it or ends. Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a lock nobody keeps is let go, as filelock's was
+        try:
+            self.release()
+        except OSError:
+            pass
+
+
+def try_lock(path: str | os.PathLike[str]) -> FileLockHeld | None:
+    """Take the OS file lock at ``path`` (an exclusive, non-blocking ``flock``; the file and its folders are made if
+    missing, the file with mode 0644)
+    without waiting: the held lock (`FileLockHeld`, to ``release()`` at exit; the OS drops it when the process ends,
+    even on SIGKILL), or None when another open file holds it (another process, or another `try_lock` of this one).
+    The coordinator's run dir and each node's folder are held this way, so one process owns each identity key.
+
+    Raises:
+        OSError: the file cannot be made or opened (no permission, a file where a folder should be).
+    """
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec (PEP 446): an exec'd child never holds it
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         return None
-    return lock
+    except BaseException:
+        os.close(fd)
+        raise
+    return FileLockHeld(path, fd)

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EnvServer", "EnvServerError", "EnvServerLaunch", "find_free_port", "launch_env_server", "start_env_server",
-           "wait_for_env"]
+__all__ = ["BorrowedEnvServer", "EnvServer", "EnvServerError", "EnvServerLaunch", "find_free_port", "launch_env_server",
+           "start_env_server", "wait_for_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +225,33 @@ class EnvServerLaunch:
     def stop(self) -> None:
         """Stop the process (`EnvServer.stop`: idempotent), healthy or not."""
         self.server.stop()
+
+
+class BorrowedEnvServer:
+    """An env server another process owns, used by URL: a node's life forked from its standby
+    (`nodes.standby.Standby.run_lives`) plays on the server the standby launched and waited for, and the standby stops
+    it once that life ended. Shaped as `EnvServerLaunch` (``wait``, ``stop``) and `EnvServer` (``url``, ``pid``) for
+    the join that takes it (`nodes.node.Node`); it never signals or waits for the process, which is not its child.
+
+    Args:
+        server: the owner's `EnvServer` (its ``url`` and ``pid`` are read; ``atexit`` no longer stops it here).
+    """
+
+    def __init__(self, server: EnvServer):
+        self.url, self.pid, self.log_path = server.url, server.pid, server.log_path
+        atexit.unregister(server.stop)  # the copy a fork inherited: the owner stops it, not this process's exit
+
+    def wait(self, startup_timeout_s: float = 60.0) -> BorrowedEnvServer:
+        """Return this server once its ``/health`` answers (within ``startup_timeout_s`` seconds).
+
+        Raises:
+            EnvServerError: it does not answer in time (its owner stopped it, or it died).
+        """
+        wait_for_env(self.url, startup_timeout_s)
+        return self
+
+    def stop(self) -> None:
+        """Nothing: the owner stops it."""
 
 
 def launch_env_server(module: str = "envs.tool_env.server", host: str = "127.0.0.1", port: int = 0,
