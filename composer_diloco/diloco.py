@@ -46,6 +46,7 @@ from composer_diloco.outer.peer import DiLoCoPeer, SyncResult
 from composer_diloco.timing import INNER_PHASES, PhaseClock
 
 if TYPE_CHECKING:  # the coordinator imports this module, and none of the inner loop's
+    from composer_diloco.inner.journal import PhaseJournal, Resumed
     from composer_diloco.inner.step import RoundStats
 
 __all__ = ["DiLoCoRounds", "InnerPhase", "InnerTrainer", "RoundHost", "follow_rounds"]
@@ -72,6 +73,8 @@ class InnerPhase:
             also its own sync).
         caught_up: ended at the first inner step after another node of its round was ready: a late joiner's first
             phase (`DiLoCoRounds.catch_up`), or any phase with ``network.round_ends_at_first_ready``.
+        resumed: the last life's cut phase this one went on from (`composer_diloco.inner.journal`), or None; its
+            steps are in ``steps``, its episodes in `weight`, its seconds apart (``resumed_inner_seconds``).
     """
 
     round: int
@@ -82,13 +85,20 @@ class InnerPhase:
     ended: float = 0.0
     blocked_seconds: float = 0.0
     caught_up: bool = False
+    resumed: Resumed | None = None
+
+    @property
+    def weight(self) -> float:
+        """The phase's all-reduce weight: its episodes, a resumed journal's included (`Resumed.samples`)."""
+        return float(self.stats.samples + (self.resumed.samples if self.resumed is not None else 0))
 
     def record(self, inner_steps: int) -> dict:
         """The phase's keys of a round's metrics line (`SyncResult.record` gives the sync's): the stats'
         (`RoundStats.record`), ``inner_steps``, ``inner_seconds`` and ``blocked_seconds`` (seconds, 3 decimals),
         ``deadline_hit`` (fewer steps than ``inner_steps``, the run's H, and not ``caught_up``: the round budget or a
-        stop ended it), ``caught_up``, ``inner_phase_seconds`` (by part, 4 decimals, in `INNER_PHASES` order) and ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0
-        when there was none)."""
+        stop ended it), ``caught_up``, ``inner_phase_seconds`` (by part, 4 decimals, in `INNER_PHASES` order),
+        ``generated_tokens_per_s`` (per second of the ``generation`` part; 0.0 when there was none) and, for a resumed
+        phase, `Resumed.record`'s keys."""
         generation = self.parts.get("generation", 0.0)
         tokens = self.stats.generated_tokens
         return {
@@ -99,11 +109,16 @@ class InnerPhase:
             "inner_phase_seconds": {k: round(self.parts[k], 4)
                                     for k in sorted(self.parts, key=lambda k: _PHASE_ORDER.get(k, 99))},
             "generated_tokens_per_s": round(tokens / generation, 1) if generation > 0 else 0.0,
+            **(self.resumed.record() if self.resumed is not None else {}),
         }
 
 
 class InnerTrainer(Protocol):
-    """What a round asks of the inner loop's trainer (`ComposerGRPOTrainer`)."""
+    """What a round asks of the inner loop's trainer (`ComposerGRPOTrainer`): its round's stats so far
+    (``round_stats``, a `RoundStats`), its inner optimizer (``optimizer``, None before ``train()`` set it up)."""
+
+    round_stats: RoundStats
+    optimizer: Any
 
     def take_round_stats(self) -> RoundStats:
         """The round's stats since the previous call."""
@@ -149,6 +164,8 @@ class DiLoCoRounds:
         clock: the inner phase's `PhaseClock` (its parts are taken at each phase's end).
         overlap: the background sync with ``[outer] overlap``, None for blocking rounds.
         catch_up: this node joined a swarm already past its first round (`Swarm.joined_late`).
+        journal: the inner phase's journal (`composer_diloco.inner.journal.PhaseJournal`), written after each inner
+            step and removed at each phase's end; None: none.
 
     Attributes:
         trainer: the `InnerTrainer`, set by `attach` (the trainer is built with this callback in it).
@@ -157,10 +174,11 @@ class DiLoCoRounds:
     """
 
     def __init__(self, peer: DiLoCoPeer, stop: threading.Event, host: RoundHost, clock: PhaseClock,
-                 overlap: OverlappedSync | None = None, catch_up: bool = False):
+                 overlap: OverlappedSync | None = None, catch_up: bool = False, journal: PhaseJournal | None = None):
         self.peer, self.config, self.stop, self.host = peer, peer.config, stop, host
         self.catch_up = catch_up  # the current phase ends once another node of its round is ready (first phase only)
-        self.clock, self.overlap = clock, overlap
+        self.clock, self.overlap, self.journal = clock, overlap, journal
+        self.resumed: Resumed | None = None  # the current phase went on from the last life's journal
         self.trainer: InnerTrainer | None = None
         self.steps = 0
         self.started = time.monotonic()
@@ -186,14 +204,49 @@ class DiLoCoRounds:
         full = self.steps >= self.config.inner_steps or self.out_of_time()
         if full or self.caught_up():
             self.end_round(model, caught_up=not full)
+        else:
+            self._journal_step(model)
         return self.peer.round >= self.config.rounds or self.stop.is_set()
 
-    def start_inner_phase(self) -> None:
-        """Step 5 (and the first phase's start): ``seconds`` and the clock's parts count from now."""
+    def start_inner_phase(self, model: nn.Module | None = None) -> None:
+        """Step 5 (and the first phase's start): ``seconds`` and the clock's parts count from now; the journal keeps
+        ``model``'s weights as the phase's start."""
         self.clock.take()
         self.steps = 0
+        self.resumed = None
         self.started = time.monotonic()
+        if self.journal is not None and model is not None:
+            self.journal.begin_phase(model)
         self.host.round_phase("inner")
+
+    def resume(self, model: nn.Module) -> Resumed | None:
+        """At a life's first inner phase (after `start_inner_phase`): go on from the phase its last life was cut in,
+        if its journal is there to take (`PhaseJournal.resume`): its progress on this theta, the inner optimizer's
+        state, its steps counted in this phase and its episodes in this phase's weight."""
+        if self.journal is None or self.trainer is None or self.trainer.optimizer is None:
+            return None
+        self.resumed = self.journal.resume(model, self.trainer.optimizer, self.training_round())
+        if self.resumed is not None:
+            self.steps = self.resumed.steps
+        return self.resumed
+
+    def _journal_step(self, model: nn.Module) -> None:
+        """After an inner step that did not end the phase: its journal entry (a failed write: a WARNING, once)."""
+        if self.journal is None or not self.journal.active:
+            return
+        r, round_ = self.resumed, self.training_round()
+        try:
+            self.journal.record_step(model, self.trainer.optimizer, round_, self.steps,
+                                     self.trainer.round_stats.samples + (r.samples if r else 0),
+                                     time.monotonic() - self.started + (r.seconds if r else 0.0))
+        except OSError as e:
+            log.warning("%s: the inner phase journal could not be written (%s): it is off for this life",
+                        self.peer.swarm.name, e)
+            self.journal.active = False
+            return
+        if faults.installed().faults:  # a fault that kills the node here finds the step written
+            self.journal.flush()
+            faults.point("inner_step_journaled", round_, steps=self.steps)
 
     def out_of_time(self) -> bool:
         """True once this inner phase has used ``network.round_budget_s`` (never when it is unset)."""
@@ -234,14 +287,14 @@ class DiLoCoRounds:
         """
         phase = self._close_inner_phase(caught_up)                              # 1.
         if self.overlap is None:
-            result = self.peer.sync(model, float(phase.stats.samples), stop=self.stop)  # 2. ... theta loaded
+            result = self.peer.sync(model, phase.weight, stop=self.stop)        # 2. ... theta loaded
             if result is None:
                 return  # stopped at the barrier: no record, no new phase
             self.trainer.refresh_reference()                                    # 3.
             phase.blocked_seconds = time.monotonic() - phase.ended
             self.host.round_ended(result, phase, None)                          # 4.
         else:
-            out = self.overlap.end_round(model, float(phase.stats.samples))     # 2. fold round r-1, hand round r off
+            out = self.overlap.end_round(model, phase.weight)                   # 2. fold round r-1, hand round r off
             if out.handed_off is not None:
                 self._handed_off[out.handed_off] = phase
             elif out.settled:
@@ -250,11 +303,14 @@ class DiLoCoRounds:
             phase.blocked_seconds = time.monotonic() - phase.ended
             self._record_settled(out.settled)                                   # 4. the rounds that ended here
             self.trainer.refresh_reference()                                    # 3. the rebase, or theta
-        self.start_inner_phase()                                                # 5.
+        self.start_inner_phase(model)                                           # 5.
 
     def finish(self, model: nn.Module | None) -> None:
         """The trainer stopped (the run's end, a stop, steps run out): with ``[outer] overlap``, wait for the round in
-        flight and load theta into the policy, as the blocking path leaves it, and record that round."""
+        flight and load theta into the policy, as the blocking path leaves it, and record that round. At the run's
+        end the journal goes (a stop keeps it: the next life resumes it)."""
+        if self.journal is not None and self.peer.round >= self.config.rounds:
+            self.journal.discard()
         if self.overlap is None:
             return
         entered = time.monotonic()
@@ -267,11 +323,14 @@ class DiLoCoRounds:
 
     def _close_inner_phase(self, caught_up: bool) -> InnerPhase:
         self.catch_up = False  # a joiner's first phase only: from the next round on it starts with the others
+        if self.journal is not None:  # before the hand-off: a phase is journaled or handed off, never both
+            self.journal.discard()
         parts = self.clock.take()
         ended = time.monotonic()  # what follows is the round's end: the inner loop stands still from here
         self.host.round_phase("sync")
         phase = InnerPhase(round=self.peer.round, stats=self.trainer.take_round_stats(), steps=self.steps,
-                           seconds=ended - self.started, parts=parts, ended=ended, caught_up=caught_up)
+                           seconds=ended - self.started, parts=parts, ended=ended, caught_up=caught_up,
+                           resumed=self.resumed)
         self.host.inner_phase_ended(phase)
         return phase
 

@@ -22,6 +22,9 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
                                                                                         (point checkpoint_written)
     step_delay:*:S             sleep S seconds after every inner step (a slow node)          (point inner_step_end)
+    kill_after_step:R:K        SIGKILL this peer (its whole process group) once the K-th inner step of the phase that
+                               trains round R is in its journal (the node's process crashes mid-phase)
+                                                                                       (point inner_step_journaled)
     scale_pseudo_gradient:R:F  multiply this node's pseudo-gradient of round R by F (a norm outlier)
                                                                                           (point pseudo_gradient)
     nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R       (point pseudo_gradient)
@@ -50,9 +53,10 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
     import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "kill_in_checkpoint", "step_delay", "scale_pseudo_gradient",
-         "nan_pseudo_gradient", "hold", "slow_state", "kill_in_state_serve")
-Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end", "pseudo_gradient"]
+KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "kill_in_checkpoint", "step_delay",
+         "kill_after_step", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold", "slow_state", "kill_in_state_serve")
+Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end",
+                "inner_step_journaled", "pseudo_gradient"]
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +129,14 @@ def installed() -> FaultPlan:
     return _plan
 
 
-def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Tensor] = ()) -> None:
+def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Tensor] = (), steps: int = 0) -> None:
     """A named place of the production code where an armed fault strikes; a no-op without a plan.
 
     Args:
         name: which place (see the module docstring for the faults each one fires).
         round_: the DiLoCo round the code is in (None where it does not know it: every-round faults only).
         tensors: ``pseudo_gradient`` only: the fp32 pseudo-gradient, corrupted in place.
+        steps: ``inner_step_journaled`` only: the inner steps of the phase so far.
     """
     if not _plan.faults:
         return
@@ -143,6 +148,10 @@ def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Ten
         kill_this_peer(f"while writing checkpoint round-{round_:06d}")
     elif name == "inner_step_end":
         _slow_down()
+    elif name == "inner_step_journaled":
+        fault = _plan.armed("kill_after_step", round_)
+        if fault is not None and steps >= int(fault.value or 1):
+            kill_this_peer(f"after inner step {steps} of round {round_}'s phase")
     elif name == "pseudo_gradient":
         _corrupt(round_, tensors)
 

@@ -44,6 +44,7 @@ from composer_diloco.policy.load import policy_skeleton
 from composer_diloco.outer.swarm import (
     NoPeerAnswered, Swarm, SwarmError, check_addresses, fetch_run_config, parse_multiaddr, start_dht,
 )
+from composer_diloco.inner.journal import PhaseJournal
 from composer_diloco.inner.step import RoundStats
 from composer_diloco.inner.trainer import ComposerGRPOTrainer, OnceTrainingBegins, RoundCallback, grpo_args
 from composer_diloco.timing import JOIN_PHASES, PhaseClock, cuda_sync_for
@@ -527,8 +528,10 @@ class Node:
         self.clock = PhaseClock("trainer", sync=cuda_sync_for(self.placement.device))
         engine = self.rollout_engine
         log.info("rollouts: %s (--rollout %s)", ROLLOUT_ENGINES[engine], self.options.rollout)
+        journal = PhaseJournal(self.own_dir, config.digest(), config.inner.journal_max_bytes, self.model,
+                               config.inner.journal_max_stale_rounds)
         self.rounds = DiLoCoRounds(peer, self.stop.event, self, self.clock, overlap=self.overlap,
-                                   catch_up=self.swarm.joined_late)
+                                   catch_up=self.swarm.joined_late, journal=journal)
         self.trainer = ComposerGRPOTrainer(
             model=self.model, tokenizer=self.tokenizer, config=config, sessions=self.sessions,
             peer_name=self.options.name, args=args,
@@ -566,10 +569,12 @@ class Node:
         return peer.round - first
 
     def _first_inner_phase(self) -> None:
-        """TRL's ``train()`` has set up (`OnceTrainingBegins`): the join ends and the first inner phase starts."""
+        """TRL's ``train()`` has set up (`OnceTrainingBegins`): the join ends and the first inner phase starts, going on
+        from the phase this node's last life was cut in when it journaled one (`composer_diloco.inner.journal`)."""
         self.join_clock.exit("trainer")
         self._joined()
-        self.rounds.start_inner_phase()
+        self.rounds.start_inner_phase(self.model)
+        self.rounds.resume(self.model)  # the phase its last life was cut in, if it journaled one
         if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load
             self.memory_peak.reset()
 
