@@ -7,8 +7,10 @@ Every ``--kill-every-s`` seconds one live node (seeded choice) is killed and sta
 at ``--coordinator-kill-at-s`` the coordinator is killed and started again. Restarts stop once the coordinator has
 reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
-    goodput            inner-loop seconds (``inner_seconds`` of every node round line) over node-seconds alive
-                       (spawn to exit or kill, every life of every node)
+    goodput            inner-loop seconds (``inner_seconds`` of every node round line, plus its
+                       ``resumed_inner_seconds``: the steps of a cut phase that a life took over from its last life's
+                       journal, `composer_diloco.inner.journal`) over node-seconds alive (spawn to exit or kill, every
+                       life of every node)
     goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round,
                        or, for a round the coordinator was down for, an ancestor of the theta it next recorded
                        (`_reached_model`; before 2026-12-04 those rounds were not counted): work that reached the
@@ -21,7 +23,8 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        phase a life's round lines record to the life's end: the inner phase a kill cut short, with
                        ``[outer] overlap`` also the phase whose sync was under way; the run's shutdown) and
                        ``lost_between_rounds`` (the seconds between a life's rounds that are neither inner phase nor
-                       blocked sync)
+                       blocked sync); ``resumed`` (over node-seconds alive, in ``inner``): the cut phases' seconds that
+                       reached the model through the next life's journal resume, out of ``lost_after_last_round``
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -61,7 +64,11 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
 With ``--standby`` a node's life starts when its standby took over (the kill: the standby's seconds of waiting are not
 node-seconds, as a spare process's are not), and the kill is of the node's training process only: the fault a standby
-survives (a crash, an OOM kill), not a lost machine, which takes the standby with it.
+survives (a crash, an OOM kill), not a lost machine, which takes the standby with it. Since 2026-12-06 a standby forks
+each life of its node and stands by it again (`nodes.standby.Standby.run_lives`): the bench then finds each new life in
+``<run-dir>/<name>/node.pid`` (a process it did not start: `ForkedProc`), kills it there, and starts no new standby.
+With the code of an older checkout (``--code``, no ``nodes/fork.py``) it runs the schedule as it did: the standby becomes the
+node, and a new standby is started ``--restart-after-s`` after each takeover.
 """
 
 from __future__ import annotations
@@ -83,12 +90,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+class ForkedProc:
+    """A node life the bench did not start: a process its standby forked (`nodes.standby.Standby.run_lives`), found in
+    ``<run-dir>/<name>/node.pid``; shaped as the part of `subprocess.Popen` the bench uses. Its exit code is its
+    standby's to collect (``returncode`` stays None); it has ended once its pid is gone, a zombie, or another
+    process's (its start time differs)."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.pid, self.returncode = pid, None
+        self._created = psutil.Process(pid).create_time()
+
+    def poll(self) -> int | None:
+        """None while it runs, else 0 (ended; its code is not ours to read)."""
+        import psutil
+
+        try:
+            p = psutil.Process(self.pid)
+            if p.create_time() == self._created and p.status() != psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.NoSuchProcess:
+            pass
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Poll until it ended (`subprocess.TimeoutExpired` after ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return 0
+
+
 @dataclass
 class Life:
     """One process of a peer, from spawn to exit."""
 
     name: str
-    proc: subprocess.Popen | None  # None: a life read back from churn.json (--report)
+    proc: subprocess.Popen | ForkedProc | None  # None: a life read back from churn.json (--report)
     started: float
     ended: float | None = None
     killed: bool = False
@@ -166,6 +207,45 @@ class Churn:
         return next((x for x in reversed(self.lives) if x.name == name and x.proc.poll() is None
                      and x.began is not None), None)
 
+    def holder(self, name: str) -> tuple[int, float] | None:
+        """The pid ``<run-dir>/<name>/node.pid`` names (`nodes.folder_lock.HOLDER_FILE`) and since when (time.time()
+        the life wrote it, milliseconds after its fork), or None (none yet, or a checkout older than it)."""
+        try:
+            held = json.loads((self.run_dir / name / "node.pid").read_text())
+            return int(held["pid"]), float(held["since"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def adopt_forked_lives(self, names: list[str], killed_at: dict[str, float]) -> list[Life]:
+        """Register each node's life that its standby forked since the last call (its pid in ``node.pid``, a process
+        the bench did not start): its life begins at its fork (its start time); ``killed_at`` gives the kill it
+        replaces (popped). A standby that became the node itself (a fork refused, `nodes.fork.fork_unsafe`) is
+        marked as having taken over. Returns the new lives. (A life begins when it wrote ``node.pid``: the process's
+        start time from /proc counts from a boot time read to the second, which put some lives' start before the
+        kill they replaced.)"""
+        import psutil
+
+        new = []
+        for name in names:
+            held = self.holder(name)
+            if held is None:
+                continue
+            pid, since = held
+            known = next((x for x in self.lives if x.proc is not None and x.proc.pid == pid), None)
+            if known is not None:
+                if known.standby and known.took_over is None and known.proc.poll() is None:
+                    known.took_over = since
+                    known.replaces_kill_at = killed_at.pop(name, None)
+                continue
+            try:
+                proc = ForkedProc(pid)
+            except psutil.NoSuchProcess:
+                continue  # it ended already: the next one is read at the next call
+            life = Life(name, proc, since, standby=True, took_over=since, replaces_kill_at=killed_at.pop(name, None))
+            self.lives.append(life)
+            new.append(life)
+        return new
+
     def waiting_standby(self, name: str) -> Life | None:
         """A running standby of node ``name`` that has not taken over, or None."""
         return next((x for x in self.lives if x.name == name and x.proc.poll() is None and x.standby
@@ -233,6 +313,16 @@ def _inner_ended(record: dict) -> float:
     return _inner_started(record) + record["inner_seconds"]
 
 
+def _trained(record: dict) -> int:
+    """A node round line's episodes in the all-reduce: its own and a resumed journal's (``resumed_samples``)."""
+    return int(record["samples"]) + int(record.get("resumed_samples", 0))
+
+
+def _worked(record: dict) -> float:
+    """A node round line's inner-loop seconds: its own phase's and a resumed journal's (spent by the life before)."""
+    return float(record["inner_seconds"]) + float(record.get("resumed_inner_seconds", 0.0))
+
+
 def _phase_ended(record: dict) -> float:
     """Wall time a node round's inner phase and its standstill ended: its inner phase's start, plus ``inner_seconds``,
     plus the seconds its sync stopped the loop. Not the line's ``time``: with ``[outer] overlap`` a round's line is
@@ -247,7 +337,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
 
     records = read_metrics(churn.run_dir)
     canonical = _reached_model(records)  # the coordinator's rounds, and those it missed whose work it took on
-    alive = inner = kept = sync = startup = tail = 0.0
+    alive = inner = kept = sync = startup = tail = resumed = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
     joins: dict[str, list[dict]] = {}  # how a life joined -> the join's parts of each such life (`JOIN_PHASES`)
@@ -256,8 +346,9 @@ def summarize(churn: Churn, rounds: int) -> dict:
         began = life.began
         alive += end - began
         mine = [r for r in records.get(life.name, []) if began <= r["time"] <= end + 1]
-        inner += sum(r["inner_seconds"] for r in mine)
-        kept += sum(r["inner_seconds"] for r in mine if canonical.get(r["round"]) == r["global_sha256"])
+        inner += sum(_worked(r) for r in mine)
+        resumed += sum(_worked(r) - r["inner_seconds"] for r in mine)
+        kept += sum(_worked(r) for r in mine if canonical.get(r["round"]) == r["global_sha256"])
         sync += sum(_stood_still(r) for r in mine)
         if mine:
             first = min(_inner_started(r) for r in mine)
@@ -278,10 +369,12 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "goodput": share(inner), "goodput_kept": share(kept),
         "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
         "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
-                  "lost": share(alive - inner - startup - sync)},
-        # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown) and the rest (the
-        # seconds between a life's rounds that are neither inner phase nor blocked sync)
-        "lost_after_last_round": share(tail), "lost_between_rounds": share(alive - inner - startup - sync - tail),
+                  "lost": share(alive - inner - startup - sync), "resumed": share(resumed)},
+        # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown; less what the next
+        # life resumed of them, which lies there and is counted in inner) and the rest (the seconds between a life's
+        # rounds that are neither inner phase nor blocked sync)
+        "lost_after_last_round": share(tail - resumed),
+        "lost_between_rounds": share(alive - inner - startup - sync - (tail - resumed)),
         "blocked_s": blocked,
         # the same goodput from the moment the last node began training (`_steady`): the run's first starts left out
         "steady": _steady(records, canonical, lives, time.time()),
@@ -339,10 +432,10 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
     start = max(firsts)
     phases = [r for mine in records.values() for r in mine if r.get("role") == "node" and _inner_started(r) >= start]
     alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
-    inner = sum(r["inner_seconds"] for r in phases)
+    inner = sum(_worked(r) for r in phases)
     window = max((_inner_ended(r) for r in phases), default=start) - start
-    samples = sum(r["samples"] for r in phases)
-    kept = sum(r["samples"] for r in phases if canonical.get(r["round"]) == r["global_sha256"])
+    samples = sum(_trained(r) for r in phases)
+    kept = sum(_trained(r) for r in phases if canonical.get(r["round"]) == r["global_sha256"])
     per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)
     return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
             "node_seconds_alive": round(alive, 1), "samples_per_s": per_s(samples), "kept_samples_per_s": per_s(kept)}
@@ -384,7 +477,7 @@ def _unrecorded_samples(records: dict[str, list[dict]]) -> int:
     for name, mine in records.items():
         for r in mine:
             if r.get("role") == "node":
-                nodes[(r["round"], r["global_sha256"])] = nodes.get((r["round"], r["global_sha256"]), 0) + r["samples"]
+                nodes[(r["round"], r["global_sha256"])] = nodes.get((r["round"], r["global_sha256"]), 0) + _trained(r)
     return round(sum(max(0.0, c.get("weight_total", 0.0) - nodes.get((c["round"], c["global_sha256"]), 0.0))
                      for c in records.get("coordinator", [])))
 
@@ -449,6 +542,8 @@ def main() -> int:
     churn = Churn(a.out.resolve(), a.rounds, listen, a.code.resolve(),
                   a.config.resolve() if a.config is not None else None)
     rng = random.Random(a.seed)
+    # the code under test's standby forks each life of its node (`nodes/fork.py`, 2026-12-06), or becomes the node
+    forking = a.standby and (churn.code / "nodes" / "fork.py").is_file()
     names = [f"node-{i}" for i in range(a.nodes)]
     t0 = time.time()
     try:
@@ -468,6 +563,8 @@ def main() -> int:
         while time.time() - t0 < a.timeout_s:
             time.sleep(0.5)
             exited = churn.reap()
+            if a.standby:  # lives a standby forked (`nodes.standby.Standby.run_lives`), from node.pid
+                churn.adopt_forked_lives(names, killed_at)
             coordinator = churn.live("coordinator")
             over = coordinator_round(a.out) >= a.rounds - 1
             for life in exited:  # a node that ended on its own (an error): with --standby, its standby takes over
@@ -475,6 +572,10 @@ def main() -> int:
                 if code == 0 or over:
                     continue  # its run is over
                 unscheduled += 1
+                if a.standby and forking:  # its standby forks the next life itself
+                    print(f"{time.time() - t0:6.1f} s  {life.name} ended on its own: its standby forks the next life",
+                          flush=True)
+                    continue
                 spare = churn.waiting_standby(life.name) if a.standby else None
                 if spare is not None:  # it holds the node's lock within LOCK_POLL_S, as after a kill; and the
                     spare.took_over = life.ended  # standby's supervisor starts a new one, as after a kill
@@ -501,13 +602,15 @@ def main() -> int:
                     victim = rng.choice(victims)
                     churn.kill(churn.live(victim))
                     spare = churn.waiting_standby(victim) if a.standby else None
-                    if spare is not None:  # it holds the node's lock within LOCK_POLL_S: its life starts now
-                        spare.took_over = spare.replaces_kill_at = time.time()
-                    else:
+                    if spare is not None and not forking:  # it holds the node's lock within LOCK_POLL_S: its life
+                        spare.took_over = spare.replaces_kill_at = time.time()  # starts now
+                    else:  # a restart's, or the life the standby forks (`adopt_forked_lives`)
                         killed_at[victim] = time.time()
-                    print(f"{now - t0:6.1f} s  killed {victim}{': its standby takes over' if spare else ''}",
-                          flush=True)
-                    pending.append((now + a.restart_after_s, victim))
+                    how = "" if spare is None else ": its standby forks its next life" if forking else \
+                        ": its standby takes over"
+                    print(f"{now - t0:6.1f} s  killed {victim}{how}", flush=True)
+                    if spare is None or not forking:  # a restart, or the next standby of one that became the node
+                        pending.append((now + a.restart_after_s, victim))
                 next_kill = now + a.kill_every_s
             for when, name in [p for p in pending if p[0] <= now]:
                 pending.remove((when, name))

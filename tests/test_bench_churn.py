@@ -81,3 +81,50 @@ def test_rounds_the_coordinator_missed_count_as_kept_when_its_next_theta_descend
     records["coordinator"][2]["global_sha256"] = "s4"
     records["node-1"][2] = node("node-1", 2, sha="split")  # the nodes disagreed in round 2: not counted
     assert sorted(churn._reached_model(records)) == [0, 1, 3, 4, 5]
+
+
+def test_a_life_its_standby_forked_is_found_in_node_pid_once_with_the_kill_it_replaces(tmp_path):
+    """A process the bench did not start (a standby's forked life, `nodes.standby.Standby.run_lives`) is registered
+    from ``node.pid`` once, its life beginning at its start and replacing the kill before it; a pid the bench spawned
+    as a waiting standby (a standby that became the node itself) is marked as having taken over instead."""
+    import json
+    import subprocess
+    import time
+
+    forked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run = churn.Churn(tmp_path, rounds=10, listen="")
+        (tmp_path / "node-0").mkdir()
+        (tmp_path / "node-1").mkdir()
+        since = time.time()  # what the life wrote: its begin (not its start time from /proc, read to the second)
+        (tmp_path / "node-0" / "node.pid").write_text(json.dumps({"pid": forked.pid, "since": since}))
+        (tmp_path / "node-1" / "node.pid").write_text(json.dumps({"pid": standby.pid, "since": time.time()}))
+        run.lives.append(churn.Life("node-1", standby, time.time(), standby=True))
+        killed_at = {"node-0": 123.0, "node-1": 456.0}
+        new = run.adopt_forked_lives(["node-0", "node-1", "node-2"], killed_at)
+        assert [(x.name, x.proc.pid, x.standby, x.replaces_kill_at) for x in new] == [("node-0", forked.pid, True,
+                                                                                      123.0)]
+        assert new[0].began == new[0].started == since and new[0].proc.poll() is None
+        assert run.lives[0].took_over is not None and run.lives[0].replaces_kill_at == 456.0
+        assert run.adopt_forked_lives(["node-0", "node-1"], killed_at) == [] and killed_at == {}
+        assert run.live("node-0") is new[0]
+        forked.kill()
+        forked.wait()
+        assert new[0].proc.poll() == 0 and run.live("node-0") is None
+    finally:
+        for p in (forked, standby):
+            p.kill()
+            p.wait()
+
+
+def test_a_resumed_phase_counts_its_last_lifes_seconds_and_episodes():
+    """A life that went on from its last life's journal (`composer_diloco.inner.journal`): the cut phase's seconds are
+    inner-loop seconds and its episodes part of the weight the coordinator averaged, not unrecorded samples."""
+    resumed = {**_line("node-1", 3, started=20.0), "resumed_inner_seconds": 2.0, "resumed_samples": 8}
+    records = {"node-0": [_line("node-0", 3, started=20.0)], "node-1": [resumed],
+               "coordinator": [{"role": "coordinator", "round": 3, "global_sha256": "s3", "weight_total": 72.0}]}
+    assert churn._unrecorded_samples(records) == 0
+    lives = [churn.Life("node-0", None, 20.0, ended=30.0), churn.Life("node-1", None, 20.0, ended=30.0)]
+    steady = churn._steady(records, {3: "s3"}, lives, end=30.0)
+    assert steady["goodput"] == 0.5 and steady["samples_per_s"] == 18.0  # (4 + 4 + 2) / 20; 72 episodes over 4 s
