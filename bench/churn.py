@@ -67,8 +67,8 @@ node-seconds, as a spare process's are not), and the kill is of the node's train
 survives (a crash, an OOM kill), not a lost machine, which takes the standby with it. Since 2026-12-06 a standby forks
 each life of its node and stands by it again (`nodes.standby.Standby.run_lives`): the bench then finds each new life in
 ``<run-dir>/<name>/node.pid`` (a process it did not start: `ForkedProc`), kills it there, and starts no new standby.
-With the code of an older checkout (``--code``, no ``nodes/fork.py``) it runs the schedule as it did: the standby becomes the
-node, and a new standby is started ``--restart-after-s`` after each takeover.
+With the code of an older checkout (``--code``, no ``nodes/fork.py``) it runs the schedule as it did: the standby
+becomes the node, and a new standby is started ``--restart-after-s`` after each takeover.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ def lock_node_folder(own_dir: Path, name: str, run_dir: Path | str) -> Any:
     Args:
         own_dir: ``<run-dir>/<name>``; name, run_dir: the node's ``--name`` and ``--run-dir``, for the error.
     Returns:
-        The held lock (`composer_diloco.outer.identity.FileLockHeld`): ``release()`` it at exit (the OS drops it anyway when the process ends).
+        The held lock (`composer_diloco.outer.identity.FileLockHeld`): ``release()`` it at exit (the OS drops it
+        anyway when the process ends).
     Raises:
         NodeBusy: another process holds it (one line naming the folder and what to do).
     """

@@ -357,8 +357,8 @@ class Node:
 
     def hold_folder(self, lock: Any) -> None:
         """Keep ``lock``, this node's folder lock taken by the caller (`nodes.folder_lock.lock_node_folder`), for
-        the node's life: released at `close`; and say so in ``<run-dir>/<name>/node.pid`` (`nodes.folder_lock.write_holder`:
-        a failed write is a WARNING)."""
+        the node's life: released at `close`; and say so in ``<run-dir>/<name>/node.pid``
+        (`nodes.folder_lock.write_holder`: a failed write is a WARNING)."""
         self._own_lock = lock
         self.stop.add_cleanup(lock.release)
         try:  # which process is the node now (after a standby's takeover, one it forked)

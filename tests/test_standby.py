@@ -9,7 +9,6 @@ node that finishes the run exits 0 without joining.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess

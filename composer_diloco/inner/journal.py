@@ -18,8 +18,9 @@ The next life, once it holds theta_R of the round it joins (`PhaseJournal.resume
 takes a journal of the same run config, the same trainable layout and a round J with ``R - S <= J <= R``, S being
 ``[inner] journal_max_stale_rounds`` (2: INTELLECT-2's bound on the policy staleness of its rollouts):
 
-    x <- theta_R + p           the cut phase's progress on the newer theta (the rebase of `composer_diloco.outer.overlap`,
-                               one or two outer steps stale: a delayed local update, as in asynchronous local SGD)
+    x <- theta_R + p           the cut phase's progress on the newer theta (as the rebase of
+                               `composer_diloco.outer.overlap`, one or two outer steps stale: a delayed local update,
+                               as in asynchronous local SGD)
     AdamW's state restored; the phase goes on with the journal's steps counted, and its pseudo-gradient, theta_R - x at
     its end, weighs the journal's samples plus its own
 
