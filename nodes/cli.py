@@ -146,7 +146,7 @@ def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool
         taken_over: a standby's takeover (its join's seconds count from now, `nodes.node.Node.take_over`), not a
             process started by the command line.
     """
-    from nodes.node import Node
+    from nodes.node import Node, TrainedOnNothing
 
     node = Node(options, stop)
     if taken_over:
@@ -170,6 +170,10 @@ def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool
             log.exception("node failed")
         typer.echo(f"composer-node: error: {e}", err=True)
         code = 1
+        if isinstance(e, TrainedOnNothing):  # the run is over: its standby, if any, exits 1 too, not taking over
+            from nodes.standby import mark_finished
+
+            mark_finished(node.own_dir, node.peer.round, error=str(e))
     finally:
         node.close()
     return code

@@ -9,7 +9,8 @@ instead of paying them again (`nodes.standby.Standby.run_lives`).
   this with its own process template, `tests/prefork.py`);
 - numpy's global generator seeded from the OS, and torch's intra-op threads back to the standby's start count (the
   standby keeps torch at one thread, `single_threaded_torch`: GNU OpenMP's worker pool does not survive a fork, and a
-  child forked after a parallel region hangs in its first one; checked on torch 2.13's CPU build);
+  child forked after a parallel region hangs in its first one; checked on torch 2.13's CPU build; tqdm's monitor
+  thread is kept from starting the same way);
 - on return, the exit of an interpreter: non-daemon threads joined, ``atexit`` run, streams flushed, then
   ``os._exit`` (the standby's own ``finally`` blocks and cleanups are not the life's to run).
 
@@ -47,9 +48,13 @@ def own_process_locks() -> None:
 
 def single_threaded_torch() -> int:
     """Set torch's intra-op threads to 1 in this process (a standby, before it builds anything) and return the count
-    it had, which `fork_life` gives each forked life back."""
+    it had, which `fork_life` gives each forked life back. Also keeps tqdm from starting its monitor thread: a
+    ``--model``'s ``from_pretrained`` shows a progress bar, and the thread that bar starts (``tqdm_monitor``) would
+    otherwise make every fork unsafe (`fork_unsafe`; seen with a standby of a ``--model`` run)."""
     import torch
+    import tqdm
 
+    tqdm.tqdm.monitor_interval = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return threads

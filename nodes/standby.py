@@ -33,8 +33,8 @@ imports, `StandbyStart`), or after ``--join-timeout`` seconds without ever seein
 name: it starts the node itself), so a job script may start the node and its standby together: the node takes its
 folder first thing, before its imports (`nodes.folder_lock`), so however slow those are its standby sees it held. It
 exits 0 when the node finished its run (`FINISHED_FILE`: written after the standby started, or at any time when it
-never saw the node running); SIGINT or SIGTERM: 130, after stopping the life it forked; 1 after `MAX_FAILED_LIVES`
-lives in a row failed before any round. Each life it forks is the leader of its own process group and writes its pid
+never saw the node running), 1 when the node finished it with an error (trained on nothing) or after
+`MAX_FAILED_LIVES` lives in a row failed before any round; SIGINT or SIGTERM: 130, after stopping the life it forked. Each life it forks is the leader of its own process group and writes its pid
 in ``<run-dir>/<name>/node.pid`` (`nodes.folder_lock.HOLDER_FILE`). Its cost: host memory (the imports, about 0.5 GB
 on CPU, and the skeleton: the model's size, shared copy-on-write with the life it forked), one idle env server
 process, no device memory, and CPU only while preparing.
@@ -112,24 +112,27 @@ def save_run_config(own_dir: Path, config: RunConfig) -> None:
         log.warning("could not keep the run config for a standby in %s: %s", own_dir / RUN_CONFIG_FILE, e)
 
 
-def mark_finished(own_dir: Path, rounds: int) -> None:
-    """Say in ``own_dir / FINISHED_FILE`` that this node's run ended with it (``rounds``: the rounds it took part in),
-    so that its standby exits 0 instead of joining a run that is over. A failed write: a WARNING (the standby then
-    joins, finds no peer and exits 1 after its ``--join-timeout``)."""
+def mark_finished(own_dir: Path, rounds: int, error: str | None = None) -> None:
+    """Say in ``own_dir / FINISHED_FILE`` that this node's run ended with it (``rounds``: the rounds it took part in;
+    ``error``: the one line a run that ended without learning failed with, e.g. "trained on nothing"), so that its
+    standby exits (0, or 1 with ``error``) instead of joining a run that is over. A failed write: a WARNING (the
+    standby then joins, finds no peer and exits 1 after its ``--join-timeout``)."""
     from composer_diloco.checkpoint import write_atomic
 
     try:
-        write_atomic(own_dir / FINISHED_FILE, json.dumps({"time": time.time(), "rounds": rounds}))
+        write_atomic(own_dir / FINISHED_FILE, json.dumps({"time": time.time(), "rounds": rounds, "error": error}))
     except OSError as e:
         log.warning("could not mark the run finished in %s: %s", own_dir / FINISHED_FILE, e)
 
 
-def finished_since(own_dir: Path, since: float) -> bool:
-    """True when ``own_dir / FINISHED_FILE`` says the node finished its run at or after ``since`` (time.time())."""
+def finished_since(own_dir: Path, since: float) -> dict | None:
+    """What ``own_dir / FINISHED_FILE`` says (``{"time", "rounds", "error"}``) when the node finished its run at or after
+    ``since`` (time.time()), else None."""
     try:
-        return float(json.loads((own_dir / FINISHED_FILE).read_text())["time"]) >= since
+        finished = json.loads((own_dir / FINISHED_FILE).read_text())
+        return finished if float(finished["time"]) >= since else None
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
 
 
 def lock_is_held(own_dir: Path) -> bool:
@@ -221,6 +224,7 @@ class Standby:
         self.lives = 0  # lives forked
         self.failed_in_a_row = 0  # lives that ended with an error before any round line, in a row
         self.gave_up: str | None = None  # why this standby stopped forking lives (`MAX_FAILED_LIVES`)
+        self.finished_error: str | None = None  # the node finished its run with this error (`mark_finished`)
 
     def wait(self) -> Any | None:
         """Prepare (module docstring), then wait until this process holds the node's folder lock.
@@ -245,9 +249,15 @@ class Standby:
                 lock.release()  # the node it stands by may be starting beside it: let it take its folder first
             else:
                 # the node finished its run: since this standby started, or (never seen running) at all
-                if finished_since(self.own_dir, self.started if self.seen_held else 0.0):
+                finished = finished_since(self.own_dir, self.started if self.seen_held else 0.0)
+                if finished is not None:
                     lock.release()
-                    log.info("%s finished its run: the standby exits", self.own_dir.name)
+                    self.finished_error = finished.get("error")
+                    if self.finished_error:
+                        log.error("%s finished its run with an error (%s): the standby exits 1", self.own_dir.name,
+                                  self.finished_error)
+                    else:
+                        log.info("%s finished its run: the standby exits", self.own_dir.name)
                     break
                 log.warning("standby takes over %s (%s): joining as it, %s", self.own_dir.name,
                             "its process ended" if self.seen_held else "no process of it started",
@@ -279,7 +289,8 @@ class Standby:
                 holds, ``prepared`` what this standby built (its env server lent, `BorrowedEnvServer`; None when
                 nothing was), ``stop`` the life's own `GracefulStop`, installed.
         Returns:
-            The exit code: 0 when the node finished its run, 130 on SIGINT/SIGTERM (forwarded to the life, which
+            The exit code: 0 when the node finished its run (1 when it finished it with an error: trained on
+            nothing, `mark_finished`), 130 on SIGINT/SIGTERM (forwarded to the life, which
             gets `LIFE_STOP_S` to stop), 1 after `MAX_FAILED_LIVES` lives in a row ended with an error before any
             round line (the reason logged at ERROR), or the exit code of ``life`` when it ran in this process.
         Raises:
@@ -292,7 +303,7 @@ class Standby:
         while True:
             lock = self.wait()
             if lock is None:
-                return 1 if self.gave_up else 130 if self.stop.event.is_set() else 0
+                return 1 if self.gave_up or self.finished_error else 130 if self.stop.event.is_set() else 0
             if self.gave_up is not None:  # the life that just ended was one failure too many
                 lock.release()
                 return 1

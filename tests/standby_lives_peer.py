@@ -8,7 +8,8 @@ checked in seconds.
     python tests/standby_lives_peer.py OWN_DIR --ending wait           (every life waits for its stop: exits 130)
 
 Endings, one per life (the last one repeats): ``killed`` (SIGKILL of its own process group), ``finished`` (the run's
-end: `nodes.standby.mark_finished`, exit 0), ``failed`` (exit 1), ``wait`` (until its SIGTERM, then 130). No node runs
+end: `nodes.standby.mark_finished`, exit 0), ``nothing`` (the run's end with "trained on nothing": marked finished with
+that error, exit 1), ``failed`` (exit 1), ``wait`` (until its SIGTERM, then 130). No node runs
 under the name, so the standby takes the folder after ``--alone-after-s`` and forks the first life.
 """
 
@@ -60,6 +61,9 @@ def main() -> int:
         if ending == "finished":
             mark_finished(a.own_dir, 1)
             return 0
+        if ending == "nothing":
+            mark_finished(a.own_dir, 1, error="trained on nothing: no episode of 1 round(s) produced a parsed tool call")
+            return 1
         if ending == "wait":
             stop.event.wait(60)
             return 130

@@ -214,6 +214,31 @@ def test_a_standby_stops_forking_lives_that_fail_at_their_start(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_standby_whose_node_ended_the_run_without_learning_exits_1_without_taking_over(tmp_path):
+    """A life that reached the run's end and failed it ("trained on nothing") marks the run finished with that error:
+    its standby exits 1 and forks no life to join a run that is over (which exited 0 on "the run is already over")."""
+    own = tmp_path / "node-a"
+    standby = _standby_of_lives(own, "nothing,finished")
+    try:
+        standby.communicate(timeout=150)
+    finally:
+        stop_processes([standby])
+    log = Path(f"{own}.log").read_text()
+    assert standby.returncode == 1 and len(_lives(own)) == 1, log[-3000:]
+    assert "node-a finished its run with an error (trained on nothing" in log, log[-3000:]
+
+
+def test_a_standby_that_loaded_a_model_with_a_progress_bar_may_still_fork():
+    """A ``--model``'s ``from_pretrained`` shows a tqdm bar, and tqdm's monitor thread made every fork of a standby
+    unsafe (it then joined as the node itself, and no standby was left: seen with an untrained ``--model``).
+    `single_threaded_torch` keeps the thread from starting."""
+    code = ("import time, tqdm; from nodes.fork import fork_unsafe, single_threaded_torch; single_threaded_torch(); "
+            "[time.sleep(0.01) for _ in tqdm.tqdm(range(50))]; print(fork_unsafe())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.timeout(180)
 def test_a_stopped_standby_stops_the_life_it_forked(tmp_path):
     """SIGTERM to the standby (a job's stop, Ctrl+C) reaches the life it forked, in its own process group: the life
     stops on it (130), and the standby exits 130 with no process of the life left."""

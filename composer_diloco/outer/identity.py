@@ -135,9 +135,9 @@ class FileLockHeld:
 
 def try_lock(path: str | os.PathLike[str]) -> FileLockHeld | None:
     """Take the OS file lock at ``path`` (an exclusive, non-blocking ``flock``; the file and its folders are made if
-    missing, the file with mode 0644)
-    without waiting: the held lock (`FileLockHeld`, to ``release()`` at exit; the OS drops it when the process ends,
-    even on SIGKILL), or None when another open file holds it (another process, or another `try_lock` of this one).
+    missing, the file with mode 0644) without waiting: the held lock (`FileLockHeld`, to ``release()`` at exit; the OS
+    drops it when the process ends, even on SIGKILL), or None when another open file holds it (another process, or
+    another `try_lock` of this one).
     The coordinator's run dir and each node's folder are held this way, so one process owns each identity key.
 
     Raises:
