@@ -9,7 +9,8 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
     goodput            inner-loop seconds (``inner_seconds`` of every node round line, plus its
                        ``resumed_inner_seconds``: the steps of a cut phase that a life took over from its last life's
-                       journal, `composer_diloco.inner.journal`) over node-seconds alive (spawn to exit or kill, every
+                       journal, `composer_diloco.inner.journal`, and ``resent_inner_seconds``: a handed-off phase whose
+                       round the swarm averaged without it, re-sent by the next life) over node-seconds alive (spawn to exit or kill, every
                        life of every node)
     goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round,
                        or, for a round the coordinator was down for, an ancestor of the theta it next recorded
@@ -23,8 +24,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        phase a life's round lines record to the life's end: the inner phase a kill cut short, with
                        ``[outer] overlap`` also the phase whose sync was under way; the run's shutdown) and
                        ``lost_between_rounds`` (the seconds between a life's rounds that are neither inner phase nor
-                       blocked sync); ``resumed`` (over node-seconds alive, in ``inner``): the cut phases' seconds that
-                       reached the model through the next life's journal resume, out of ``lost_after_last_round``
+                       blocked sync); ``resumed`` (over node-seconds alive, in ``inner``): the seconds of cut phases
+                       and of re-sent handed-off phases that reached the model through the next life's journal, out of
+                       ``lost_after_last_round``; ``resent`` the re-sent phases' part of it
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -314,13 +316,16 @@ def _inner_ended(record: dict) -> float:
 
 
 def _trained(record: dict) -> int:
-    """A node round line's episodes in the all-reduce: its own and a resumed journal's (``resumed_samples``)."""
-    return int(record["samples"]) + int(record.get("resumed_samples", 0))
+    """A node round line's episodes in the all-reduce: its own and a resumed journal's (``resumed_samples``, and
+    ``resent_samples``: a handed-off phase the round went on without, re-sent)."""
+    return int(record["samples"]) + int(record.get("resumed_samples", 0)) + int(record.get("resent_samples", 0))
 
 
 def _worked(record: dict) -> float:
-    """A node round line's inner-loop seconds: its own phase's and a resumed journal's (spent by the life before)."""
-    return float(record["inner_seconds"]) + float(record.get("resumed_inner_seconds", 0.0))
+    """A node round line's inner-loop seconds: its own phase's and a resumed journal's (spent by the life before: the
+    cut phase's ``resumed_inner_seconds``, the re-sent phase's ``resent_inner_seconds``)."""
+    return float(record["inner_seconds"]) + float(record.get("resumed_inner_seconds", 0.0)) + \
+        float(record.get("resent_inner_seconds", 0.0))
 
 
 def _phase_ended(record: dict) -> float:
@@ -337,7 +342,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
 
     records = read_metrics(churn.run_dir)
     canonical = _reached_model(records)  # the coordinator's rounds, and those it missed whose work it took on
-    alive = inner = kept = sync = startup = tail = resumed = 0.0
+    alive = inner = kept = sync = startup = tail = resumed = resent = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
     joins: dict[str, list[dict]] = {}  # how a life joined -> the join's parts of each such life (`JOIN_PHASES`)
@@ -348,6 +353,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         mine = [r for r in records.get(life.name, []) if began <= r["time"] <= end + 1]
         inner += sum(_worked(r) for r in mine)
         resumed += sum(_worked(r) - r["inner_seconds"] for r in mine)
+        resent += sum(float(r.get("resent_inner_seconds", 0.0)) for r in mine)
         kept += sum(_worked(r) for r in mine if canonical.get(r["round"]) == r["global_sha256"])
         sync += sum(_stood_still(r) for r in mine)
         if mine:
@@ -369,7 +375,8 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "goodput": share(inner), "goodput_kept": share(kept),
         "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
         "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
-                  "lost": share(alive - inner - startup - sync), "resumed": share(resumed)},
+                  "lost": share(alive - inner - startup - sync), "resumed": share(resumed),
+                  "resent": share(resent)},
         # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown; less what the next
         # life resumed of them, which lies there and is counted in inner) and the rest (the seconds between a life's
         # rounds that are neither inner phase nor blocked sync)

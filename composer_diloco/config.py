@@ -153,9 +153,10 @@ class InnerOptimizer(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     journal_max_bytes: int = Field(
-        1 << 30, ge=0, description="Bytes a step of the inner phase's journal may take (12 a trainable parameter: "
+        1 << 30, ge=0, description="Bytes a step of the inner phase's journal may take (16 a trainable parameter: "
                                    "composer_diloco.inner.journal): a node's next life resumes the phase its last life "
-                                   "was cut in. Larger models are not journaled; 0 turns it off.")
+                                   "was cut in, and re-sends the one whose round was averaged without it. Larger models "
+                                   "are not journaled; 0 turns it off.")
     journal_max_stale_rounds: int = Field(
         2, ge=0, description="Outer steps a journaled phase may be behind the round the node's next life joins and "
                              "still be resumed (its progress is applied to that round's theta: a delayed update).")

@@ -73,8 +73,10 @@ class InnerPhase:
             also its own sync).
         caught_up: ended at the first inner step after another node of its round was ready: a late joiner's first
             phase (`DiLoCoRounds.catch_up`), or any phase with ``network.round_ends_at_first_ready``.
-        resumed: the last life's cut phase this one went on from (`composer_diloco.inner.journal`), or None; its
-            steps are in ``steps``, its episodes in `weight`, its seconds apart (``resumed_inner_seconds``).
+        resumed: what this phase took over from the last life's journal (`composer_diloco.inner.journal`): the cut
+            phase it went on from and the handed-off phase it re-sent, or None; their steps are in ``steps`` (the cut
+            phase's), their episodes in `weight`, their seconds apart (``resumed_inner_seconds``,
+            ``resent_inner_seconds``).
     """
 
     round: int
@@ -89,8 +91,13 @@ class InnerPhase:
 
     @property
     def weight(self) -> float:
-        """The phase's all-reduce weight: its episodes, a resumed journal's included (`Resumed.samples`)."""
-        return float(self.stats.samples + (self.resumed.samples if self.resumed is not None else 0))
+        """The phase's all-reduce weight: its episodes, a resumed journal's included (`Resumed.total_samples`)."""
+        return float(self.stats.samples + (self.resumed.total_samples if self.resumed is not None else 0))
+
+    @property
+    def worked_seconds(self) -> float:
+        """The phase's inner-loop seconds, a resumed journal's included (`Resumed.total_seconds`)."""
+        return self.seconds + (self.resumed.total_seconds if self.resumed is not None else 0.0)
 
     def record(self, inner_steps: int) -> dict:
         """The phase's keys of a round's metrics line (`SyncResult.record` gives the sync's): the stats'
@@ -221,14 +228,34 @@ class DiLoCoRounds:
 
     def resume(self, model: nn.Module) -> Resumed | None:
         """At a life's first inner phase (after `start_inner_phase`): go on from the phase its last life was cut in,
-        if its journal is there to take (`PhaseJournal.resume`): its progress on this theta, the inner optimizer's
-        state, its steps counted in this phase and its episodes in this phase's weight."""
+        and re-send the phase it handed off whose round the swarm averaged without it, if its journal is there to take
+        (`PhaseJournal.resume`): their progress on this theta, the inner optimizer's state, the cut phase's steps
+        counted in this phase and both phases' episodes in this phase's weight."""
         if self.journal is None or self.trainer is None or self.trainer.optimizer is None:
             return None
-        self.resumed = self.journal.resume(model, self.trainer.optimizer, self.training_round())
+        self.resumed = self.journal.resume(model, self.trainer.optimizer, self.training_round(),
+                                           averaged_with_me=self._averaged_with_me)
         if self.resumed is not None:
             self.steps = self.resumed.steps
         return self.resumed
+
+    def _averaged_with_me(self, round_: int) -> bool:
+        """Whether a group that averaged ``round_`` counted this node (`Swarm.averaged_with`). A read that finds no
+        record is tried twice more (a read under load can miss one: re-sending a phase that reached the model would
+        count it twice); a failed read answers True (not re-sent: a phase lost, never one counted twice)."""
+        swarm = self.peer.swarm
+        for attempt in range(3):
+            try:
+                names = swarm.averaged_with(round_)
+            except Exception as e:
+                log.info("%s: reading who averaged round %d failed (%r): its handed-off phase is not re-sent",
+                         swarm.name, round_, e)
+                return True
+            if names is not None:
+                return swarm.name in names
+            if attempt < 2:
+                self.stop.wait(0.3)
+        return False
 
     def _journal_step(self, model: nn.Module) -> None:
         """After an inner step that did not end the phase: its journal entry (a failed write: a WARNING, once)."""
@@ -237,8 +264,8 @@ class DiLoCoRounds:
         r, round_ = self.resumed, self.training_round()
         try:
             self.journal.record_step(model, self.trainer.optimizer, round_, self.steps,
-                                     self.trainer.round_stats.samples + (r.samples if r else 0),
-                                     time.monotonic() - self.started + (r.seconds if r else 0.0))
+                                     self.trainer.round_stats.samples + (r.total_samples if r else 0),
+                                     time.monotonic() - self.started + (r.total_seconds if r else 0.0))
         except OSError as e:
             log.warning("%s: the inner phase journal could not be written (%s): it is off for this life",
                         self.peer.swarm.name, e)
@@ -285,11 +312,19 @@ class DiLoCoRounds:
         Raises:
             ArchitectureMismatch: from the sync (a peer's state of another model).
         """
+        round_ = self.training_round()
+        progress = None
+        if self.journal is not None:  # the phase's progress, before any fold moves x; its last step's entry goes
+            progress = self.journal.progress(model)
+            self.journal.end_phase()
         phase = self._close_inner_phase(caught_up)                              # 1.
         if self.overlap is None:
+            self._journal_hand_off(round_, progress, phase)  # in the journal until its sync settles
             result = self.peer.sync(model, phase.weight, stop=self.stop)        # 2. ... theta loaded
             if result is None:
-                return  # stopped at the barrier: no record, no new phase
+                return  # stopped at the barrier: no record, no new phase (the journal keeps the phase)
+            if self.journal is not None:
+                self.journal.settled(round_)
             self.trainer.refresh_reference()                                    # 3.
             phase.blocked_seconds = time.monotonic() - phase.ended
             self.host.round_ended(result, phase, None)                          # 4.
@@ -297,9 +332,13 @@ class DiLoCoRounds:
             out = self.overlap.end_round(model, phase.weight)                   # 2. fold round r-1, hand round r off
             if out.handed_off is not None:
                 self._handed_off[out.handed_off] = phase
-            elif out.settled:
-                log.warning("%s: the inner phase of %d steps was dropped (theta of round %d loaded)",
-                            self.peer.swarm.name, phase.steps, self.peer.round)
+                self._journal_hand_off(out.handed_off, progress, phase)
+            else:
+                if self.journal is not None:  # dropped: theta loaded, nothing of the phase is to be re-sent
+                    self.journal.discard()
+                if out.settled:
+                    log.warning("%s: the inner phase of %d steps was dropped (theta of round %d loaded)",
+                                self.peer.swarm.name, phase.steps, self.peer.round)
             phase.blocked_seconds = time.monotonic() - phase.ended
             self._record_settled(out.settled)                                   # 4. the rounds that ended here
             self.trainer.refresh_reference()                                    # 3. the rebase, or theta
@@ -321,10 +360,20 @@ class DiLoCoRounds:
                 phase.blocked_seconds += time.monotonic() - entered
             self._record_settled([done])
 
+    def _journal_hand_off(self, round_: int, progress: list | None, phase: InnerPhase) -> None:
+        """Keep the phase handed off for ``round_`` in the journal until its sync settles (`PhaseJournal.hand_off`)."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.hand_off(round_, progress, self.trainer.optimizer, int(phase.weight), phase.worked_seconds)
+        except OSError as e:
+            log.warning("%s: the inner phase journal could not be written (%s): it is off for this life",
+                        self.peer.swarm.name, e)
+            self.journal.discard()
+            self.journal.active = False
+
     def _close_inner_phase(self, caught_up: bool) -> InnerPhase:
         self.catch_up = False  # a joiner's first phase only: from the next round on it starts with the others
-        if self.journal is not None:  # before the hand-off: a phase is journaled or handed off, never both
-            self.journal.discard()
         parts = self.clock.take()
         ended = time.monotonic()  # what follows is the round's end: the inner loop stands still from here
         self.host.round_phase("sync")
@@ -339,6 +388,8 @@ class DiLoCoRounds:
         when its sync landed (`after_inner_step`) is not recorded again at its fold; a dropped phase was never handed
         off and has no record of its own."""
         for done in settled:
+            if self.journal is not None:  # before its line: a phase is re-sent or recorded, never both
+                self.journal.settled(done.round)
             phase = self._handed_off.pop(done.round, None)
             if done.result is not None and phase is not None:
                 self.host.round_ended(done.result, phase, done.fold)

@@ -25,6 +25,9 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     kill_after_step:R:K        SIGKILL this peer (its whole process group) once the K-th inner step of the phase that
                                trains round R is in its journal (the node's process crashes mid-phase)
                                                                                        (point inner_step_journaled)
+    kill_in_barrier:R          SIGKILL this peer (its whole process group) as it enters round R's barrier: its
+                               pseudo-gradient handed off, the round not yet announced ready (a crash in the sync;
+                               the swarm averages round R without it)                     (point barrier_entered)
     scale_pseudo_gradient:R:F  multiply this node's pseudo-gradient of round R by F (a norm outlier)
                                                                                           (point pseudo_gradient)
     nan_pseudo_gradient:R      put a NaN into this node's pseudo-gradient of round R       (point pseudo_gradient)
@@ -54,9 +57,10 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
 KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "kill_in_checkpoint", "step_delay",
-         "kill_after_step", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold", "slow_state", "kill_in_state_serve")
+         "kill_after_step", "kill_in_barrier", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold", "slow_state",
+         "kill_in_state_serve")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end",
-                "inner_step_journaled", "pseudo_gradient"]
+                "inner_step_journaled", "barrier_entered", "pseudo_gradient"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,8 @@ def point(name: Point, round_: int | None = None, *, tensors: Sequence[torch.Ten
         fault = _plan.armed("kill_after_step", round_)
         if fault is not None and steps >= int(fault.value or 1):
             kill_this_peer(f"after inner step {steps} of round {round_}'s phase")
+    elif name == "barrier_entered" and _plan.armed("kill_in_barrier", round_) is not None:
+        kill_this_peer(f"entering the barrier of round {round_}")
     elif name == "pseudo_gradient":
         _corrupt(round_, tensors)
 

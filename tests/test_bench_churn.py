@@ -128,3 +128,9 @@ def test_a_resumed_phase_counts_its_last_lifes_seconds_and_episodes():
     lives = [churn.Life("node-0", None, 20.0, ended=30.0), churn.Life("node-1", None, 20.0, ended=30.0)]
     steady = churn._steady(records, {3: "s3"}, lives, end=30.0)
     assert steady["goodput"] == 0.5 and steady["samples_per_s"] == 18.0  # (4 + 4 + 2) / 20; 72 episodes over 4 s
+    # the same life re-sent a handed-off phase of 3 s and 16 episodes too (its round was averaged without it)
+    resumed.update(resent_inner_seconds=3.0, resent_samples=16)
+    records["coordinator"][0]["weight_total"] = 88.0
+    assert churn._unrecorded_samples(records) == 0
+    steady = churn._steady(records, {3: "s3"}, lives, end=30.0)
+    assert steady["goodput"] == 0.65 and steady["samples_per_s"] == 22.0  # (4 + 4 + 2 + 3) / 20; 88 over 4 s

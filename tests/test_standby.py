@@ -267,11 +267,13 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     can take no member, `joins_round`) instead of training round 2 to find no group. That life is SIGKILLed in turn
     after the first inner step of round 5's phase (its whole process group, as a crash of the node's process takes
     it), and the same standby, prepared again, forks a third life: it goes on from the cut phase's journal
-    (`composer_diloco.inner.journal`: the step's progress on its theta, its episodes in the all-reduce's weight) and
-    trains the rest of the run, every round agreeing, as the same peer; both standbys exit 0 when their node finishes
-    the run, node-0's without ever joining. (The fault tests' node killed in an all-reduce: one run for both, the
-    suite's time.)"""
-    rounds, killed_in, cut_in = 8, 2, 5
+    (`composer_diloco.inner.journal`: the step's progress on its theta, its episodes in the all-reduce's weight). That
+    one is SIGKILLed as it enters round 8's barrier, its phase handed off: the swarm averages round 8 without it, and
+    the fourth life re-sends that phase in its own (its progress and episodes, as the journal kept them) and trains
+    the rest of the run, every round agreeing, as the same peer; both standbys exit 0 when their node finishes the
+    run, node-0's without ever joining. (The fault tests' node killed in an all-reduce: one run for both, the suite's
+    time.)"""
+    rounds, killed_in, cut_in, lost_in = 11, 2, 5, 8
     hold = tmp_path / "hold-node-1"  # while it exists node-1 pauses after each inner step: its standby prepares
     config = write_config(tmp_path / "standby.toml", f"rounds = {rounds}\ninner_steps = 2\n[network]\n"
                                                      "heartbeat_s = 1.0\nheartbeat_ttl_s = 6.0\n"
@@ -286,8 +288,10 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
         run.start_node("node-0")
         run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold},kill_in_allreduce:{killed_in}"})
         run.start_standby("node-0")
-        # armed in the standby's process, so in every life it forks: its first life dies in round 5's phase
-        run.start_standby("node-1", env={"COMPOSER_DILOCO_FAULTS": f"kill_after_step:{cut_in}:1"})
+        # armed in the standby's process, so in every life it forks: the first it forks dies in round 5's phase, the
+        # second in round 8's barrier (a few rounds on: a takeover on a loaded box may take more than a round)
+        run.start_standby("node-1", env={"COMPOSER_DILOCO_FAULTS": f"kill_after_step:{cut_in}:1,"
+                                                                   f"kill_in_barrier:{lost_in}"})
         run.wait_peer_line()
         run.wait_until(lambda: "standby prepared for run" in run.log("node-1-standby"), 300,
                        "node-1's standby to prepare")
@@ -304,22 +308,41 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
         hold.unlink(missing_ok=True)
         run.stop()
     taken = run.log("node-1-standby")
-    assert taken.count("standby takes over node-1 (its process ended): joining as it, prepared in") == 2, taken[-3000:]
+    assert taken.count("standby takes over node-1 (its process ended): joining as it, prepared in") == 3, taken[-3000:]
     assert f"SIGKILL (after inner step 1 of round {cut_in}'s phase)" in taken, taken[-3000:]
+    assert f"SIGKILL (entering the barrier of round {lost_in})" in taken, taken[-3000:]
     assert "node-1's life 1 (pid" in taken and "was killed by SIGKILL" in taken, taken[-3000:]
     assert "node-1's life 2 runs as pid" in taken and "node-1's life 2 (pid" in taken, taken[-3000:]
-    assert taken.count("env server envs.tool_env.server up at") == 2  # one it launched for each life, while waiting
+    assert taken.count("env server envs.tool_env.server up at") == 3  # one it launched for each life, while waiting
     # the folder lock proved the key's holder ended: hivemind's check that it is free (seconds) is skipped
     assert "Checking that identity" not in taken, taken[-3000:]
     assert "all-reduce failed" not in taken and "could not find a group" not in taken, taken[-3000:]
     ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1") + " " + taken)
-    assert len(ids) == 3 and len(set(ids)) == 1, ids
+    assert len(ids) == 4 and len(set(ids)) == 1, ids
     assert "node-0 finished its run: the standby exits" in run.log("node-0-standby")
     assert "peer ID" not in run.log("node-0-standby")  # it never joined
     records = run.records()
     mine = [r["round"] for r in records["node-1"]]
     assert mine[:3] == [0, 1, killed_in + 1] and mine[-1] == rounds - 1 and mine == sorted(set(mine)), mine
-    assert cut_in - 1 in mine and cut_in not in mine, mine
+    assert cut_in - 1 in mine and cut_in not in mine and lost_in not in mine, mine
+    # the second life re-sent round 2's phase, which its first life handed off before it was killed in that round's
+    # all-reduce, unless a group that averaged round 2 counted node-1 (it died mid-way: what it had sent may have
+    # reached the survivors' average); the coordinator averaged its episodes in the next round either way
+    second = next(r for r in records["node-1"] if r["round"] == killed_in + 1)
+    counted = any(r["status"] == "averaged" and "node-1" in r["members"] and "node-1" not in r["rejected"]
+                  for name in ("coordinator", "node-0") for r in records[name] if r["round"] == killed_in)
+    phase = records["node-1"][0]["samples"]  # a whole phase's episodes (its 2 inner steps)
+    print(f"round {killed_in}'s phase of the killed node: {'counted by the survivors' if counted else 're-sent'}")
+    if counted:
+        assert "resent_round" not in second, second
+    else:
+        assert {k: second.get(k) for k in ("resent_round", "resent_samples")} == \
+            {"resent_round": killed_in, "resent_samples": phase}, second
+        assert second["resent_inner_seconds"] > 0, second
+    weights = {r["round"]: r["weight_total"] for r in records["coordinator"]}
+    node0 = {r["round"]: r["samples"] for r in records["node-0"]}
+    if second["status"] == "averaged" and second["round"] in node0:
+        assert weights[second["round"]] == node0[second["round"]] + second["samples"] + (0 if counted else phase)
     # the third life's first phase went on from round 5's journaled step: its progress and its episodes reached the
     # all-reduce (the coordinator averaged node-0's episodes and both of node-1's lives')
     went_on_from = next(r for r in records["node-1"] if r["round"] > cut_in)
@@ -327,14 +350,23 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     assert {k: went_on_from.get(k) for k in ("resumed_round", "resumed_steps", "resumed_samples")} == \
         {"resumed_round": cut_in, "resumed_steps": 1, "resumed_samples": per_step}, went_on_from
     assert went_on_from["resumed_inner_seconds"] > 0 and went_on_from["inner_steps"] >= 1, went_on_from
-    weights = {r["round"]: r["weight_total"] for r in records["coordinator"]}
-    node0 = {r["round"]: r["samples"] for r in records["node-0"]}
     if went_on_from["status"] == "averaged" and went_on_from["round"] in node0:
         assert weights[went_on_from["round"]] == node0[went_on_from["round"]] + went_on_from["samples"] + per_step
+    # the fourth life re-sent round 8's phase: handed off, never averaged (the swarm's round 8 went on without it);
+    # its episodes are a whole phase's, or fewer where round 8 was its life's first phase, caught up early
+    resent = next(r for r in records["node-1"] if r["round"] > lost_in)
+    assert not any("node-1" in r["members"] for name in ("coordinator", "node-0") for r in records[name]
+                   if r["round"] == lost_in)
+    assert resent.get("resent_round") == lost_in and resent["resent_samples"] in range(per_step, phase + 1, per_step)
+    assert resent["resent_inner_seconds"] > 0 and "resumed_round" not in resent, resent
+    if resent["status"] == "averaged" and resent["round"] in node0:
+        assert weights[resent["round"]] == node0[resent["round"]] + resent["samples"] + resent["resent_samples"]
+    assert f"re-sent the inner phase of round {lost_in} whose sync its last life did not see end" in taken, \
+        taken[-3000:]
     # each life's first line says where its join went (`JOIN_PHASES`): the first from its process's start, each
     # takeover from the kill, without the imports, the skeleton or the env server's launch its standby did
     opening = [r for r in records["node-1"] if "join_seconds" in r]
-    assert [r["joined_as"] for r in opening] == ["process", "standby, prepared", "standby, prepared"], opening
+    assert [r["joined_as"] for r in opening] == ["process"] + ["standby, prepared"] * 3, opening
     assert {"imports", "dht", "state", "trainer"} <= opening[0]["join_seconds"].keys()
     for taken_over in opening[1:]:
         assert {"dht", "env", "state", "trainer"} <= taken_over["join_seconds"].keys(), taken_over["join_seconds"]

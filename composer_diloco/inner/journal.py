@@ -11,24 +11,38 @@ hundreds of steps of seconds each, minutes of accelerator time per crash. After 
     the inner optimizer's state (AdamW's moments and step counts: DiLoCo keeps it on the node across rounds)
     the round the phase trains, its steps, its samples (episodes: the pseudo-gradient's weight) and its seconds
 
-At the phase's end the journal is removed *before* the phase's pseudo-gradient is handed to the sync
-(`PhaseJournal.discard`), so a phase is either in the journal or handed off, never both: no work is counted twice.
+At the phase's end its progress stays in the journal as the phase *handed off* (`PhaseJournal.hand_off`: its round,
+progress, samples and seconds) until its sync settles in this life (`PhaseJournal.settled`: the round's average
+landed, or this life dropped the phase, failing closed). A kill in between (in the barrier, in the all-reduce, or
+with ``[outer] overlap`` anywhere in the next phase before the background sync landed) would otherwise lose the whole
+handed-off phase: the swarm averages that round without it.
 
 The next life, once it holds theta_R of the round it joins (`PhaseJournal.resume`, at its first inner phase's start),
-takes a journal of the same run config, the same trainable layout and a round J with ``R - S <= J <= R``, S being
-``[inner] journal_max_stale_rounds`` (2: INTELLECT-2's bound on the policy staleness of its rollouts):
+takes a journal of the same run config and the same trainable layout:
 
-    x <- theta_R + p           the cut phase's progress on the newer theta (as the rebase of
-                               `composer_diloco.outer.overlap`, one or two outer steps stale: a delayed local update,
-                               as in asynchronous local SGD)
-    AdamW's state restored; the phase goes on with the journal's steps counted, and its pseudo-gradient, theta_R - x at
-    its end, weighs the journal's samples plus its own
+    the cut phase (round J), when ``R - S <= J <= R``, S being ``[inner] journal_max_stale_rounds`` (2: INTELLECT-2's
+    bound on the policy staleness of its rollouts):
+        x <- theta_R + p        its progress on the newer theta (as the rebase of `composer_diloco.outer.overlap`,
+                                one or two outer steps stale: a delayed local update, as in asynchronous local SGD);
+                                AdamW's state restored, the phase goes on with the journal's steps counted
+    the handed-off phase (round T), when ``R - S <= T < R`` (the swarm has settled round T) and no group that averaged
+    round T counted this node (`Swarm.averaged_with`: every member of a group that averaged a round records the
+    group's names in the DHT; a node that died before its sync ended finds out there whether it made it):
+        x <- x + p_T            re-sent: the lost round's pseudo-gradient reaches the model one or two rounds late,
+                                in this phase's (a straggler's two phases in one, as in asynchronous local SGD)
 
-A journal of another config or layout, or too stale, is set aside with one INFO line and the life starts as before. The
-journal costs one copy of the trainable parameters per phase (x0) and, per step, the progress and the optimizer state
-copied to the CPU and written: 12 bytes a trainable parameter (fp32 progress, AdamW's two moments). It is kept only
-while that is at most ``[inner] journal_max_bytes`` (1 GiB: the embedded default's 11 MB, a LoRA adapter of an 8B model;
-a full fine-tuning of 0.6B parameters, 7 GB a step, is not journaled unless asked for).
+The resumed phase's pseudo-gradient, theta_R - x at its end, weighs the journal's samples (both phases') plus its
+own. A journal of another config or layout, or too stale, is set aside with one INFO line and the life starts as
+before. A phase is either in the journal or reached the model, never both: a handed-off phase that a group averaged
+with this node in it is not re-sent, and a phase's last step's entry is removed before the phase is handed off
+(`PhaseJournal.end_phase`; the hand-off's entry is written a moment later: a kill in between loses it, never counts it
+twice).
+
+The journal costs, per phase, one copy of the trainable parameters (x0) and, while a sync is under way, one of the
+handed-off progress; per step, the progress and the optimizer state copied to the CPU and written: 16 bytes a
+trainable parameter (fp32 progress of the phase under way and of the phase handed off, AdamW's two moments). It is
+kept only while that is at most ``[inner] journal_max_bytes`` (1 GiB: the embedded default's 15 MB, a LoRA adapter
+of an 8B model; a full fine-tuning of 0.6B parameters, 9.5 GB a step, is not journaled unless asked for).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,8 +71,9 @@ def _trainable(model: nn.Module) -> list[torch.Tensor]:
 
 
 def journal_bytes(model: nn.Module) -> int:
-    """Bytes one journal entry of ``model`` takes: 12 a trainable parameter (fp32 progress, AdamW's two moments)."""
-    return 12 * sum(p.numel() for p in _trainable(model))
+    """Bytes one journal entry of ``model`` takes at most: 16 a trainable parameter (fp32 progress of the phase under
+    way and of the phase handed off, AdamW's two moments)."""
+    return 16 * sum(p.numel() for p in _trainable(model))
 
 
 @dataclass(frozen=True)
@@ -65,22 +81,46 @@ class Resumed:
     """What a life took over from its last life's journal (`PhaseJournal.resume`).
 
     Attributes:
-        round: the round the journaled phase trained (J).
-        steps: its inner steps.
+        round: the round the cut phase trained (J); None when only a handed-off phase was re-sent.
+        steps: the cut phase's inner steps (counted in this life's phase).
         samples: its episodes (part of the resumed phase's all-reduce weight).
         seconds: its inner-loop seconds, spent by the last life.
+        resent_round: the round of the handed-off phase whose sync the last life did not see settle and which no
+            group averaged with this node in it (T), re-sent in this phase; None: none.
+        resent_samples: that phase's episodes (part of the weight too).
+        resent_seconds: its inner-loop seconds, spent by the last life.
     """
 
-    round: int
+    round: int | None
     steps: int
     samples: int
     seconds: float
+    resent_round: int | None = None
+    resent_samples: int = 0
+    resent_seconds: float = 0.0
+
+    @property
+    def total_samples(self) -> int:
+        """Episodes of both phases: what the resumed phase's weight adds (`composer_diloco.diloco.InnerPhase.weight`)."""
+        return self.samples + self.resent_samples
+
+    @property
+    def total_seconds(self) -> float:
+        """Inner-loop seconds of both phases, spent by the last life (or lives)."""
+        return self.seconds + self.resent_seconds
 
     def record(self) -> dict:
         """Its keys of the resumed phase's metrics line: ``resumed_round``, ``resumed_steps``, ``resumed_samples``,
-        ``resumed_inner_seconds`` (seconds, 3 decimals)."""
-        return {"resumed_round": self.round, "resumed_steps": self.steps, "resumed_samples": self.samples,
-                "resumed_inner_seconds": round(self.seconds, 3)}
+        ``resumed_inner_seconds`` (seconds, 3 decimals) for a cut phase; ``resent_round``, ``resent_samples``,
+        ``resent_inner_seconds`` for a re-sent one."""
+        out: dict = {}
+        if self.round is not None:
+            out.update(resumed_round=self.round, resumed_steps=self.steps, resumed_samples=self.samples,
+                       resumed_inner_seconds=round(self.seconds, 3))
+        if self.resent_round is not None:
+            out.update(resent_round=self.resent_round, resent_samples=self.resent_samples,
+                       resent_inner_seconds=round(self.resent_seconds, 3))
+        return out
 
 
 class PhaseJournal:
@@ -105,7 +145,9 @@ class PhaseJournal:
             log.info("inner phase journal off: %.1f MB a step is over [inner] journal_max_bytes (%.1f MB)",
                      need / 1e6, max_bytes / 1e6)
         self._start: list[torch.Tensor] | None = None  # x0, fp32 CPU
-        # the writer thread: the newest entry not yet written, the phase it belongs to (`discard` moves it on)
+        # the phase handed off whose sync has not settled in this life: {"round", "progress", "samples", "seconds"}
+        self._handed: dict | None = None
+        # the writer thread: the newest entry not yet written, the generation it belongs to (`_invalidate` moves it on)
         self._cond = threading.Condition()
         self._pending: dict | None = None
         self._error: OSError | None = None  # the writer's last failure, raised at the next record_step
@@ -120,9 +162,20 @@ class PhaseJournal:
         if self.active:
             self._start = [p.detach().to("cpu", torch.float32, copy=True) for p in _trainable(model)]
 
+    def progress(self, model: nn.Module) -> list[torch.Tensor] | None:
+        """The phase's progress p = x - x0 now (fp32, CPU, one tensor per trainable parameter), or None when the
+        journal is off or no phase began. Taken at the phase's end before anything moves the weights (the overlapped
+        fold), for `hand_off`."""
+        if not self.active or self._start is None:
+            return None
+        with torch.no_grad():
+            return [p.detach().to("cpu", torch.float32) - s for p, s in zip(_trainable(model), self._start,
+                                                                             strict=True)]
+
     def record_step(self, model: nn.Module, optimizer: Any, round_: int, steps: int, samples: int,
                     seconds: float) -> None:
-        """After an inner step: write the phase's progress and the optimizer's state (module docstring).
+        """After an inner step: write the phase's progress and the optimizer's state (module docstring), with the
+        phase handed off whose sync has not settled yet.
 
         Args:
             model: the policy after the step; optimizer: the inner optimizer (its ``state_dict``).
@@ -136,14 +189,56 @@ class PhaseJournal:
             OSError: the last write failed (the caller logs it and turns the journal off: it is worth a step, not the
                 run).
         """
-        if not self.active or self._start is None or optimizer is None:
+        progress = self.progress(model)
+        if progress is None or optimizer is None:
             return
-        with torch.no_grad():
-            progress = [p.detach().to("cpu", torch.float32) - s for p, s in zip(_trainable(model), self._start,
-                                                                                  strict=True)]
-        state = _to_cpu(optimizer.state_dict())
-        entry = {"digest": self.digest, "round": round_, "steps": steps, "samples": samples, "seconds": seconds,
-                 "shapes": [tuple(t.shape) for t in progress], "progress": progress, "optimizer": state}
+        self._queue({"round": round_, "steps": steps, "samples": samples, "seconds": seconds, "progress": progress,
+                     "optimizer": _to_cpu(optimizer.state_dict())})
+
+    def end_phase(self) -> None:
+        """The phase under way ended: its last step's entry goes now, before its pseudo-gradient is handed off (a
+        phase is never both cut and handed off in the journal); `hand_off` writes its entry once it is. A kill in
+        between loses the phase, never counts it twice."""
+        self._start = None
+        self._invalidate(remove=True)
+
+    def hand_off(self, round_: int, progress: list[torch.Tensor] | None, optimizer: Any, samples: int,
+                 seconds: float) -> None:
+        """The phase of ``round_`` was handed to its sync (after `end_phase`): keep its ``progress`` (`progress`,
+        taken at its end) in the journal until `settled`, written by the thread. ``samples``/``seconds``: the phase's
+        weight and inner-loop seconds, a resumed journal's included. No ``progress`` (the journal off, or no phase
+        began): nothing is kept."""
+        if progress is None or optimizer is None:
+            self._handed = None
+            return
+        self._handed = {"round": round_, "progress": progress, "samples": samples, "seconds": seconds}
+        self._queue({"round": None, "steps": 0, "samples": 0, "seconds": 0.0, "progress": None,
+                     "optimizer": _to_cpu(optimizer.state_dict())})
+        if _faults_armed():  # a fault that kills the node in the sync finds it written
+            self.flush()
+
+    def settled(self, round_: int) -> None:
+        """The sync of ``round_`` settled in this life (averaged, alone, resynced, dropped: this life decided what
+        reached the policy): the handed-off phase of that round leaves the journal, now (its file too, when it holds
+        nothing else: the next step's entry is written without it)."""
+        if self._handed is None or self._handed["round"] != round_:
+            return
+        self._handed = None
+        self._invalidate(remove=True)
+
+    def discard(self) -> None:
+        """Remove the journal, the phase handed off included (the run's end, or a phase dropped when its sync failed:
+        nothing of it is to be resumed). An entry not yet written is dropped, and one being written is waited for,
+        then removed. Idempotent."""
+        self._start = None
+        self._handed = None
+        self._invalidate(remove=True)
+
+    def _queue(self, entry: dict) -> None:
+        """Give ``entry`` (with the phase handed off, if any) to the writer thread; raise its last write's error."""
+        entry = {"digest": self.digest, **entry, "handed_off": self._handed}
+        shapes = entry["progress"] if entry["progress"] is not None else (self._handed or {}).get("progress")
+        entry["shapes"] = [tuple(t.shape) for t in shapes or []]
         with self._cond:
             if self._error is not None:
                 error, self._error = self._error, None
@@ -154,22 +249,21 @@ class PhaseJournal:
                 self._writer.start()
             self._cond.notify_all()
 
-    def discard(self) -> None:
-        """The phase ends: remove the journal before its pseudo-gradient is handed off (never resumed twice). An
-        entry not yet written is dropped, and one being written is waited for, then removed."""
-        self._start = None
+    def _invalidate(self, *, remove: bool) -> None:
+        """Entries queued or being written so far are never kept (their generation ends); ``remove``: the file too."""
         with self._cond:
             self._phase += 1
             self._pending = None
             while self._writing:
                 self._cond.wait()
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            if remove:
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
 
     def _write_loop(self) -> None:
-        """The writer thread: write the newest entry, whole (a temporary file renamed), unless its phase ended."""
+        """The writer thread: write the newest entry, whole (a temporary file renamed), unless its generation ended."""
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         while True:
             with self._cond:
@@ -179,7 +273,7 @@ class PhaseJournal:
             try:
                 torch.save(job["entry"], tmp)
                 with self._cond:
-                    if job["phase"] == self._phase:  # else its phase ended while it was written: never resumed
+                    if job["phase"] == self._phase:  # else it was invalidated while it was written: never resumed
                         os.replace(tmp, self.path)
             except OSError as e:
                 self._error = e
@@ -195,12 +289,17 @@ class PhaseJournal:
             while self._pending is not None or self._writing:
                 self._cond.wait()
 
-    def resume(self, model: nn.Module, optimizer: Any, round_: int) -> Resumed | None:
+    def resume(self, model: nn.Module, optimizer: Any, round_: int,
+               averaged_with_me: Callable[[int], bool] = lambda r: False) -> Resumed | None:
         """At a life's first inner phase, on theta of round ``round_`` in ``model``: take the last life's journal if
-        there is one to take (module docstring): x <- x + p, the optimizer's state loaded. Call after `begin_phase`
-        (x0 stays theta: the next steps' progress includes the journal's). The journal file is left for the next
-        `record_step` to replace.
+        there is one to take (module docstring): x <- x + p of the cut phase and of the re-sent handed-off phase, the
+        optimizer's state loaded. Call after `begin_phase` (x0 stays theta: the next steps' progress includes the
+        journal's). The journal file is left for the next `record_step` to replace.
 
+        Args:
+            averaged_with_me: round T -> whether a group that averaged round T counted this node
+                (`composer_diloco.outer.swarm.Swarm.averaged_with`); asked only for a handed-off phase the swarm has
+                settled. The default (False: never) suits a caller with no swarm.
         Returns:
             What was resumed, or None (no journal, or one set aside: logged at INFO).
         """
@@ -212,25 +311,57 @@ class PhaseJournal:
             log.info("inner phase journal %s not resumed: it does not load (%s: %s)", self.path, type(e).__name__, e)
             return None
         local = _trainable(model)
+        handed = entry.get("handed_off")
+        oldest = round_ - self.max_stale_rounds
         why = None
         if entry.get("digest") != self.digest:
             why = "it is of another run config"
         elif entry.get("shapes") != [tuple(p.shape) for p in local]:
             why = "its parameters' layout differs"
-        elif not round_ - self.max_stale_rounds <= entry["round"] <= round_:
+        elif entry.get("progress") is not None and not oldest <= entry["round"] <= round_:
             why = (f"it trained round {entry['round']}, this life joins round {round_} (at most "
                    f"{self.max_stale_rounds} apart: [inner] journal_max_stale_rounds)")
-        if why is not None:
-            log.info("inner phase journal %s not resumed: %s", self.path, why)
+        cut = entry.get("progress") is not None and why is None
+        resend = False
+        if why is None and handed is not None:
+            t = int(handed["round"])
+            if not oldest <= t < round_:
+                log.info("inner phase journal %s: the phase of round %d handed off is not re-sent (this life joins "
+                         "round %d: %s)", self.path, t, round_,
+                         "its round is not settled yet" if t >= round_ else "too stale")
+            elif averaged_with_me(t):
+                log.info("inner phase journal %s: round %d's average counted this node's phase: not re-sent",
+                         self.path, t)
+            else:
+                resend = True
+        if why is not None or not (cut or resend):
+            if why is not None:
+                log.info("inner phase journal %s not resumed: %s", self.path, why)
             return None
         with torch.no_grad():
-            for p, d in zip(local, entry["progress"], strict=True):
-                p.add_(d.to(device=p.device, dtype=p.dtype))
+            for i, p in enumerate(local):
+                add = (entry["progress"][i] if cut else 0) + (handed["progress"][i] if resend else 0)
+                p.add_(add.to(device=p.device, dtype=p.dtype))
         optimizer.load_state_dict(entry["optimizer"])
-        resumed = Resumed(int(entry["round"]), int(entry["steps"]), int(entry["samples"]), float(entry["seconds"]))
-        log.info("resumed the inner phase of round %d its last life was cut in: %d steps, %d episodes, %.1f s of work "
-                 "kept (%s)", resumed.round, resumed.steps, resumed.samples, resumed.seconds, self.path)
+        resumed = Resumed(int(entry["round"]) if cut else None, int(entry["steps"]) if cut else 0,
+                          int(entry["samples"]) if cut else 0, float(entry["seconds"]) if cut else 0.0,
+                          int(handed["round"]) if resend else None, int(handed["samples"]) if resend else 0,
+                          float(handed["seconds"]) if resend else 0.0)
+        if cut:
+            log.info("resumed the inner phase of round %d its last life was cut in: %d steps, %d episodes, %.1f s of "
+                     "work kept (%s)", resumed.round, resumed.steps, resumed.samples, resumed.seconds, self.path)
+        if resend:
+            log.info("re-sent the inner phase of round %d whose sync its last life did not see end (no group averaged "
+                     "it): %d episodes, %.1f s of work kept (%s)", resumed.resent_round, resumed.resent_samples,
+                     resumed.resent_seconds, self.path)
         return resumed
+
+
+def _faults_armed() -> bool:
+    """A fault plan is installed (`composer_diloco.faults`): the tests' kills must find what they expect written."""
+    from composer_diloco import faults
+
+    return bool(faults.installed().faults)
 
 
 def _to_cpu(obj: Any) -> Any:

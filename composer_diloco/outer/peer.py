@@ -97,11 +97,13 @@ class SyncResult:
     def record(self, peer: str, role: str) -> dict:
         """The round's keys of a metrics line, the same for a node and the coordinator (each adds its own):
         ``round``, ``peer``, ``role``, ``peers``, ``sync_seconds`` and ``wait_seconds`` (seconds, 3 decimals),
-        ``bytes_sent``, ``global_sha256``, ``status``, ``rejected`` and ``outer_phase_seconds`` (`OUTER_PHASES`)."""
+        ``bytes_sent``, ``global_sha256``, ``status``, ``rejected``, ``members`` and ``outer_phase_seconds``
+        (`OUTER_PHASES`)."""
         return {"round": self.round, "peer": peer, "role": role, "peers": self.peers,
                 "sync_seconds": round(self.sync_seconds, 3), "wait_seconds": round(self.wait_seconds, 3),
                 "bytes_sent": self.bytes_sent, "global_sha256": self.global_sha256, "status": self.status,
-                "rejected": list(self.rejected), "outer_phase_seconds": dict(self.phase_seconds)}
+                "rejected": list(self.rejected), "members": list(self.members),
+                "outer_phase_seconds": dict(self.phase_seconds)}
 
 
 OUTER_PHASES = {
@@ -555,6 +557,8 @@ class DiLoCoPeer:
                                        group_size=len(partners) + 1, partners=partners)
             clock.lap("all_reduce")
             status = self._outer_step(r, reduced)                             # 4. theta <- OuterOpt(theta, Delta)
+            if status == "averaged":  # whose phases reached theta: a member's next life reads it (its journal)
+                self._record_averaged(r, [m for m in reduced.members if m not in reduced.rejected])
             clock.lap("outer_step")
         except RoundFailed as failure:
             log.warning("%s round %d: %s", self.swarm.name, r, failure.reason)
@@ -625,6 +629,7 @@ class DiLoCoPeer:
             RoundFailed: nobody to average with, and the swarm already finished round ``r`` without this peer.
         """
         net = self.config.network
+        faults.point("barrier_entered", r)
         self.swarm.announce_ready(r, weight)  # the coordinator too: the nodes wait for it (`Swarm.wait_for_round`)
         barrier = self.swarm.wait_for_round(r, slack_s=net.round_slack_s, matchmaking_s=net.matchmaking_time_s,
                                             stop=stop)
@@ -839,7 +844,18 @@ class DiLoCoPeer:
                 log.error("%s round %d: %s; theta unchanged", self.swarm.name, r, e)
                 status = "skipped"
             self.round = r + 1
+        if status == "alone":
+            self._record_averaged(r, [self.swarm.name])
         return self._finish(model, clock, peers=1, status=status)
+
+    def _record_averaged(self, r: int, members: list[str]) -> None:
+        """`Swarm.record_averaged` of round ``r``'s ``members``. A failed store is a DEBUG line: every member (the
+        coordinator among them) stores the same record, and only where all of them failed would a member's next life
+        find none and re-send a phase that reached theta."""
+        try:
+            self.swarm.record_averaged(r, members)
+        except Exception as e:
+            log.debug("%s round %d: recording the round's members failed: %r", self.swarm.name, r, e)
 
     def _heal_split(self, model: nn.Module | None, r: int, clock: _RoundClock) -> SyncResult | None:
         """Before round ``r``'s sync: carry out `recovery.split_check` (take the authority's state if this peer's

@@ -443,6 +443,22 @@ class Swarm:
             get_dht_time() + _RECORD_TTL_S, subkey=self.name,
         )
 
+    def record_averaged(self, round_: int, members: list[str]) -> None:
+        """Record that this peer's group averaged ``round_`` with the pseudo-gradients of ``members`` (names, the
+        ones screening dropped left out; ``[name]`` for a round this peer stepped alone): a node's next life reads it
+        to learn whether the phase its last life handed off reached the model (`averaged_with`,
+        `composer_diloco.inner.journal`). Not waited for: every member of the group stores the same."""
+        self.dht.store(f"{self.run}.averaged.{round_}", {"t": get_dht_time(), "members": list(members)},
+                       get_dht_time() + _RECORD_TTL_S, subkey=self.name, return_future=True)
+
+    def averaged_with(self, round_: int) -> set[str] | None:
+        """The names whose pseudo-gradients a group that averaged ``round_`` counted (every group's, for a round
+        matchmaking split), or None when no peer recorded averaging it (`record_averaged`)."""
+        records = self._records(f"averaged.{round_}", {"members"})
+        if not records:
+            return None
+        return {str(n) for v in records.values() if isinstance(v["members"], list) for n in v["members"]}
+
     def ready_peers(self, round_: int) -> dict[str, dict]:
         """Peers that announced ``round_`` ready (`announce_ready`): name -> ``{"t", "weight", "role"}``."""
         return self._records(f"ready.{round_}", set())
