@@ -312,19 +312,18 @@ class DiLoCoRounds:
         Raises:
             ArchitectureMismatch: from the sync (a peer's state of another model).
         """
-        round_ = self.training_round()
         progress = None
         if self.journal is not None:  # the phase's progress, before any fold moves x; its last step's entry goes
             progress = self.journal.progress(model)
             self.journal.end_phase()
         phase = self._close_inner_phase(caught_up)                              # 1.
         if self.overlap is None:
-            self._journal_hand_off(round_, progress, phase)  # in the journal until its sync settles
+            self._journal_hand_off(phase.round, progress, phase)  # in the journal until its sync settles
             result = self.peer.sync(model, phase.weight, stop=self.stop)        # 2. ... theta loaded
             if result is None:
                 return  # stopped at the barrier: no record, no new phase (the journal keeps the phase)
             if self.journal is not None:
-                self.journal.settled(round_)
+                self.journal.settled(phase.round)
             self.trainer.refresh_reference()                                    # 3.
             phase.blocked_seconds = time.monotonic() - phase.ended
             self.host.round_ended(result, phase, None)                          # 4.
@@ -371,6 +370,9 @@ class DiLoCoRounds:
                         self.peer.swarm.name, e)
             self.journal.discard()
             self.journal.active = False
+            return
+        if faults.installed().faults:  # a fault that kills the node in the sync finds the hand-off written
+            self.journal.flush()
 
     def _close_inner_phase(self, caught_up: bool) -> InnerPhase:
         self.catch_up = False  # a joiner's first phase only: from the next round on it starts with the others

@@ -214,8 +214,6 @@ class PhaseJournal:
         self._handed = {"round": round_, "progress": progress, "samples": samples, "seconds": seconds}
         self._queue({"round": None, "steps": 0, "samples": 0, "seconds": 0.0, "progress": None,
                      "optimizer": _to_cpu(optimizer.state_dict())})
-        if _faults_armed():  # a fault that kills the node in the sync finds it written
-            self.flush()
 
     def settled(self, round_: int) -> None:
         """The sync of ``round_`` settled in this life (averaged, alone, resynced, dropped: this life decided what
@@ -355,13 +353,6 @@ class PhaseJournal:
                      "it): %d episodes, %.1f s of work kept (%s)", resumed.resent_round, resumed.resent_samples,
                      resumed.resent_seconds, self.path)
         return resumed
-
-
-def _faults_armed() -> bool:
-    """A fault plan is installed (`composer_diloco.faults`): the tests' kills must find what they expect written."""
-    from composer_diloco import faults
-
-    return bool(faults.installed().faults)
 
 
 def _to_cpu(obj: Any) -> Any:
