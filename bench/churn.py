@@ -9,9 +9,10 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
 
     goodput            inner-loop seconds (``inner_seconds`` of every node round line, plus its
                        ``resumed_inner_seconds``: the steps of a cut phase that a life took over from its last life's
-                       journal, `composer_diloco.inner.journal`, and ``resent_inner_seconds``: a handed-off phase whose
-                       round the swarm averaged without it, re-sent by the next life) over node-seconds alive (spawn to exit or kill, every
-                       life of every node)
+                       journal, `composer_diloco.inner.journal`, ``resent_inner_seconds``: a handed-off phase whose
+                       round the swarm averaged without it, re-sent by the next life, and ``landed_inner_seconds``: a
+                       handed-off phase a group averaged in whose line was lost with its life, recorded by the next
+                       life) over node-seconds alive (spawn to exit or kill, every life of every node)
     goodput_kept       the same, counting only rounds whose ``global_sha256`` is the coordinator's for that round,
                        or, for a round the coordinator was down for, an ancestor of the theta it next recorded
                        (`_reached_model`; before 2026-12-04 those rounds were not counted): work that reached the
@@ -25,8 +26,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
                        ``[outer] overlap`` also the phase whose sync was under way; the run's shutdown) and
                        ``lost_between_rounds`` (the seconds between a life's rounds that are neither inner phase nor
                        blocked sync); ``resumed`` (over node-seconds alive, in ``inner``): the seconds of cut phases
-                       and of re-sent handed-off phases that reached the model through the next life's journal, out of
-                       ``lost_after_last_round``; ``resent`` the re-sent phases' part of it
+                       and of re-sent handed-off phases that reached the model through the next life's journal, and of
+                       landed ones that reached it in their own round with no line of their life, all out of
+                       ``lost_after_last_round``; ``resent`` and ``landed`` those two parts of it
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
@@ -323,9 +325,10 @@ def _trained(record: dict) -> int:
 
 def _worked(record: dict) -> float:
     """A node round line's inner-loop seconds: its own phase's and a resumed journal's (spent by the life before: the
-    cut phase's ``resumed_inner_seconds``, the re-sent phase's ``resent_inner_seconds``)."""
+    cut phase's ``resumed_inner_seconds``, the re-sent phase's ``resent_inner_seconds``, and ``landed_inner_seconds``:
+    a handed-off phase of an earlier round that its group averaged in, whose own line was lost with that life)."""
     return float(record["inner_seconds"]) + float(record.get("resumed_inner_seconds", 0.0)) + \
-        float(record.get("resent_inner_seconds", 0.0))
+        float(record.get("resent_inner_seconds", 0.0)) + float(record.get("landed_inner_seconds", 0.0))
 
 
 def _phase_ended(record: dict) -> float:
@@ -342,7 +345,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
 
     records = read_metrics(churn.run_dir)
     canonical = _reached_model(records)  # the coordinator's rounds, and those it missed whose work it took on
-    alive = inner = kept = sync = startup = tail = resumed = resent = 0.0
+    alive = inner = kept = sync = startup = tail = resumed = resent = landed = 0.0
     lives = [x for x in churn.lives if x.name != "coordinator" and x.began is not None]
     back_after: list[float] = []  # per kill: seconds from the kill to the first inner phase of the life after it
     joins: dict[str, list[dict]] = {}  # how a life joined -> the join's parts of each such life (`JOIN_PHASES`)
@@ -354,6 +357,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         inner += sum(_worked(r) for r in mine)
         resumed += sum(_worked(r) - r["inner_seconds"] for r in mine)
         resent += sum(float(r.get("resent_inner_seconds", 0.0)) for r in mine)
+        landed += sum(float(r.get("landed_inner_seconds", 0.0)) for r in mine)
         kept += sum(_worked(r) for r in mine if canonical.get(r["round"]) == r["global_sha256"])
         sync += sum(_stood_still(r) for r in mine)
         if mine:
@@ -376,7 +380,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "node_seconds_alive": round(alive, 1), "inner_s": round(inner, 1),
         "where": {"inner": share(inner), "startup": share(startup), "sync": share(sync),
                   "lost": share(alive - inner - startup - sync), "resumed": share(resumed),
-                  "resent": share(resent)},
+                  "resent": share(resent), "landed": share(landed)},
         # lost, split: after a life's last round line (the phases a kill cut, the run's shutdown; less what the next
         # life resumed of them, which lies there and is counted in inner) and the rest (the seconds between a life's
         # rounds that are neither inner phase nor blocked sync)
@@ -441,8 +445,9 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
     alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
     inner = sum(_worked(r) for r in phases)
     window = max((_inner_ended(r) for r in phases), default=start) - start
-    samples = sum(_trained(r) for r in phases)
-    kept = sum(_trained(r) for r in phases if canonical.get(r["round"]) == r["global_sha256"])
+    samples = sum(_trained(r) + int(r.get("landed_samples", 0)) for r in phases)
+    kept = sum(_trained(r) + int(r.get("landed_samples", 0)) for r in phases
+               if canonical.get(r["round"]) == r["global_sha256"])
     per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)
     return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
             "node_seconds_alive": round(alive, 1), "samples_per_s": per_s(samples), "kept_samples_per_s": per_s(kept)}
@@ -479,13 +484,18 @@ def _unrecorded_samples(records: dict[str, list[dict]]) -> int:
     """Samples the coordinator's rounds averaged in (``weight_total``) beyond those of the node lines that hold the
     same theta: the pseudo-gradients that reached the model from a phase no line records (with ``[outer] overlap`` a
     node writes a round's line at the first inner step after its sync landed, before 7314e18 at the end of the next
-    phase: a kill in between leaves the phase unrecorded)."""
-    nodes: dict[int, float] = {}
+    phase: a kill in between leaves the phase unrecorded). A phase that a later life recorded as landed in round T
+    (``landed_round``, ``landed_samples``: its journal's handed-off phase, which round T's group counted) is recorded."""
+    nodes: dict[tuple[int, str], float] = {}
+    landed: dict[int, int] = {}
     for name, mine in records.items():
         for r in mine:
             if r.get("role") == "node":
                 nodes[(r["round"], r["global_sha256"])] = nodes.get((r["round"], r["global_sha256"]), 0) + _trained(r)
-    return round(sum(max(0.0, c.get("weight_total", 0.0) - nodes.get((c["round"], c["global_sha256"]), 0.0))
+                if r.get("landed_round") is not None:
+                    landed[r["landed_round"]] = landed.get(r["landed_round"], 0) + int(r.get("landed_samples", 0))
+    return round(sum(max(0.0, c.get("weight_total", 0.0) - nodes.get((c["round"], c["global_sha256"]), 0.0)
+                         - landed.get(c["round"], 0))
                      for c in records.get("coordinator", [])))
 
 

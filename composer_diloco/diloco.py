@@ -76,7 +76,8 @@ class InnerPhase:
         resumed: what this phase took over from the last life's journal (`composer_diloco.inner.journal`): the cut
             phase it went on from and the handed-off phase it re-sent, or None; their steps are in ``steps`` (the cut
             phase's), their episodes in `weight`, their seconds apart (``resumed_inner_seconds``,
-            ``resent_inner_seconds``).
+            ``resent_inner_seconds``); or only the record of a handed-off phase a group counted whose line was lost
+            with the last life (``landed_*``: in neither the weight nor the progress).
     """
 
     round: int

@@ -134,3 +134,22 @@ def test_a_resumed_phase_counts_its_last_lifes_seconds_and_episodes():
     assert churn._unrecorded_samples(records) == 0
     steady = churn._steady(records, {3: "s3"}, lives, end=30.0)
     assert steady["goodput"] == 0.65 and steady["samples_per_s"] == 22.0  # (4 + 4 + 2 + 3) / 20; 88 over 4 s
+
+
+def test_a_landed_phase_counts_in_its_own_round_not_in_the_line_that_records_it():
+    """A life killed after its group counted round 2's phase, before its line: the next life records it as landed in
+    its round-3 line (``landed_*``). Its seconds are inner-loop seconds, its episodes no longer unrecorded in round 2's
+    average, and round 3's average is not charged with them."""
+    line2 = {**_line("node-0", 2, started=10.0)}
+    line3 = {**_line("node-1", 3, started=20.0), "landed_round": 2, "landed_samples": 32,
+             "landed_inner_seconds": 4.0}
+    records = {"node-0": [line2, _line("node-0", 3, started=20.0)], "node-1": [line3],
+               "coordinator": [{"role": "coordinator", "round": 2, "global_sha256": "s2", "weight_total": 64.0},
+                               {"role": "coordinator", "round": 3, "global_sha256": "s3", "weight_total": 64.0}]}
+    assert churn._unrecorded_samples(records) == 0
+    del line3["landed_round"]  # the same samples, unrecorded: round 2 held 32 more than its lines
+    assert churn._unrecorded_samples(records) == 32
+    line3["landed_round"] = 2
+    lives = [churn.Life("node-0", None, 20.0, ended=30.0), churn.Life("node-1", None, 20.0, ended=30.0)]
+    steady = churn._steady(records, {2: "s2", 3: "s3"}, lives, end=30.0)
+    assert steady["goodput"] == 0.6 and steady["samples_per_s"] == 24.0  # (4 + 4 + 4) / 20; 32 + 32 + 32 over 4 s

@@ -163,7 +163,8 @@ def test_a_phase_handed_off_is_re_sent_by_the_next_life_when_its_round_was_avera
     """A life killed while round 5's sync was under way (overlapped: one step into round 6's phase): its next life,
     at round 6, applies both phases' progress when no group that averaged round 5 counted it (`resent_*` keys, both
     phases' episodes in the weight, only the cut phase's steps in this phase's), and only the cut phase's when one
-    did. Only the handed-off round is asked about."""
+    did: the counted phase is then recorded as landed (``landed_*`` keys: its seconds and episodes reached the model
+    with no line of its life), out of the weight. Only the handed-off round is asked about."""
     _, _, progress5, progress6, _ = _handed_off_phase(tmp_path, then_steps=1)
     asked = []
     theta, resumed, before = _next_life(tmp_path, 6, lambda r: asked.append(r) or False)
@@ -175,7 +176,11 @@ def test_a_phase_handed_off_is_re_sent_by_the_next_life_when_its_round_was_avera
                                 "resent_inner_seconds": 4.5}
     _moved_by(theta, before, progress5, progress6)
     theta, resumed, before = _next_life(tmp_path, 6, lambda r: True)  # round 5's average counted this node
-    assert resumed == Resumed(6, 1, 8, 1.5) and "resent_round" not in resumed.record()
+    assert resumed == Resumed(6, 1, 8, 1.5, landed_round=5, landed_samples=24, landed_seconds=4.5)
+    assert (resumed.total_samples, resumed.total_seconds) == (8, 1.5)
+    assert resumed.record() == {"resumed_round": 6, "resumed_steps": 1, "resumed_samples": 8,
+                                "resumed_inner_seconds": 1.5, "landed_round": 5, "landed_samples": 24,
+                                "landed_inner_seconds": 4.5}
     _moved_by(theta, before, progress6)
 
 
@@ -193,6 +198,11 @@ def test_a_phase_handed_off_waits_for_its_round_to_settle_and_leaves_once_it_set
         theta, resumed, before = _next_life(tmp_path, round_, lambda r: False)
         assert resumed is None, round_
         _moved_by(theta, before)
+    # counted by round 5's group, nothing cut: recorded as landed, theta and the optimizer untouched
+    theta, resumed, before = _next_life(tmp_path, 6, lambda r: True)
+    assert resumed == Resumed(None, 0, 0, 0.0, landed_round=5, landed_samples=24, landed_seconds=4.5)
+    assert (resumed.total_samples, resumed.total_seconds) == (0, 0.0)
+    _moved_by(theta, before)
     journal.settled(4)
     assert (tmp_path / JOURNAL_FILE).exists()
     journal.settled(5)

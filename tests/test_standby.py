@@ -327,14 +327,17 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     assert cut_in - 1 in mine and cut_in not in mine and lost_in not in mine, mine
     # the second life re-sent round 2's phase, which its first life handed off before it was killed in that round's
     # all-reduce, unless a group that averaged round 2 counted node-1 (it died mid-way: what it had sent may have
-    # reached the survivors' average); the coordinator averaged its episodes in the next round either way
+    # reached the survivors' average: then it records it as landed); the coordinator averaged its episodes either way
     second = next(r for r in records["node-1"] if r["round"] == killed_in + 1)
     counted = any(r["status"] == "averaged" and "node-1" in r["members"] and "node-1" not in r["rejected"]
                   for name in ("coordinator", "node-0") for r in records[name] if r["round"] == killed_in)
     phase = records["node-1"][0]["samples"]  # a whole phase's episodes (its 2 inner steps)
     print(f"round {killed_in}'s phase of the killed node: {'counted by the survivors' if counted else 're-sent'}")
-    if counted:
+    if counted:  # recorded as landed: its seconds and episodes reached round 2's model, with no line of its life
         assert "resent_round" not in second, second
+        assert {k: second.get(k) for k in ("landed_round", "landed_samples")} == \
+            {"landed_round": killed_in, "landed_samples": phase}, second
+        assert second["landed_inner_seconds"] > 0, second
     else:
         assert {k: second.get(k) for k in ("resent_round", "resent_samples")} == \
             {"resent_round": killed_in, "resent_samples": phase}, second

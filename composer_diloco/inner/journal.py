@@ -31,6 +31,10 @@ takes a journal of the same run config and the same trainable layout:
         x <- x + p_T            re-sent: the lost round's pseudo-gradient reaches the model one or two rounds late,
                                 in this phase's (a straggler's two phases in one, as in asynchronous local SGD)
 
+A handed-off phase that a group did count (its sync landed, or its part of the all-reduce was sent, and the life
+died before its round's metrics line) is not re-sent: the next life only records it (``landed_*`` keys of its first
+line), since no other line holds those seconds and episodes that reached the model.
+
 The resumed phase's pseudo-gradient, theta_R - x at its end, weighs the journal's samples (both phases') plus its
 own. A journal of another config or layout, or too stale, is set aside with one INFO line and the life starts as
 before. A phase is either in the journal or reached the model, never both: a handed-off phase that a group averaged
@@ -89,6 +93,11 @@ class Resumed:
             group averaged with this node in it (T), re-sent in this phase; None: none.
         resent_samples: that phase's episodes (part of the weight too).
         resent_seconds: its inner-loop seconds, spent by the last life.
+        landed_round: the round of the handed-off phase that a group averaged with this node in it, though the last
+            life died before recording it (no metrics line of that round holds it); None: none. Only recorded: its
+            update is in theta already, so it is neither applied nor in this phase's weight.
+        landed_samples: that phase's episodes (already in round ``landed_round``'s average).
+        landed_seconds: its inner-loop seconds, spent by the last life.
     """
 
     round: int | None
@@ -98,6 +107,9 @@ class Resumed:
     resent_round: int | None = None
     resent_samples: int = 0
     resent_seconds: float = 0.0
+    landed_round: int | None = None
+    landed_samples: int = 0
+    landed_seconds: float = 0.0
 
     @property
     def total_samples(self) -> int:
@@ -112,7 +124,8 @@ class Resumed:
     def record(self) -> dict:
         """Its keys of the resumed phase's metrics line: ``resumed_round``, ``resumed_steps``, ``resumed_samples``,
         ``resumed_inner_seconds`` (seconds, 3 decimals) for a cut phase; ``resent_round``, ``resent_samples``,
-        ``resent_inner_seconds`` for a re-sent one."""
+        ``resent_inner_seconds`` for a re-sent one; ``landed_round``, ``landed_samples``, ``landed_inner_seconds``
+        for a handed-off phase a group counted whose line was lost with its life."""
         out: dict = {}
         if self.round is not None:
             out.update(resumed_round=self.round, resumed_steps=self.steps, resumed_samples=self.samples,
@@ -120,6 +133,9 @@ class Resumed:
         if self.resent_round is not None:
             out.update(resent_round=self.resent_round, resent_samples=self.resent_samples,
                        resent_inner_seconds=round(self.resent_seconds, 3))
+        if self.landed_round is not None:
+            out.update(landed_round=self.landed_round, landed_samples=self.landed_samples,
+                       landed_inner_seconds=round(self.landed_seconds, 3))
         return out
 
 
@@ -299,7 +315,9 @@ class PhaseJournal:
                 (`composer_diloco.outer.swarm.Swarm.averaged_with`); asked only for a handed-off phase the swarm has
                 settled. The default (False: never) suits a caller with no swarm.
         Returns:
-            What was resumed, or None (no journal, or one set aside: logged at INFO).
+            What was resumed or recorded as landed (`Resumed`), or None (no journal, or one set aside or with
+            nothing to take: logged at INFO). A Resumed with only ``landed_round`` changes neither ``model`` nor
+            ``optimizer``.
         """
         if not self.active or not self.path.exists():
             return None
@@ -320,7 +338,7 @@ class PhaseJournal:
             why = (f"it trained round {entry['round']}, this life joins round {round_} (at most "
                    f"{self.max_stale_rounds} apart: [inner] journal_max_stale_rounds)")
         cut = entry.get("progress") is not None and why is None
-        resend = False
+        resend = landed = False
         if why is None and handed is not None:
             t = int(handed["round"])
             if not oldest <= t < round_:
@@ -328,23 +346,28 @@ class PhaseJournal:
                          "round %d: %s)", self.path, t, round_,
                          "its round is not settled yet" if t >= round_ else "too stale")
             elif averaged_with_me(t):
-                log.info("inner phase journal %s: round %d's average counted this node's phase: not re-sent",
-                         self.path, t)
+                log.info("inner phase journal %s: round %d's average counted this node's phase (%d episodes, %.1f s "
+                         "of work its last life did not record): not re-sent", self.path, t, int(handed["samples"]),
+                         float(handed["seconds"]))
+                landed = True
             else:
                 resend = True
-        if why is not None or not (cut or resend):
+        if why is not None or not (cut or resend or landed):
             if why is not None:
                 log.info("inner phase journal %s not resumed: %s", self.path, why)
             return None
-        with torch.no_grad():
-            for i, p in enumerate(local):
-                add = (entry["progress"][i] if cut else 0) + (handed["progress"][i] if resend else 0)
-                p.add_(add.to(device=p.device, dtype=p.dtype))
-        optimizer.load_state_dict(entry["optimizer"])
+        if cut or resend:
+            with torch.no_grad():
+                for i, p in enumerate(local):
+                    add = (entry["progress"][i] if cut else 0) + (handed["progress"][i] if resend else 0)
+                    p.add_(add.to(device=p.device, dtype=p.dtype))
+            optimizer.load_state_dict(entry["optimizer"])
         resumed = Resumed(int(entry["round"]) if cut else None, int(entry["steps"]) if cut else 0,
                           int(entry["samples"]) if cut else 0, float(entry["seconds"]) if cut else 0.0,
                           int(handed["round"]) if resend else None, int(handed["samples"]) if resend else 0,
-                          float(handed["seconds"]) if resend else 0.0)
+                          float(handed["seconds"]) if resend else 0.0,
+                          int(handed["round"]) if landed else None, int(handed["samples"]) if landed else 0,
+                          float(handed["seconds"]) if landed else 0.0)
         if cut:
             log.info("resumed the inner phase of round %d its last life was cut in: %d steps, %d episodes, %.1f s of "
                      "work kept (%s)", resumed.round, resumed.steps, resumed.samples, resumed.seconds, self.path)
