@@ -485,7 +485,8 @@ def _unrecorded_samples(records: dict[str, list[dict]]) -> int:
     same theta: the pseudo-gradients that reached the model from a phase no line records (with ``[outer] overlap`` a
     node writes a round's line at the first inner step after its sync landed, before 7314e18 at the end of the next
     phase: a kill in between leaves the phase unrecorded). A phase that a later life recorded as landed in round T
-    (``landed_round``, ``landed_samples``: its journal's handed-off phase, which round T's group counted) is recorded."""
+    (``landed_round``, ``landed_samples``: its journal's handed-off phase, which round T's group counted) is
+    recorded."""
     nodes: dict[tuple[int, str], float] = {}
     landed: dict[int, int] = {}
     for name, mine in records.items():
