@@ -457,10 +457,12 @@ def _reached_model(records: dict[str, list[dict]]) -> dict[int, str]:
     """Round -> the theta (``global_sha256``) whose work reached the coordinator's model: the coordinator's own lines,
     and a round it did not record (it was down) when the nodes' theta of that round is an ancestor of the theta the
     coordinator next recorded. That holds when, from that round to the coordinator's next round K, the node lines of
-    each round name one theta, every node line after it says ``averaged`` (each theta the outer step of the one
-    before, no resync or heal in between), and the nodes' theta of round K is the coordinator's: it began round K
-    from theirs (a restarted coordinator that resumes from a live node). A coordinator that came back with an older
-    theta and made the nodes heal to it leaves no such chain, and their rounds meanwhile are not counted."""
+    each round name one theta, each round after it has a node line that says ``averaged`` (that theta is the outer
+    step of the one before; a line that says ``resynced`` with the same theta is a node that took it from a peer),
+    and the nodes' theta of round K is the coordinator's: it began round K from theirs (a restarted coordinator that
+    resumes from a live node). A coordinator that came back with an older theta and made the nodes heal to it leaves
+    no such chain, and their rounds meanwhile are not counted. (Before 2026-12-06 every node line of those rounds had
+    to say ``averaged``: a resynced node with the group's theta broke the chain.)"""
     reached = {r["round"]: r["global_sha256"] for r in records.get("coordinator", [])}
     nodes: dict[int, list[dict]] = {}
     for r in (r for mine in records.values() for r in mine if r.get("role") == "node"):
@@ -473,8 +475,8 @@ def _reached_model(records: dict[str, list[dict]]) -> dict[int, str]:
         chain = [nodes.get(j, []) for j in range(round_, k + 1)]
         if any(len({r["global_sha256"] for r in lines}) != 1 for lines in chain):
             continue  # a round no node recorded, or recorded with two thetas
-        if any(r.get("status") != "averaged" for lines in chain[1:] for r in lines):
-            continue
+        if not all(any(r.get("status") == "averaged" for r in lines) for lines in chain[1:]):
+            continue  # a round no group averaged (all resynced, healed): the theta may come from elsewhere
         if chain[-1][0]["global_sha256"] == reached[k]:
             reached[round_] = chain[0][0]["global_sha256"]
     return reached

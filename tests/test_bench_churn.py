@@ -75,6 +75,9 @@ def test_rounds_the_coordinator_missed_count_as_kept_when_its_next_theta_descend
     # back with another theta, the nodes healed to it in round 4: rounds 2-3 never reached its model
     records["node-0"][4]["status"] = records["node-1"][4]["status"] = "resynced"
     assert sorted(churn._reached_model(records)) == [0, 1, 4, 5]
+    # one node averaged round 4, the other took the same theta from a peer (killed in the all-reduce): counted
+    records["node-0"][4]["status"] = "averaged"
+    assert churn._reached_model(records) == {r: f"s{r}" for r in range(6)}
     records["node-0"][4]["status"] = records["node-1"][4]["status"] = "averaged"
     records["coordinator"][2]["global_sha256"] = "other"  # its round 4 is not the nodes' theta
     assert sorted(churn._reached_model(records)) == [0, 1, 4, 5]
