@@ -59,3 +59,33 @@ def test_a_hung_reducer_ends_its_all_reduce_and_says_where_it_stood(tmp_path):
     assert others[0]["mean_sha"] == others[1]["mean_sha"] and others[0]["failed_size"] == others[1]["failed_size"]
     log = (tmp_path / "2.json.log").read_text()
     assert "(only this peer's own share is left): given up" in log and "reducer part 0/" in log, log[-3000:]
+
+
+def test_a_stream_to_a_peer_whose_every_address_refuses_is_unreachable_and_a_reset_is_not():
+    """`unreachable` (the reducer's early ban of a sender it can no longer reach, BENCHMARKS.md 3q) on the errors this
+    hivemind's daemon really raises: a stream opened to a peer that shut down after the two met (its addresses known,
+    its port closed) fails with "failed to dial"; a reset stream is no proof."""
+    import asyncio as _asyncio
+
+    from composer_diloco.outer.averaging import unreachable
+    from composer_diloco.outer.swarm import start_dht, visible_multiaddr
+
+    here = start_dht(initial_peers=[])
+    gone = start_dht(initial_peers=[visible_multiaddr(here)])
+    gone_id = gone.peer_id
+    gone.shutdown()
+
+    async def open_stream() -> BaseException:
+        p2p = await here.replicate_p2p()
+        try:
+            await p2p.call_binary_stream_handler(gone_id, "composer_diloco.test.nothing")
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return e
+        raise AssertionError("a stream to a peer that shut down opened")
+
+    try:
+        error = _asyncio.run(open_stream())
+        assert unreachable(error), repr(error)
+        assert not unreachable(ConnectionResetError(104, "Connection reset by peer"))
+    finally:
+        here.shutdown()

@@ -110,6 +110,15 @@ class _ZeroOnFailureContainer(TensorPartContainer):
             self.failed_size += part.numel()
 
 
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error``, raised by a stream to a peer, says that no connection to that peer is left: the daemon had
+    to dial it and every address failed (hivemind's ``ControlFailure``: "failed to dial"). An open stream of that peer
+    to us ran over a connection, and a daemon with a live connection opens a new stream on it instead of dialing: so
+    that stream is gone too. A reset stream (``ConnectionResetError``) is not proof: one stream can end while the
+    peer lives."""
+    return "failed to dial" in str(error)
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """`AllReduceRunner` returning averages (not deltas), identical on all peers, counting payload bytes.
 
@@ -248,9 +257,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             except Exception as e:  # hivemind logs it at DEBUG only; the parts of this reducer are zeros now
                 log.warning("all-reduce: no average from reducer %s (%d elements zeroed so far): %r", peer_id,
                             self.tensor_part_container.failed_size, e)
-                if peer_id in self._replied and peer_id not in self.active_senders:
-                    # its stream to us broke before it sent us a part: it died before opening its stream as our sender
-                    # too, and hivemind would ban it only after sender_timeout (`_handle_missing_senders`)
+                if peer_id in self._replied and (peer_id not in self.active_senders or unreachable(e)):
+                    # it died before opening its stream as our sender too, or no connection to it is left (a dial
+                    # failed: its open sender stream ran over the connection that is gone), so no more of its parts
+                    # will come; hivemind would ban it only after sender_timeout (`_handle_missing_senders`), and
+                    # meanwhile every other member waits for our averaged parts (BENCHMARKS.md 3q: 20-30 s)
                     await self._ban_sender(peer_id)
                 raise
         # Our own part: average it here, then take it through the compression the others receive it with.
@@ -802,4 +813,4 @@ class ExactAverager(DecentralizedAverager):
         self.failed_size.value = self.codec.numel if missing else 0
 
 
-__all__ = ["Contribution", "ExactAverager", "ExactAllReduceRunner"]
+__all__ = ["Contribution", "ExactAverager", "ExactAllReduceRunner", "unreachable"]
