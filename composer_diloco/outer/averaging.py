@@ -8,7 +8,10 @@ copy through the same compress/decompress, so every peer holds ``decompress(comp
 bytes, whatever the compression.
 
 Failure behaviour (what the round protocol relies on):
-- a sender that dies is banned by the reducers; the parts it had not sent are averaged without it;
+- a sender that dies is banned by the reducers; the parts it had not sent are averaged without it. A reducer bans it
+  as soon as its own stream to that peer fails to dial (`unreachable`: no connection to it is left), not only after
+  hivemind's ``sender_timeout``: the sender's open stream to us does not always end when its process does, and every
+  other member would wait for this reducer's averaged parts meanwhile (20-30 s, BENCHMARKS.md 3q);
 - a peer's ``step`` returns only once its replies as a reducer have been written out (`ExactAllReduceRunner.replies_sent`):
   hivemind's returns as soon as the peer holds its own average, so a node that shut down right after its last round
   cut the end of its share off the coordinator's average;
