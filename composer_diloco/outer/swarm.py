@@ -45,12 +45,6 @@ LINEAGE_ROUNDS = 64  # rounds of theta hashes each heartbeat carries (~2 KB): a 
 # this is told it split when it meets the run again; one further behind is only brought forward (`recovery.after_failed_round`)
 _LINEAGE_HEX = 16  # hex digits of each (64 bits: two different thetas never match by chance)
 RUNS_KEY = "composer_diloco.runs"
-BOOTSTRAP_TIMEOUT_S = 1.0
-"""Seconds from a DHT peer's start that its bootstrap may spend, once one initial peer answered its ping, waiting for
-the others' answers and looking up its own nearest neighbours (hivemind's ``DHTNode.create(bootstrap_timeout=)``,
-whose default is its RPC timeout, 3 s). The lookup only fills the routing table ahead of time; every later get and
-store looks up the peers it needs anyway. On a loaded 2-core box the 3 s were spent in full at most starts: the
-``dht`` part of a standby's takeover was 2.0-2.4 s median (BENCHMARKS.md 3p, 3q)."""
 
 
 class SwarmError(RuntimeError):
@@ -98,15 +92,13 @@ def start_dht(*, initial_peers: list[str], listen: str | None = None, announce: 
     live peer holds the key (this start made it, or took it over from the process that held it, which has ended), so
     hivemind's check that it is free is skipped: a temporary p2pd that bootstraps from the initial peers and looks the
     peer ID up, 0.5 s on an idle machine, 2-3 s on a loaded one. ``client_mode``: a read-only client (hivemind's ``client_mode``): it serves no DHT
-    request, stores no one's records and enters no peer's routing table (`coordinator.status`). Its bootstrap waits
-    for more initial peers and its neighbours for at most `BOOTSTRAP_TIMEOUT_S` once one peer answered.
+    request, stores no one's records and enters no peer's routing table (`coordinator.status`).
 
     Raises:
         SwarmError: the daemon did not start, no initial peer answered (or all refused our run secret), or the
             identity is in use by a peer reachable from the initial peers.
     """
-    kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"],
-                              "bootstrap_timeout": BOOTSTRAP_TIMEOUT_S}
+    kwargs: dict[str, Any] = {"host_maddrs": [listen or "/ip4/127.0.0.1/tcp/0"]}
     if announce:
         kwargs["announce_maddrs"] = announce
     if client_mode:
