@@ -323,6 +323,12 @@ def _trained(record: dict) -> int:
     return int(record["samples"]) + int(record.get("resumed_samples", 0)) + int(record.get("resent_samples", 0))
 
 
+def _reached(record: dict) -> int:
+    """A node round line's episodes that reached a model: `_trained`'s, and a landed phase's (``landed_samples``: of
+    an earlier round, averaged in by its group with no line of its own)."""
+    return _trained(record) + int(record.get("landed_samples", 0))
+
+
 def _worked(record: dict) -> float:
     """A node round line's inner-loop seconds: its own phase's and a resumed journal's (spent by the life before: the
     cut phase's ``resumed_inner_seconds``, the re-sent phase's ``resent_inner_seconds``, and ``landed_inner_seconds``:
@@ -445,9 +451,8 @@ def _steady(records: dict[str, list[dict]], canonical: dict[int, str], lives: li
     alive = sum(max(0.0, (x.ended or end) - max(x.began, start)) for x in lives)
     inner = sum(_worked(r) for r in phases)
     window = max((_inner_ended(r) for r in phases), default=start) - start
-    samples = sum(_trained(r) + int(r.get("landed_samples", 0)) for r in phases)
-    kept = sum(_trained(r) + int(r.get("landed_samples", 0)) for r in phases
-               if canonical.get(r["round"]) == r["global_sha256"])
+    samples = sum(_reached(r) for r in phases)
+    kept = sum(_reached(r) for r in phases if canonical.get(r["round"]) == r["global_sha256"])
     per_s = (lambda x: round(x / window, 2)) if window > 0 else (lambda x: None)
     return {"from": round(start, 3), "goodput": round(inner / alive, 3) if alive else None,
             "node_seconds_alive": round(alive, 1), "samples_per_s": per_s(samples), "kept_samples_per_s": per_s(kept)}

@@ -51,6 +51,7 @@ of an 8B model; a full fine-tuning of 0.6B parameters, 9.5 GB a step, is not jou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -363,11 +364,11 @@ class PhaseJournal:
                     p.add_(add.to(device=p.device, dtype=p.dtype))
             optimizer.load_state_dict(entry["optimizer"])
         resumed = Resumed(int(entry["round"]) if cut else None, int(entry["steps"]) if cut else 0,
-                          int(entry["samples"]) if cut else 0, float(entry["seconds"]) if cut else 0.0,
-                          int(handed["round"]) if resend else None, int(handed["samples"]) if resend else 0,
-                          float(handed["seconds"]) if resend else 0.0,
-                          int(handed["round"]) if landed else None, int(handed["samples"]) if landed else 0,
-                          float(handed["seconds"]) if landed else 0.0)
+                          int(entry["samples"]) if cut else 0, float(entry["seconds"]) if cut else 0.0)
+        if resend or landed:  # the handed-off phase: re-sent in this phase, or only recorded
+            t, n, seconds = int(handed["round"]), int(handed["samples"]), float(handed["seconds"])
+            resumed = (dataclasses.replace(resumed, resent_round=t, resent_samples=n, resent_seconds=seconds) if resend
+                       else dataclasses.replace(resumed, landed_round=t, landed_samples=n, landed_seconds=seconds))
         if cut:
             log.info("resumed the inner phase of round %d its last life was cut in: %d steps, %d episodes, %.1f s of "
                      "work kept (%s)", resumed.round, resumed.steps, resumed.samples, resumed.seconds, self.path)
