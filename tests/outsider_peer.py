@@ -204,12 +204,17 @@ class Attack:
             stream = await servicer.get_stub(p2p, self.target, namespace=prefix).rpc_aggregate_part(requests())
             return [averaging_pb2.MessageCode.Name(m.code) async for m in stream]
 
-        try:
-            got = await asyncio.wait_for(replies(), RPC_TIMEOUT_S)
-        except Exception as e:
-            self.record(name, False, _error(e))
-            return
-        self.record(name, "AVERAGED_PART" in got, f"replies: {got}")
+        empty = 0
+        for _ in range(3):  # as download_state: an empty stream may be a connection the daemon closed before the reply
+            try:
+                got = await asyncio.wait_for(replies(), RPC_TIMEOUT_S)
+            except Exception as e:
+                self.record(name, False, _error(e), empty_replies=empty)
+                return
+            if got:
+                break
+            empty += 1
+        self.record(name, "AVERAGED_PART" in got, f"replies: {got}", empty_replies=empty)
 
     def averager_open_prefix(self, dht) -> None:
         """A real averager under the open run's prefix: look for the run's group, then download its state."""
