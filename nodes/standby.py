@@ -10,8 +10,10 @@ the base model read from disk). A standby pays them while the node still trains,
 Once it holds it, it forks the node's next life (`nodes.fork.fork_life`), which joins the run as that node
 (`nodes.node.Node.join`: the same identity key, so the same peer ID, and the peers its last life saw) with the lock
 handed to it: what is left is the DHT join, the run config, the state download and the wait for the round boundary.
-The standby itself goes on standing by: it launches the next life's env server and waits for the lock again, so a
-second crash a few seconds after the first finds it as prepared as the first did. (Until 2026-12-06 the standby became
+The standby itself goes on standing by: once the new life trains (its first round line) it launches the next life's
+env server, and it waits for the lock again, so a second crash finds it as prepared as the first did. (A crash before
+that finds all but the env server prepared: that life starts its own. Launched at the fork, the server's start took
+its CPU from the takeover it followed, on a loaded box: BENCHMARKS.md 3r.) (Until 2026-12-06 the standby became
 the node, and a new standby had to be started after each takeover: its imports and preparation took 25-40 s of a core
 on a loaded 2-core box, beside the nodes' training, and a kill in that window found nothing prepared: BENCHMARKS.md
 3p.)
@@ -78,6 +80,10 @@ STANDBY_ENV_SERVER_LOG_NEXT = "env-server.standby.1.log"  # a forked life's succ
 MAX_FAILED_LIVES = 3
 """Lives in a row that may fail (end with an error before writing a round line) before a standby stops forking them
 (`Standby.run_lives`): a node that cannot start (a run that is over, an env that is gone) is not restarted forever."""
+
+SUCCESSOR_AFTER_S = 30.0
+"""Seconds after a fork by which a standby launches the next life's env server even if the life it forked has not
+written a round line yet (`Standby._prepare_successor_when_due`)."""
 
 LIFE_STOP_S = 7.0
 """Seconds a stopping standby gives the life it forked to stop on its SIGTERM (the life's hard exit comes at 8 s),
@@ -221,6 +227,7 @@ class Standby:
         self._config_stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the RUN_CONFIG_FILE prepared from
         self._imported = False
         self.life: ForkedLife | None = None  # the node's life this standby forked, while it runs (`run_lives`)
+        self.successor_due = False  # the next life's env server is still to launch (`_prepare_successor_when_due`)
         self.lives = 0  # lives forked
         self.failed_in_a_row = 0  # lives that ended with an error before any round line, in a row
         self.gave_up: str | None = None  # why this standby stopped forking lives (`MAX_FAILED_LIVES`)
@@ -264,6 +271,7 @@ class Standby:
                             "prepared in %.1f s" % self.prepared.seconds if self.prepared else "nothing prepared")
                 return lock
             self._prepare_if_new_config()
+            self._prepare_successor_when_due()
             self.stop.event.wait(LOCK_POLL_S)
         self._stop_life()
         if self.prepared is not None:
@@ -276,7 +284,7 @@ class Standby:
 
         A fork shares the imports and the policy skeleton this process holds: the new life starts with the DHT join,
         and this standby is ready for the next end as soon as it launched that life's successor env server (one
-        process's start), instead of a new standby's imports and preparation (25-40 s of a core on a loaded 2-core
+        process's start, once the life trains: `_prepare_successor_when_due`), instead of a new standby's imports and preparation (25-40 s of a core on a loaded 2-core
         box, during which a second kill found nothing prepared: BENCHMARKS.md 3p). The lock is handed to the child
         (`composer_diloco.outer.identity.FileLockHeld.hand_over`): it holds the node's folder from the first instant.
         Each life is its own session (process group); this process never trains, never touches a GPU (its skeleton
@@ -320,9 +328,11 @@ class Standby:
             lock.hand_over()  # the child holds the folder now, alone
             self.lives += 1
             self.life = ForkedLife(pid, time.time(), _round_lines(self.own_dir), server)
-            log.warning("standby: %s's life %d runs as pid %d (its own process group); preparing for the next",
-                        self.own_dir.name, self.lives, pid)
-            self._prepare_successor()
+            log.warning("standby: %s's life %d runs as pid %d (its own process group); preparing for the next "
+                        "once it trains", self.own_dir.name, self.lives, pid)
+            if self.prepared is not None:  # the server it lent is the life's now (stopped once the life ended)
+                self.prepared = dataclasses.replace(self.prepared, env_server=None)
+            self.successor_due = self.prepared is not None and self.own_env_server
 
     def _import(self) -> None:
         """`warm_imports`, once."""
@@ -352,11 +362,22 @@ class Standby:
             return dataclasses.replace(prepared, env_server=None), None
         return prepared, server
 
-    def _prepare_successor(self) -> None:
-        """After a fork: the next life's env server, launched now (the skeleton and the memory plan's inputs are this
-        process's still: the life got copies)."""
+    def _prepare_successor_when_due(self) -> None:
+        """After a fork: the next life's env server (the skeleton and the memory plan's inputs are this process's
+        still: the life got copies), launched once the life it forked wrote its first round line, or
+        `SUCCESSOR_AFTER_S` after the fork. Not at the fork: a server's start is a Python
+        process's imports (about 1.2 s of a core on an idle box), and during a takeover it took that CPU from the
+        life's join on a loaded box (BENCHMARKS.md 3r). A life that ends before its successor's server came up
+        starts its own (`_lend_prepared`)."""
+        if not self.successor_due:
+            return
+        life = self.life
+        if life is not None and _round_lines(self.own_dir) == life.lines and \
+                time.time() - life.started < SUCCESSOR_AFTER_S:
+            return
+        self.successor_due = False
         prepared = self.prepared
-        if prepared is None or not self.own_env_server:
+        if prepared is None:
             return
         from composer_diloco.rollout.env_process import launch_env_server
 

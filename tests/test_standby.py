@@ -78,6 +78,36 @@ def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_no
             standby.prepared.close()
 
 
+def test_a_standby_launches_the_next_lives_env_server_once_the_life_it_forked_trains(tmp_path):
+    """After a fork the next life's env server waits for the life's first round line (its start took the takeover's
+    CPU on a loaded box), or `SUCCESSOR_AFTER_S` without one; then one real server is launched, and only one."""
+    from nodes.standby import SUCCESSOR_AFTER_S, ForkedLife, Prepared
+
+    own = tmp_path / "node-a"
+    own.mkdir()
+    (own / "metrics.jsonl").write_text('{"round": 0}\n')
+    standby = Standby(own, GracefulStop())
+    try:
+        for started in (time.time(), time.time() - SUCCESSOR_AFTER_S):  # a life that trains; one that never does
+            standby.prepared = Prepared(RunConfig(), None, None, 0.0)
+            standby.life, standby.successor_due = ForkedLife(pid=0, started=started, lines=1), True
+            standby._prepare_successor_when_due()
+            if started > time.time() - SUCCESSOR_AFTER_S:
+                assert standby.prepared.env_server is None and standby.successor_due  # no round line yet: waits
+                with open(own / "metrics.jsonl", "a") as f:
+                    f.write('{"round": 1}\n')
+                standby._prepare_successor_when_due()
+            launched = standby.prepared.env_server
+            assert launched is not None and not standby.successor_due
+            standby._prepare_successor_when_due()
+            assert standby.prepared.env_server is launched  # launched once
+            assert launched.wait(60).url.startswith("http://127.0.0.1:")
+            launched.stop()
+    finally:
+        if standby.prepared is not None:
+            standby.prepared.close()
+
+
 def test_a_standby_exits_without_joining_when_the_node_finished_its_run(tmp_path):
     own = tmp_path / "node-a"
     own.mkdir()
