@@ -19,6 +19,10 @@ A plan is a comma-separated list of faults, each ``kind`` or ``kind:round`` or `
     stall_reducer:R            as a reducer in round R's all-reduce, never add this peer's own part to its share:
                                its reducer waits for it for ever, where no stream timer of hivemind's runs (a hung
                                reducer; the all-reduce's own watch ends it)                 (`stalls_reducer`)
+    mute_sender:R              in round R's all-reduce, send each reducer one part and then nothing while keeping
+                               the stream open, and refuse every sender as a reducer, 1 s on (a sender whose process is
+                               gone but whose stream to us did not end; its reducer stream to us fails)
+                                                                                            (`mutes_sender`)
     kill_in_checkpoint:R       SIGKILL the coordinator after it wrote checkpoint R's files, before the rename
                                                                                         (point checkpoint_written)
     step_delay:*:S             sleep S seconds after every inner step (a slow node)          (point inner_step_end)
@@ -56,7 +60,7 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
     import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "kill_in_checkpoint", "step_delay",
+KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "mute_sender", "kill_in_checkpoint", "step_delay",
          "kill_after_step", "kill_in_barrier", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold", "slow_state",
          "kill_in_state_serve")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end",
@@ -171,6 +175,12 @@ def stalls_reducer(round_: int | None) -> bool:
     """True when this peer, as a reducer of round ``round_``, never adds its own part to its share
     (``stall_reducer``)."""
     return _plan.armed("stall_reducer", round_) is not None
+
+
+def mutes_sender(round_: int | None) -> bool:
+    """True when this peer, in round ``round_``'s all-reduce, stops sending after one part to each reducer and refuses
+    every sender as a reducer (``mute_sender``)."""
+    return _plan.armed("mute_sender", round_) is not None
 
 
 def reply_delay_s(round_: int | None) -> float:

@@ -61,6 +61,26 @@ def test_a_hung_reducer_ends_its_all_reduce_and_says_where_it_stood(tmp_path):
     assert "(only this peer's own share is left): given up" in log and "reducer part 0/" in log, log[-3000:]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_sender_whose_reducer_stream_broke_and_that_sends_no_more_is_banned_within_seconds(tmp_path):
+    """A sender that stops sending with its streams left open (fault ``mute_sender``: what a killed node looked like
+    under churn, BENCHMARKS.md 3r), and whose own reducer stream to the others failed: each of the two others bans it
+    once it waited `BROKEN_SENDER_S` for its next part, not hivemind's ``sender_timeout`` (20 s here; every survivor
+    of a churn run waited 30 s). The two average without it and agree."""
+    from composer_diloco.outer.averaging import BROKEN_SENDER_S
+
+    results = run_peer_trio(HERE / "mute_peer.py", tmp_path, timeout_s=200)
+    others = results[:2]
+    print(f"\nthe others' steps took {', '.join(format(o['seconds'], '.1f') for o in others)} s")
+    assert all(o["outcome"] == "averaged" for o in others), others
+    assert BROKEN_SENDER_S < 5.0 and all(o["seconds"] < 10.0 for o in others), others  # 20-21 s before: sender_timeout
+    assert others[0]["mean_sha"] == others[1]["mean_sha"] and others[0]["failed_size"] == others[1]["failed_size"]
+    for i in (0, 1):
+        log = (tmp_path / f"{i}.json.log").read_text()
+        assert "banned after 1 of" in log, log[-3000:]
+
+
 def test_a_stream_to_a_peer_whose_every_address_refuses_is_unreachable_and_a_reset_is_not():
     """`unreachable` (the reducer's early ban of a sender it can no longer reach, BENCHMARKS.md 3q) on the errors this
     hivemind's daemon really raises: a stream opened to a peer that shut down after the two met (its addresses known,

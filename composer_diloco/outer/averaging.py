@@ -11,7 +11,9 @@ Failure behaviour (what the round protocol relies on):
 - a sender that dies is banned by the reducers; the parts it had not sent are averaged without it. A reducer bans it
   as soon as its own stream to that peer fails to dial (`unreachable`: no connection to it is left), not only after
   hivemind's ``sender_timeout``: the sender's open stream to us does not always end when its process does, and every
-  other member would wait for this reducer's averaged parts meanwhile (20-30 s, BENCHMARKS.md 3q);
+  other member would wait for this reducer's averaged parts meanwhile (20-30 s, BENCHMARKS.md 3q). When its stream
+  failed otherwise (reset), the reducer waits `BROKEN_SENDER_S` for the sender's next part, then bans it; any other
+  sender it waits on for ``sender_timeout`` is banned too, even where hivemind's own timer is not read (`_watch`);
 - a peer's ``step`` returns only once its replies as a reducer have been written out (`ExactAllReduceRunner.replies_sent`):
   hivemind's returns as soon as the peer holds its own average, so a node that shut down right after its last round
   cut the end of its share off the coordinator's average;
@@ -113,6 +115,11 @@ class _ZeroOnFailureContainer(TensorPartContainer):
             self.failed_size += part.numel()
 
 
+BROKEN_SENDER_S = 2.0
+"""Seconds a reducer waits for the next part of a sender whose own reducer stream to us broke (`_watch`), before it
+bans that sender; hivemind waits ``sender_timeout`` for any sender (10 s at our default)."""
+
+
 def unreachable(error: BaseException) -> bool:
     """Whether ``error``, raised by a stream to a peer, says that no connection to that peer is left: the daemon had
     to dial it and every address failed (hivemind's ``ControlFailure``: "failed to dial"). An open stream of that peer
@@ -146,6 +153,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._answered_one = False
         # as a reducer, a peer owes each other sender the averaged parts of its share: `replies_sent` waits for them
         self._replied = {p: asyncio.Event() for p in self.sender_peer_ids if p != self.peer_id}
+        self._broken: set[PeerID] = set()  # peers whose reducer stream to us failed (`_communicate_with_peer`)
         container_kwargs = {k: v for k, v in kwargs.items() if k in ("part_size_bytes", "tensor_infos", "prefetch")}
         self.tensor_part_container = _ZeroOnFailureContainer(
             tensors, peer_fractions, compression=compression, return_deltas=False, **container_kwargs
@@ -200,12 +208,22 @@ class ExactAllReduceRunner(AllReduceRunner):
         stream is waited for, and finishing the share is local work of milliseconds a part), and after
         ``reducer_timeout + sender_timeout`` in any case: later than hivemind's own bound on any one stream, so a
         slow reducer is still given up alone, as hivemind does.
+
+        It also bans a sender this peer's reducer has waited on for its current part (`_senders_to_ban`) for
+        `BROKEN_SENDER_S` when that sender's own reducer stream to us failed, or for ``sender_timeout`` in any case.
+        hivemind's bound on a sender (``sender_timeout`` on its stream) is read only when the sender's handler asks
+        for its next part, and a handler stuck writing its reply to a dead peer never asks: under churn a killed
+        sender's parts were waited for until the whole all-reduce was given up (30 s, every survivor; BENCHMARKS.md
+        3r). Its parts are then averaged without it, on every reducer alike, so the members still agree.
         """
         warn_s = self.sender_timeout or 10.0
         give_up_s = (self.reducer_timeout or 2 * warn_s) + warn_s
         last, since, warned = self._progress(), time.monotonic(), False
+        waited: dict[PeerID, tuple[int, float]] = {}  # sender -> (its parts received, since when it blocks us)
         while True:
             await asyncio.sleep(poll_s)
+            for peer_id in self._senders_to_ban(waited, warn_s):
+                await self._ban_sender(peer_id)
             now = self._progress()
             if now != last:
                 last, since, warned = now, time.monotonic(), False
@@ -221,6 +239,27 @@ class ExactAllReduceRunner(AllReduceRunner):
             if stalled >= warn_s and not warned:
                 warned = True
                 log.warning("all-reduce: no progress for %.0f s: %s", stalled, self.describe())
+
+    def _senders_to_ban(self, waited: dict[PeerID, tuple[int, float]], sender_timeout_s: float) -> list[PeerID]:
+        """The senders `_watch` bans now: of those this peer's reducer waits on for its current part (not banned, fewer
+        parts in than the current part's index + 1), each one waited on for `BROKEN_SENDER_S` while its reducer
+        stream to us is broken, or for ``sender_timeout_s`` (seconds). ``waited`` (sender -> its parts received and
+        since when, `time.monotonic`) is kept across calls: a part that comes in starts the clock again."""
+        reducer, now = self.tensor_part_reducer, time.monotonic()
+        if reducer.finished.is_set():
+            return []
+        blocking = {p: reducer.num_parts_received[i] for i, p in enumerate(self.sender_peer_ids)
+                    if p != self.peer_id and p not in self.banned_senders
+                    and reducer.num_parts_received[i] <= reducer.current_part_index}
+        for peer_id in list(waited):
+            if blocking.get(peer_id) != waited[peer_id][0]:
+                del waited[peer_id]
+        banned = []
+        for peer_id, received in blocking.items():
+            _, since = waited.setdefault(peer_id, (received, now))
+            if now - since >= (BROKEN_SENDER_S if peer_id in self._broken else sender_timeout_s):
+                banned.append(peer_id)
+        return banned
 
     def describe(self) -> str:
         """One line on where this all-reduce stands: this peer's reducer (its current part, how many of the
@@ -260,6 +299,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             except Exception as e:  # hivemind logs it at DEBUG only; the parts of this reducer are zeros now
                 log.warning("all-reduce: no average from reducer %s (%d elements zeroed so far): %r", peer_id,
                             self.tensor_part_container.failed_size, e)
+                self._broken.add(peer_id)  # its parts to us are waited for `BROKEN_SENDER_S` at most (`_watch`)
                 if peer_id in self._replied and (peer_id not in self.active_senders or unreachable(e)):
                     # it died before opening its stream as our sender too, or no connection to it is left (a dial
                     # failed: its open sender stream ran over the connection that is gone), so no more of its parts
@@ -289,9 +329,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._count(message.tensor_part.ByteSize())
             yield message
             faults.point("allreduce_part_sent", self._round)
+            if faults.mutes_sender(self._round):
+                await asyncio.Event().wait()  # never set: the fault's mute sender, its stream left open
 
     async def rpc_aggregate_part(self, stream, context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
         # hivemind's, marking the sender served once its reply stream is over (every averaged part written to it)
+        if faults.mutes_sender(self._round):  # once its own sender streams are open: their first parts are sent
+            await asyncio.sleep(1.0)
+            raise AllreduceException("fault mute_sender: this reducer refuses every sender")
         sent = 0
         try:
             async for message in super().rpc_aggregate_part(stream, context):
