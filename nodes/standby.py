@@ -542,5 +542,5 @@ def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None
 
 
 __all__ = ["FINISHED_FILE", "LIFE_STOP_S", "LOCK_POLL_S", "MAX_FAILED_LIVES", "RUN_CONFIG_FILE", "ForkedLife", "Prepared",
-           "Standby", "StandbyStart", "finished_since", "lock_is_held", "mark_finished", "prepare", "save_run_config",
-           "warm_imports"]
+           "SUCCESSOR_AFTER_S", "Standby", "StandbyStart", "finished_since", "lock_is_held", "mark_finished", "prepare",
+           "save_run_config", "warm_imports"]
