@@ -78,7 +78,7 @@ def test_a_sender_whose_reducer_stream_broke_and_that_sends_no_more_is_banned_wi
     assert others[0]["mean_sha"] == others[1]["mean_sha"] and others[0]["failed_size"] == others[1]["failed_size"]
     for i in (0, 1):
         log = (tmp_path / f"{i}.json.log").read_text()
-        assert "banned after 1 of" in log, log[-3000:]
+        assert "banned after 1 of" in log and "after its reducer stream broke" in log, log[-3000:]
 
 
 def test_a_stream_to_a_peer_whose_every_address_refuses_is_unreachable_and_a_reset_is_not():

@@ -223,7 +223,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         while True:
             await asyncio.sleep(poll_s)
             for peer_id in self._senders_to_ban(waited, warn_s):
-                await self._ban_sender(peer_id)
+                await self._ban_sender(peer_id, f"waited on for {BROKEN_SENDER_S:.0f} s after its reducer stream broke"
+                                       if peer_id in self._broken else f"waited on for {warn_s:.0f} s")
             now = self._progress()
             if now != last:
                 last, since, warned = now, time.monotonic(), False
@@ -305,7 +306,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     # failed: its open sender stream ran over the connection that is gone), so no more of its parts
                     # will come; hivemind would ban it only after sender_timeout (`_handle_missing_senders`), and
                     # meanwhile every other member waits for our averaged parts (BENCHMARKS.md 3q: 20-30 s)
-                    await self._ban_sender(peer_id)
+                    await self._ban_sender(peer_id, "its reducer stream failed to dial" if unreachable(e)
+                                           else "its reducer stream failed before its sender stream opened")
                 raise
         # Our own part: average it here, then take it through the compression the others receive it with.
         if faults.stalls_reducer(self._round):
@@ -379,11 +381,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             pass
         return [p for p, done in self._replied.items() if not done.is_set()]
 
-    async def _ban_sender(self, peer_id: PeerID) -> None:
+    async def _ban_sender(self, peer_id: PeerID, why: str = "by hivemind: its stream failed or timed out") -> None:
+        """hivemind's ban, logged at WARNING with how many parts the sender gave and ``why`` (which rule banned it;
+        hivemind's own calls give none: a stream that raised or outlasted ``sender_timeout``, a sender that never
+        started)."""
         if peer_id not in self.banned_senders:
             index = self.sender_peer_ids.index(peer_id)
-            log.warning("all-reduce: sender %s banned after %d of %d parts; the rest are averaged without it",
-                        peer_id, self.tensor_part_reducer.num_parts_received[index], self.tensor_part_reducer.num_parts)
+            log.warning("all-reduce: sender %s banned after %d of %d parts (%s); the rest are averaged without it",
+                        peer_id, self.tensor_part_reducer.num_parts_received[index], self.tensor_part_reducer.num_parts,
+                        why)
         await super()._ban_sender(peer_id)
         if peer_id in self._replied:  # a sender that failed is owed nothing more
             self._replied[peer_id].set()
@@ -430,7 +436,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await asyncio.sleep(3600.0)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await self._ban_sender(self.sender_peer_ids[sender_index], "its stream ended early")
 
     async def _die_after_answer(self) -> None:
         await asyncio.sleep(1.0)
