@@ -60,9 +60,9 @@ if TYPE_CHECKING:  # tensors are only passed through: the command lines arm faul
     import torch
 
 ENV_VAR = "COMPOSER_DILOCO_FAULTS"
-KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "mute_sender", "kill_in_checkpoint", "step_delay",
-         "kill_after_step", "kill_in_barrier", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold", "slow_state",
-         "kill_in_state_serve")
+KINDS = ("kill_in_allreduce", "kill_in_reply", "slow_reply", "stall_reducer", "mute_sender", "kill_in_checkpoint",
+         "step_delay", "kill_after_step", "kill_in_barrier", "scale_pseudo_gradient", "nan_pseudo_gradient", "hold",
+         "slow_state", "kill_in_state_serve")
 Point = Literal["allreduce_part_sent", "reducer_answered", "checkpoint_written", "inner_step_end",
                 "inner_step_journaled", "barrier_entered", "pseudo_gradient"]
 

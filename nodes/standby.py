@@ -284,8 +284,9 @@ class Standby:
 
         A fork shares the imports and the policy skeleton this process holds: the new life starts with the DHT join,
         and this standby is ready for the next end as soon as it launched that life's successor env server (one
-        process's start, once the life trains: `_prepare_successor_when_due`), instead of a new standby's imports and preparation (25-40 s of a core on a loaded 2-core
-        box, during which a second kill found nothing prepared: BENCHMARKS.md 3p). The lock is handed to the child
+        process's start, once the life trains: `_prepare_successor_when_due`), instead of a new standby's imports and
+        preparation (25-40 s of a core on a loaded 2-core box, during which a second kill found nothing prepared:
+        BENCHMARKS.md 3p). The lock is handed to the child
         (`composer_diloco.outer.identity.FileLockHeld.hand_over`): it holds the node's folder from the first instant.
         Each life is its own session (process group); this process never trains, never touches a GPU (its skeleton
         is on the CPU) and keeps torch at one thread (`nodes.fork.single_threaded_torch`). Where a fork is unsafe
@@ -365,10 +366,10 @@ class Standby:
     def _prepare_successor_when_due(self) -> None:
         """After a fork: the next life's env server (the skeleton and the memory plan's inputs are this process's
         still: the life got copies), launched once the life it forked wrote its first round line, or
-        `SUCCESSOR_AFTER_S` after the fork. Not at the fork: a server's start is a Python
-        process's imports (about 1.2 s of a core on an idle box), and during a takeover it took that CPU from the
-        life's join on a loaded box (BENCHMARKS.md 3r). A life that ends before its successor's server came up
-        starts its own (`_lend_prepared`)."""
+        `SUCCESSOR_AFTER_S` after the fork. Not at the fork: a server's start is a Python process's imports (about
+        1.2 s of a core on an idle box), and during a takeover it took that CPU from the life's join on a loaded box
+        (BENCHMARKS.md 3r). A life that ends before its successor's server came up starts its own (`_lend_prepared`).
+        ``successor_due`` is a flag, not derived from a missing server: a launch that failed is not retried."""
         if not self.successor_due:
             return
         life = self.life

@@ -41,8 +41,8 @@ def main(fault: str = "stall_reducer:*", next_chunk_timeout: float = 3.0, faulty
         ts[0].copy_(torch.arange(300_000, dtype=torch.float32) * (args.index + 1))
     began = time.monotonic()
     try:
-        averager.step(weight=1.0, gather={"i": args.index}, timeout=faulty_step_timeout if args.index == STALLED else 60,
-                      allow_retries=False)
+        timeout = faulty_step_timeout if args.index == STALLED else 60
+        averager.step(weight=1.0, gather={"i": args.index}, timeout=timeout, allow_retries=False)
         outcome = "averaged"
     except Exception as e:  # the hung peer's step fails: what the node's round then recovers from
         outcome = repr(e)
