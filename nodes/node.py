@@ -51,7 +51,7 @@ from composer_diloco.timing import JOIN_PHASES, PhaseClock, cuda_sync_for
 from nodes.device import NodeBatch, Placement, warn_if_cpu_oversubscribed
 from nodes.options import ROLLOUT_ENGINES, CheckedOptions, NodeOptions, resolve_rollout_engine
 from nodes.folder_lock import HOLDER_FILE, NodeBusy, lock_node_folder, write_holder
-from nodes.standby import ENV_SERVER_LOG, save_run_config
+from nodes.standby import ENV_SERVER_LOG, mark_training, save_run_config
 
 log = logging.getLogger(__name__)
 
@@ -573,6 +573,7 @@ class Node:
         from the phase this node's last life was cut in when it journaled one (`composer_diloco.inner.journal`)."""
         self.join_clock.exit("trainer")
         self._joined()
+        mark_training(self.own_dir)  # this node's standby prepares from now on, not beside the join (nodes.standby)
         self.rounds.start_inner_phase(self.model)
         self.rounds.resume(self.model)  # the phase its last life was cut in, if it journaled one
         if getattr(self, "memory_peak", None) is not None:  # round 0's peak: training, not the join's model load

@@ -10,10 +10,10 @@ the base model read from disk). A standby pays them while the node still trains,
 Once it holds it, it forks the node's next life (`nodes.fork.fork_life`), which joins the run as that node
 (`nodes.node.Node.join`: the same identity key, so the same peer ID, and the peers its last life saw) with the lock
 handed to it: what is left is the DHT join, the run config, the state download and the wait for the round boundary.
-The standby itself goes on standing by: once the new life trains (its first round line) it launches the next life's
-env server, and it waits for the lock again, so a second crash finds it as prepared as the first did. (A crash before
-that finds all but the env server prepared: that life starts its own. Launched at the fork, the server's start took
-its CPU from the takeover it followed, on a loaded box: BENCHMARKS.md 3r.) (Until 2026-12-06 the standby became
+The standby itself goes on standing by: once the new life trains (its first inner phase began: `TRAINING_FILE`) it
+launches the next life's env server, and it waits for the lock again, so a second crash finds it as prepared as the
+first did. (A crash before that finds all but the env server prepared: that life starts its own. Launched at the fork,
+the server's start took its CPU from the takeover it followed, on a loaded box: BENCHMARKS.md 3r.) (Until 2026-12-06 the standby became
 the node, and a new standby had to be started after each takeover: its imports and preparation took 25-40 s of a core
 on a loaded 2-core box, beside the nodes' training, and a kill in that window found nothing prepared: BENCHMARKS.md
 3p.)
@@ -21,14 +21,18 @@ on a loaded 2-core box, beside the nodes' training, and a kill in that window fo
 What it prepares (`Standby.wait`), in order:
 
 1. every module of ``composer_diloco`` (the join and the round import most of theirs lazily);
-2. from the run config the node last joined with (`RUN_CONFIG_FILE`, which `Node` writes at each join; the first
-   life's standby waits for it): the memory plan's inputs (the tokenizer and the env package's demonstrations), this
-   node's own env server (not with ``--env-url``) and the policy's skeleton (`composer_diloco.policy.load.policy_skeleton`: the
-   architecture, and with ``[lora]`` or ``--model`` the base weights, on the CPU). At takeover the server and the
-   skeleton are used when the run's published config has the same digest, and stopped / dropped otherwise
-   (`Prepared.for_config`). A forked life gets the skeleton as a copy-on-write copy of the standby's and the env
-   server lent (`composer_diloco.rollout.env_process.BorrowedEnvServer`: the standby stops it when the life ended);
-   the standby keeps its own skeleton and launches a new env server for the life after.
+2. from the run config the node last joined with (`RUN_CONFIG_FILE`, which `Node` writes at each join), once the
+   life that joined with it trains (`TRAINING_FILE`, which `Node` writes at its first inner phase) or
+   `PREPARE_AFTER_S` after that join, not beside the join (on a loaded box the preparation took its CPU from the
+   node's first start: BENCHMARKS.md 3s): the memory plan's inputs (the tokenizer and the env package's
+   demonstrations), this node's own env server (not with ``--env-url``) and the policy's skeleton
+   (`composer_diloco.policy.load.policy_skeleton`: the architecture, and with ``[lora]`` or ``--model`` the base
+   weights, on the CPU). At takeover the server and the skeleton are used when the run's published config has the
+   same digest, and stopped / dropped otherwise (`Prepared.for_config`). A forked life gets the skeleton as a
+   copy-on-write copy of the standby's and the env server lent
+   (`composer_diloco.rollout.env_process.BorrowedEnvServer`: the standby stops it when the life ended); the standby
+   keeps its own skeleton and launches a new env server for the life after. A life that ends before the standby
+   prepared is forked with nothing prepared: it builds what it needs itself, as a restarted node does.
 
 A standby takes the lock only once it has seen it held (the node it stands by was running; looked at first before its
 imports, `StandbyStart`), or after ``--join-timeout`` seconds without ever seeing it held (no node runs under that
@@ -73,6 +77,7 @@ log = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.json"  # in <run-dir>/<name>/: the run config this node last joined with
 FINISHED_FILE = "finished.json"  # in <run-dir>/<name>/: written when this node took part in its run's last round
+TRAINING_FILE = "training.json"  # in <run-dir>/<name>/: written when a life of this node began its first inner phase
 ENV_SERVER_LOG = "env-server.log"  # in <run-dir>/<name>/: the output of the env server the node started (its last life)
 STANDBY_ENV_SERVER_LOG = "env-server.standby.log"  # ... of the one its standby started (the node's, once it takes over)
 STANDBY_ENV_SERVER_LOG_NEXT = "env-server.standby.1.log"  # a forked life's successor's, while the life plays on the first
@@ -81,9 +86,9 @@ MAX_FAILED_LIVES = 3
 """Lives in a row that may fail (end with an error before writing a round line) before a standby stops forking them
 (`Standby.run_lives`): a node that cannot start (a run that is over, an env that is gone) is not restarted forever."""
 
-SUCCESSOR_AFTER_S = 30.0
-"""Seconds after a fork by which a standby launches the next life's env server even if the life it forked has not
-written a round line yet (`Standby._prepare_successor_when_due`)."""
+PREPARE_AFTER_S = 60.0
+"""Seconds after the node's life joined (wrote `RUN_CONFIG_FILE`) by which its standby prepares (and, after a fork,
+launches the next life's env server) even if that life has not begun training yet (`Standby._life_trains`)."""
 
 LIFE_STOP_S = 7.0
 """Seconds a stopping standby gives the life it forked to stop on its SIGTERM (the life's hard exit comes at 8 s),
@@ -129,6 +134,18 @@ def mark_finished(own_dir: Path, rounds: int, error: str | None = None) -> None:
         write_atomic(own_dir / FINISHED_FILE, json.dumps({"time": time.time(), "rounds": rounds, "error": error}))
     except OSError as e:
         log.warning("could not mark the run finished in %s: %s", own_dir / FINISHED_FILE, e)
+
+
+def mark_training(own_dir: Path) -> None:
+    """Say in ``own_dir / TRAINING_FILE`` that this life of the node began its first inner phase (its join is over),
+    so that its standby starts preparing now and not beside the join (`Standby._life_trains`). Written atomically; a
+    failed write: a WARNING (the standby then prepares `PREPARE_AFTER_S` after the join)."""
+    from composer_diloco.checkpoint import write_atomic
+
+    try:
+        write_atomic(own_dir / TRAINING_FILE, json.dumps({"time": time.time(), "pid": os.getpid()}))
+    except OSError as e:
+        log.warning("could not mark the node training in %s: %s", own_dir / TRAINING_FILE, e)
 
 
 def finished_since(own_dir: Path, since: float) -> dict | None:
@@ -270,8 +287,9 @@ class Standby:
                             "its process ended" if self.seen_held else "no process of it started",
                             "prepared in %.1f s" % self.prepared.seconds if self.prepared else "nothing prepared")
                 return lock
-            self._prepare_if_new_config()
-            self._prepare_successor_when_due()
+            if self._life_trains():  # not beside a join: the standby's work took its CPU on a loaded box
+                self._prepare_if_new_config()
+                self._prepare_successor_when_due()
             self.stop.event.wait(LOCK_POLL_S)
         self._stop_life()
         if self.prepared is not None:
@@ -363,18 +381,32 @@ class Standby:
             return dataclasses.replace(prepared, env_server=None), None
         return prepared, server
 
+    def _life_trains(self) -> bool:
+        """Whether the standby may work now: the life holding the node's folder began training since it joined
+        (`TRAINING_FILE` not older than `RUN_CONFIG_FILE`, which each join writes), or joined `PREPARE_AFTER_S` ago
+        (a first inner phase that is minutes away at real size), or nothing joined yet (no `RUN_CONFIG_FILE`: nothing
+        to prepare from). Not while a life joins: a preparation (the imports of transformers and OpenEnv's server
+        stack, the policy's skeleton, an env server's start: 15 s on a loaded 2-core box) beside the node's first
+        start, and an env server's start beside a takeover, took their CPU from the join (BENCHMARKS.md 3r, 3s)."""
+        try:
+            joined = (self.own_dir / RUN_CONFIG_FILE).stat().st_mtime
+        except OSError:
+            return True
+        if time.time() - joined >= PREPARE_AFTER_S:
+            return True
+        try:
+            return (self.own_dir / TRAINING_FILE).stat().st_mtime >= joined
+        except OSError:
+            return False
+
     def _prepare_successor_when_due(self) -> None:
-        """After a fork: the next life's env server (the skeleton and the memory plan's inputs are this process's
-        still: the life got copies), launched once the life it forked wrote its first round line, or
-        `SUCCESSOR_AFTER_S` after the fork. Not at the fork: a server's start is a Python process's imports (about
-        1.2 s of a core on an idle box), and during a takeover it took that CPU from the life's join on a loaded box
-        (BENCHMARKS.md 3r). A life that ends before its successor's server came up starts its own (`_lend_prepared`).
-        ``successor_due`` is a flag, not derived from a missing server: a launch that failed is not retried."""
+        """After a fork, once the life trains (`_life_trains`): the next life's env server (the skeleton and the
+        memory plan's inputs are this process's still: the life got copies). Not at the fork: a server's start is a
+        Python process's imports (about 1.2 s of a core on an idle box), and during a takeover it took that CPU from
+        the life's join on a loaded box (BENCHMARKS.md 3r). A life that ends before its successor's server came up
+        starts its own (`_lend_prepared`). ``successor_due`` is a flag, not derived from a missing server: a launch
+        that failed is not retried."""
         if not self.successor_due:
-            return
-        life = self.life
-        if life is not None and _round_lines(self.own_dir) == life.lines and \
-                time.time() - life.started < SUCCESSOR_AFTER_S:
             return
         self.successor_due = False
         prepared = self.prepared
@@ -542,6 +574,6 @@ def prepare(config: RunConfig, own_env_server: bool = True, env_log: Path | None
     return Prepared(config, server, skeleton, time.monotonic() - t0, plan_inputs=inputs)
 
 
-__all__ = ["FINISHED_FILE", "LIFE_STOP_S", "LOCK_POLL_S", "MAX_FAILED_LIVES", "RUN_CONFIG_FILE", "ForkedLife", "Prepared",
-           "SUCCESSOR_AFTER_S", "Standby", "StandbyStart", "finished_since", "lock_is_held", "mark_finished", "prepare",
-           "save_run_config", "warm_imports"]
+__all__ = ["FINISHED_FILE", "LIFE_STOP_S", "LOCK_POLL_S", "MAX_FAILED_LIVES", "PREPARE_AFTER_S", "RUN_CONFIG_FILE",
+           "TRAINING_FILE", "ForkedLife", "Prepared", "Standby", "StandbyStart", "finished_since", "lock_is_held",
+           "mark_finished", "mark_training", "prepare", "save_run_config", "warm_imports"]

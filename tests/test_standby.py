@@ -25,7 +25,9 @@ from composer_diloco.lifecycle import GracefulStop
 from composer_diloco.outer.identity import try_lock
 from local_run import LocalRun, assert_agree, write_config
 from nodes.folder_lock import lock_node_folder
-from nodes.standby import FINISHED_FILE, RUN_CONFIG_FILE, Standby, lock_is_held, mark_finished
+from nodes.standby import (
+    FINISHED_FILE, RUN_CONFIG_FILE, TRAINING_FILE, Standby, lock_is_held, mark_finished, mark_training,
+)
 from tests_support import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,17 +48,23 @@ def _until(predicate, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_node_ends(tmp_path):
-    """While the node holds its folder the standby waits, having prepared from the config the node wrote (its env
-    server launched, the memory plan's inputs computed, the policy skeleton built); the node's end hands it the lock
-    at once."""
+def test_a_standby_prepares_from_the_nodes_config_once_the_node_trains_and_takes_the_lock_when_it_ends(tmp_path):
+    """While the node holds its folder the standby waits; once the node that wrote its config trains, it prepares from
+    that config (its env server launched, the memory plan's inputs computed, the policy skeleton built), not beside
+    the node's join; the node's end hands it the lock at once."""
     own = tmp_path / "node-a"
     own.mkdir()
     node_lock = try_lock(own / "node.lock")
-    (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())
+    mark_training(own)  # an earlier life's: older than the join below
+    time.sleep(0.05)
+    (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())  # the node joined: its first inner phase is to come
     standby = Standby(own, GracefulStop())
     thread, got = _wait_in_thread(standby)
     try:
+        _until(lambda: standby.seen_held)
+        time.sleep(1.0)  # several of its polls (LOCK_POLL_S)
+        assert standby.prepared is None  # the node joins: nothing prepared beside it
+        mark_training(own)
         _until(lambda: standby.prepared is not None)
         assert standby.prepared.skeleton is not None and standby.prepared.env_server is not None
         from composer_diloco.policy.memory_plan import plan_inputs
@@ -79,24 +87,28 @@ def test_a_standby_prepares_from_the_nodes_config_and_takes_the_lock_when_the_no
 
 
 def test_a_standby_launches_the_next_lives_env_server_once_the_life_it_forked_trains(tmp_path):
-    """After a fork the next life's env server waits for the life's first round line (its start took the takeover's
-    CPU on a loaded box), or `SUCCESSOR_AFTER_S` without one; then one real server is launched, and only one."""
-    from nodes.standby import SUCCESSOR_AFTER_S, ForkedLife, Prepared
+    """After a fork the next life's env server waits until the life trains (`TRAINING_FILE` written after its join's
+    `RUN_CONFIG_FILE`: the server's start took the takeover's CPU on a loaded box), or `PREPARE_AFTER_S` after that
+    join; then one real server is launched, and only one."""
+    import os
+
+    from nodes.standby import PREPARE_AFTER_S, ForkedLife, Prepared
 
     own = tmp_path / "node-a"
     own.mkdir()
-    (own / "metrics.jsonl").write_text('{"round": 0}\n')
     standby = Standby(own, GracefulStop())
     try:
-        for started in (time.time(), time.time() - SUCCESSOR_AFTER_S):  # a life that trains; one that never does
+        for joined in (time.time(), time.time() - PREPARE_AFTER_S):  # a life that trains; one that never does
+            (own / TRAINING_FILE).unlink(missing_ok=True)
+            (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())
+            os.utime(own / RUN_CONFIG_FILE, (joined, joined))
             standby.prepared = Prepared(RunConfig(), None, None, 0.0)
-            standby.life, standby.successor_due = ForkedLife(pid=0, started=started, lines=1), True
+            standby.life, standby.successor_due = ForkedLife(pid=0, started=joined, lines=1), True
+            if joined > time.time() - PREPARE_AFTER_S:
+                assert not standby._life_trains()  # joined, not training yet: waits
+                mark_training(own)
+            assert standby._life_trains()
             standby._prepare_successor_when_due()
-            if started > time.time() - SUCCESSOR_AFTER_S:
-                assert standby.prepared.env_server is None and standby.successor_due  # no round line yet: waits
-                with open(own / "metrics.jsonl", "a") as f:
-                    f.write('{"round": 1}\n')
-                standby._prepare_successor_when_due()
             launched = standby.prepared.env_server
             assert launched is not None and not standby.successor_due
             standby._prepare_successor_when_due()
