@@ -103,10 +103,16 @@ def test_a_standby_launches_the_next_lives_env_server_once_the_life_it_forked_tr
             (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())
             os.utime(own / RUN_CONFIG_FILE, (joined, joined))
             standby.prepared = Prepared(RunConfig(), None, None, 0.0)
-            standby.life, standby.successor_due = ForkedLife(pid=0, started=joined, lines=1), True
             if joined > time.time() - PREPARE_AFTER_S:
+                mark_training(own)  # the last life trained; then this standby forked the next one
+                time.sleep(0.05)
+                standby.life, standby.successor_due = ForkedLife(pid=0, started=time.time(), lines=1), True
+                assert not standby._life_trains()  # forked, its run config not written yet: waits
+                (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())
                 assert not standby._life_trains()  # joined, not training yet: waits
                 mark_training(own)
+            else:
+                standby.life, standby.successor_due = ForkedLife(pid=0, started=joined, lines=1), True
             assert standby._life_trains()
             standby._prepare_successor_when_due()
             launched = standby.prepared.env_server
