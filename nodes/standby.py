@@ -383,18 +383,20 @@ class Standby:
 
     def _life_trains(self) -> bool:
         """Whether the standby may work now: the life holding the node's folder began training since it joined
-        (`TRAINING_FILE` not older than its join: `RUN_CONFIG_FILE`, which each join writes, and the fork of a life
-        this standby forked, which writes it only once its DHT is up), or joined `PREPARE_AFTER_S` ago (a first inner
-        phase that is minutes away at real size), or nothing joined yet (no `RUN_CONFIG_FILE`: nothing to prepare
-        from). Not while a life joins: a preparation (the imports of transformers and OpenEnv's server stack, the
-        policy's skeleton, an env server's start: 15 s on a loaded 2-core box) beside the node's first start, and an
-        env server's start beside a takeover, took their CPU from the join (BENCHMARKS.md 3r, 3s)."""
+        (`TRAINING_FILE` not older than its join: `RUN_CONFIG_FILE`, which each join writes, the fork of a life this
+        standby forked, which writes it only once its DHT is up, and this standby's start), or joined
+        `PREPARE_AFTER_S` ago (a first inner phase that is minutes away at real size; a standby started beside a node
+        that trained already), or nothing joined yet (no `RUN_CONFIG_FILE`: nothing to prepare from). Not while a
+        life joins: a preparation (the imports of transformers and OpenEnv's server stack, the policy's skeleton, an
+        env server's start: 15 s on a loaded 2-core box) beside the node's first start, and an env server's start
+        beside a takeover, took their CPU from the join (BENCHMARKS.md 3r, 3s)."""
         try:
             joined = (self.own_dir / RUN_CONFIG_FILE).stat().st_mtime
         except OSError:
             return True
-        if self.life is not None:  # the last life's files are older than its fork
-            joined = max(joined, self.life.started)
+        # a life this standby forked joined after its fork; the first life after this standby's start (a run dir's
+        # files may be an earlier run's: a job script that starts both on a resumed run)
+        joined = max(joined, self.life.started if self.life is not None else self.started)
         if time.time() - joined >= PREPARE_AFTER_S:
             return True
         try:

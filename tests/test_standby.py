@@ -55,16 +55,21 @@ def test_a_standby_prepares_from_the_nodes_config_once_the_node_trains_and_takes
     own = tmp_path / "node-a"
     own.mkdir()
     node_lock = try_lock(own / "node.lock")
-    mark_training(own)  # an earlier life's: older than the join below
+    (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())  # an earlier run of this folder: it joined ...
+    mark_training(own)  # ... and trained; this run's node, started beside its standby, joins again
     time.sleep(0.05)
-    (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())  # the node joined: its first inner phase is to come
     standby = Standby(own, GracefulStop())
     thread, got = _wait_in_thread(standby)
     try:
         _until(lambda: standby.seen_held)
         time.sleep(1.0)  # several of its polls (LOCK_POLL_S)
-        assert standby.prepared is None  # the node joins: nothing prepared beside it
+        # the node joins: nothing prepared, nor begun, beside it (the folder's files are older than this standby)
+        assert not standby._life_trains() and standby.prepared is None
+        (own / RUN_CONFIG_FILE).write_text(RunConfig().to_json())  # its join
+        time.sleep(0.5)
+        assert not standby._life_trains() and standby.prepared is None
         mark_training(own)
+        assert standby._life_trains()
         _until(lambda: standby.prepared is not None)
         assert standby.prepared.skeleton is not None and standby.prepared.env_server is not None
         from composer_diloco.policy.memory_plan import plan_inputs
