@@ -115,12 +115,7 @@ def save_run_config(own_dir: Path, config: RunConfig) -> None:
     """Keep ``config`` (the run's published config, `RunConfig.to_json`) in ``own_dir / RUN_CONFIG_FILE`` for this
     node's standby; written atomically (a standby never reads half a file). A failed write costs only the standby's
     head start: a WARNING."""
-    from composer_diloco.checkpoint import write_atomic
-
-    try:
-        write_atomic(own_dir / RUN_CONFIG_FILE, config.to_json())
-    except OSError as e:
-        log.warning("could not keep the run config for a standby in %s: %s", own_dir / RUN_CONFIG_FILE, e)
+    _write_for_standby(own_dir / RUN_CONFIG_FILE, config.to_json(), "keep the run config for a standby")
 
 
 def mark_finished(own_dir: Path, rounds: int, error: str | None = None) -> None:
@@ -128,24 +123,27 @@ def mark_finished(own_dir: Path, rounds: int, error: str | None = None) -> None:
     ``error``: the one line a run that ended without learning failed with, e.g. "trained on nothing"), so that its
     standby exits (0, or 1 with ``error``) instead of joining a run that is over. A failed write: a WARNING (the
     standby then joins, finds no peer and exits 1 after its ``--join-timeout``)."""
-    from composer_diloco.checkpoint import write_atomic
-
-    try:
-        write_atomic(own_dir / FINISHED_FILE, json.dumps({"time": time.time(), "rounds": rounds, "error": error}))
-    except OSError as e:
-        log.warning("could not mark the run finished in %s: %s", own_dir / FINISHED_FILE, e)
+    _write_for_standby(own_dir / FINISHED_FILE, json.dumps({"time": time.time(), "rounds": rounds, "error": error}),
+                       "mark the run finished")
 
 
 def mark_training(own_dir: Path) -> None:
     """Say in ``own_dir / TRAINING_FILE`` that this life of the node began its first inner phase (its join is over),
     so that its standby starts preparing now and not beside the join (`Standby._life_trains`). Written atomically; a
     failed write: a WARNING (the standby then prepares `PREPARE_AFTER_S` after the join)."""
+    _write_for_standby(own_dir / TRAINING_FILE, json.dumps({"time": time.time(), "pid": os.getpid()}),
+                       "mark the node training")
+
+
+def _write_for_standby(path: Path, text: str, what: str) -> None:
+    """Write ``text`` to ``path`` atomically (`composer_diloco.checkpoint.write_atomic`: a standby never reads half a
+    file); a failed write is a WARNING ("could not <what> in <path>"), since it costs only the standby's timing."""
     from composer_diloco.checkpoint import write_atomic
 
     try:
-        write_atomic(own_dir / TRAINING_FILE, json.dumps({"time": time.time(), "pid": os.getpid()}))
+        write_atomic(path, text)
     except OSError as e:
-        log.warning("could not mark the node training in %s: %s", own_dir / TRAINING_FILE, e)
+        log.warning("could not %s in %s: %s", what, path, e)
 
 
 def finished_since(own_dir: Path, since: float) -> dict | None:
