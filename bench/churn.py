@@ -65,6 +65,9 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     python bench/churn.py --out runs/churn-sb --standby   (each node has a warm standby, `composer-node join --standby`:
                                                            a kill takes only the node's process, its standby takes over
                                                            and a new standby is started where a restart would be)
+    python bench/churn.py --out runs/churn-ws --with-standby   (each node under its standby, one command,
+                                                               `composer-node join --with-standby`: the standby forks
+                                                               the first life too, counted from the command's start)
 
 With ``--standby`` a node's life starts when its standby took over (the kill: the standby's seconds of waiting are not
 node-seconds, as a spare process's are not), and the kill is of the node's training process only: the fault a standby
@@ -137,7 +140,8 @@ class Life:
     started: float
     ended: float | None = None
     killed: bool = False
-    standby: bool = False  # started with --standby (`nodes/standby.py`)
+    standby: bool = False  # started with --standby or --with-standby (`nodes/standby.py`)
+    starts_node: bool = False  # started with --with-standby: the standby forks the node's first life itself
     took_over: float | None = None  # a standby: when the node it stood by was killed (its life as the node starts)
     replaces_kill_at: float | None = None  # a restart or a takeover: when the life it replaces was killed
 
@@ -198,12 +202,14 @@ class Churn:
                                f"{self.run_dir / 'logs' / 'coordinator.log'}")
         return found[0]
 
-    def start_node(self, name: str, standby: bool = False) -> Life:
+    def start_node(self, name: str, standby: bool = False, starts_node: bool = False) -> Life:
         """Start (or restart, with the same command) node ``name`` on the coordinator's first ``peer:`` line;
-        ``standby``: its warm standby (the same command with ``--standby``)."""
+        ``standby``: its warm standby (the same command with ``--standby``); ``starts_node``: the node under its
+        standby, one command (``--with-standby``: its first life is forked by it, `adopt_forked_lives`)."""
+        flag = ["--with-standby"] if starts_node else ["--standby"] if standby else []
         life = self.spawn(name, ["-m", "nodes", "join", "--peer", self.peer, "--run-dir", str(self.run_dir),
-                                 "--name", name, "--device", "cpu", *(["--standby"] if standby else [])])
-        life.standby = standby
+                                 "--name", name, "--device", "cpu", *flag])
+        life.standby, life.starts_node = standby or starts_node, starts_node
         return life
 
     def live(self, name: str) -> Life | None:
@@ -245,6 +251,9 @@ class Churn:
                 proc = ForkedProc(pid)
             except psutil.NoSuchProcess:
                 continue  # it ended already: the next one is read at the next call
+            if not any(x.name == name and x.began is not None for x in self.lives):  # the node's first life:
+                # under a --with-standby command it began with that command (its imports, the fork)
+                since = next((x.started for x in self.lives if x.name == name and x.starts_node), since)
             life = Life(name, proc, since, standby=True, took_over=since, replaces_kill_at=killed_at.pop(name, None))
             self.lives.append(life)
             new.append(life)
@@ -549,9 +558,14 @@ def main() -> int:
                     help="the run's TOML (default: the embedded default), e.g. one with [outer] overlap = true")
     ap.add_argument("--standby", action="store_true",
                     help="give each node a warm standby (module docstring); a kill takes the node's process only")
+    ap.add_argument("--with-standby", action="store_true",
+                    help="start each node under its warm standby, one command (`composer-node join --with-standby`: "
+                         "the standby forks the first life too; that life counts from the command's start); implies "
+                         "--standby")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: summarize the finished run in --out again (its churn.json and metrics)")
     a = ap.parse_args()
+    a.standby = a.standby or a.with_standby
     if a.report:
         if not (a.out / "churn.json").is_file():
             ap.error(f"--report: {str(a.out / 'churn.json')!r} does not exist: --out must be a finished churn run")
@@ -575,6 +589,9 @@ def main() -> int:
         churn.peer = churn.start_coordinator()
         print(f"coordinator at {churn.peer}", flush=True)
         for name in names:
+            if a.with_standby:
+                churn.start_node(name, starts_node=True)
+                continue
             churn.start_node(name)
             if a.standby:
                 churn.start_node(name, standby=True)
@@ -667,7 +684,7 @@ def main() -> int:
     report = {**summarize(churn, a.rounds), "stalled": stalled, "exits_on_their_own": unscheduled, "orphans": session_processes(sessions),
               "seconds": round(time.time() - t0, 1), "kill_every_s": a.kill_every_s,
               "coordinator_kill_at_s": a.coordinator_kill_at_s, "nodes": a.nodes, "code": str(a.code),
-              "config": str(a.config) if a.config else None, "standby": a.standby,
+              "config": str(a.config) if a.config else None, "standby": a.standby, "with_standby": a.with_standby,
               "exit_codes": [(x.name, x.proc.returncode, x.killed) for x in churn.lives],
               # every life, wall times (seconds since the epoch): the report can be read again against the metrics
               "lives": [{"name": x.name, "started": x.started, "began": x.began, "ended": x.ended, "killed": x.killed,

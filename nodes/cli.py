@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -76,6 +77,12 @@ def join(
                           "without a restart's seconds, and stand by that one too. Exits 0 when the node finishes "
                           "the run. See nodes/standby.py.")
     ] = False,
+    with_standby: Annotated[bool, typer.Option(
+        "--with-standby", help="Run the node under its warm standby, in one command: this process takes the node's "
+                               "folder, imports everything, forks the node's first life at once and then stands by "
+                               "it as --standby does (one set of imports per node instead of two at the run's "
+                               "start). See nodes/standby.py.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Join a run, train until its last round, and exit 0.
@@ -90,9 +97,14 @@ def join(
                           expected_config=config, env_sessions=env_sessions, task_shard=task_shard,
                           listen=listen, announce=list(announce), gradient_checkpointing=gradient_checkpointing,
                           join_deadline=join_deadline, state_chunk_size=state_chunk_size, rollout=rollout)
-    if standby and not name:
-        typer.echo("composer-node: error: --standby needs the --name of the node it stands by (and its --run-dir)",
-                   err=True)
+    if standby and with_standby:
+        typer.echo("composer-node: error: --standby and --with-standby exclude each other: --standby stands by a node "
+                   "started by its own command, --with-standby starts the node itself", err=True)
+        raise typer.Exit(1)
+    if (standby or with_standby) and not name:
+        flag = "--standby" if standby else "--with-standby"
+        typer.echo(f"composer-node: error: {flag} needs the --name of the node it stands by (and its --run-dir): "
+                   "every life of the node must be the same peer", err=True)
         raise typer.Exit(1)
     try:  # what the options alone can get wrong fails here, in a fraction of a second, before torch is imported
         options.check()
@@ -106,6 +118,7 @@ def join(
 
         standby_start = StandbyStart.now(own_dir)
     else:  # the node's folder first, before the imports: a standby started beside it sees it held from now on
+        # (--with-standby: this process holds it until it forks the node's first life, which it hands it to)
         from composer_diloco.outer.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
         from nodes.folder_lock import NodeBusy, lock_node_folder
 
@@ -125,17 +138,25 @@ def join(
     setup_logging(options.name, verbose)
     stop = GracefulStop().install()
     watch_this_process()  # hivemind's DHT/averager processes and p2pd die with us, even on SIGKILL
-    if standby:  # wait, prepared, until the node's process ends; then fork each of its next lives (nodes/standby.py)
-        from nodes.standby import Standby
+    if standby or with_standby:  # fork each life of the node (with --standby: each one after its process's end)
+        from nodes.node import process_started
+        from nodes.standby import Standby, StandbyStart
 
+        started = process_started()  # the first life's join counts from here: the command's start, imports included
         waiting = Standby(own_dir, stop, own_env_server=not options.env_urls, alone_after_s=join_timeout,
-                          start=standby_start)
-        raise typer.Exit(waiting.run_lives(
-            lambda lock, prepared, life_stop: _node_life(options, life_stop, verbose, lock, prepared, taken_over=True)))
+                          start=standby_start if standby else StandbyStart(time.time(), held=False),
+                          first_life_lock=None if standby else folder_lock)
+
+        def life(lock, prepared, life_stop) -> int:
+            if waiting.starting_first_life:  # a fork of this process copies the flag: True in the first life only
+                return _node_life(options, life_stop, verbose, lock, None, taken_over=False, started=started)
+            return _node_life(options, life_stop, verbose, lock, prepared, taken_over=True)
+
+        raise typer.Exit(waiting.run_lives(life))
     raise typer.Exit(_node_life(options, stop, verbose, folder_lock, None, taken_over=False))
 
 
-def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool) -> int:
+def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool, started: float | None = None) -> int:
     """One life of the node: join, train until the run's last round, leave; returns the exit code (0: the run
     finished, 130: stopped by a signal, 1: an error, its one line on stderr).
 
@@ -145,10 +166,13 @@ def _node_life(options, stop, verbose: bool, lock, prepared, *, taken_over: bool
         prepared: what a standby built for it (`nodes.standby.Prepared`), or None.
         taken_over: a standby's takeover (its join's seconds count from now, `nodes.node.Node.take_over`), not a
             process started by the command line.
+        started: when the command that started this life began (time.time()), for a first life forked by its
+            standby (``--with-standby``): its join's ``imports`` count from there, not from the fork. None: this
+            process's own start.
     """
     from nodes.node import Node, TrainedOnNothing
 
-    node = Node(options, stop)
+    node = Node(options, stop, started=started)
     if taken_over:
         node.take_over(lock, prepared)
     else:

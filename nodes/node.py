@@ -11,7 +11,8 @@ server: started in the background once the run config is read, used before the d
 with one line and exit code 1 in seconds, not after the model download.
 
 A node started with ``--standby`` first waits as the node's warm standby (`nodes.standby`), then joins as above with
-what it prepared (`Node.take_over`).
+what it prepared (`Node.take_over`); one started with ``--with-standby`` is a standby that forks the node's first life
+at once (which joins as above, its join counted from the command's start) and every later one.
 """
 
 from __future__ import annotations
@@ -114,9 +115,12 @@ class ToolCallTally:
 
 
 class Node:
-    """A running node (see module docstring). Build with `Node.join`, then `train`, then `close`."""
+    """A running node (see module docstring). Build with `Node.join`, then `train`, then `close`.
 
-    def __init__(self, options: NodeOptions, stop: GracefulStop):
+    ``started``: when the command that started this life began (time.time() seconds), where that is not this process's
+    start (a first life forked by its standby, ``--with-standby``): its join's ``imports`` count from there."""
+
+    def __init__(self, options: NodeOptions, stop: GracefulStop, started: float | None = None):
         self.options, self.stop = options, stop
         self.env_servers: list[EnvServer] = []
         self.sessions: list[EnvSession] = []
@@ -145,7 +149,7 @@ class Node:
         self.join_clock = PhaseClock("join")
         self.joined_as = "process"  # or "standby, prepared" / "standby, unprepared" (`take_over`)
         self.join_seconds: dict[str, float] | None = None  # set at the first inner phase, written in the first line
-        self._imports_s = _process_age_s()
+        self._imports_s = _process_age_s() if started is None else max(0.0, time.time() - started)
 
     # -- joining ------------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -697,11 +701,17 @@ def _full_model_sha256(model) -> str:
 __all__ = ["Node", "NodeBusy", "NodeError", "NodeOptions", "SwarmError", "ToolCallTally", "TrainedOnNothing"]
 
 
-def _process_age_s() -> float | None:
-    """Seconds since this process started (psutil; a node's imports before its `Node` is made), None when unreadable."""
+def process_started() -> float | None:
+    """When this process started (time.time() seconds; psutil), None when unreadable."""
     try:
         import psutil
 
-        return max(0.0, time.time() - psutil.Process().create_time())
+        return psutil.Process().create_time()
     except Exception:  # an unreadable /proc: the join's first part is left out, nothing else
         return None
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (a node's imports before its `Node` is made), None when unreadable."""
+    started = process_started()
+    return None if started is None else max(0.0, time.time() - started)

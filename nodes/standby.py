@@ -34,7 +34,12 @@ What it prepares (`Standby.wait`), in order:
    keeps its own skeleton and launches a new env server for the life after. A life that ends before the standby
    prepared is forked with nothing prepared: it builds what it needs itself, as a restarted node does.
 
-A standby takes the lock only once it has seen it held (the node it stands by was running; looked at first before its
+With ``--with-standby`` (``first_life_lock``) one command starts both: the process takes the node's folder first
+thing, as a node does, imports, and forks the node's first life at once (`wait` returns that lock first), then stands
+by it. The first life shares the standby's imports instead of paying its own beside them: on a box where the run's
+nodes start together, each node's start competes with half as many imports (BENCHMARKS.md 3t).
+
+Otherwise a standby takes the lock only once it has seen it held (the node it stands by was running; looked at first before its
 imports, `StandbyStart`), or after ``--join-timeout`` seconds without ever seeing it held (no node runs under that
 name: it starts the node itself), so a job script may start the node and its standby together: the node takes its
 folder first thing, before its imports (`nodes.folder_lock`), so however slow those are its standby sees it held. It
@@ -229,10 +234,12 @@ class Standby:
         own_env_server: False with ``--env-url`` (the node starts no env server of its own).
         alone_after_s: seconds after which a standby that never saw the lock held takes it (``--join-timeout``).
         start: what the process saw at its start (`StandbyStart`; default: now).
+        first_life_lock: the node's folder lock, taken by this process at its start (``--with-standby``): the
+            node's first life is forked with it at once (`wait` returns it first), with nothing prepared.
     """
 
     def __init__(self, own_dir: Path, stop: GracefulStop, own_env_server: bool = True, alone_after_s: float = 30.0,
-                 start: StandbyStart | None = None):
+                 start: StandbyStart | None = None, first_life_lock: Any | None = None):
         self.own_dir, self.stop, self.own_env_server = Path(own_dir), stop, own_env_server
         self.alone_after_s = alone_after_s
         start = start or StandbyStart.now(own_dir)
@@ -247,6 +254,11 @@ class Standby:
         self.failed_in_a_row = 0  # lives that ended with an error before any round line, in a row
         self.gave_up: str | None = None  # why this standby stopped forking lives (`MAX_FAILED_LIVES`)
         self.finished_error: str | None = None  # the node finished its run with this error (`mark_finished`)
+        self._first_life_lock = first_life_lock
+        self._starts_node = first_life_lock is not None
+        # True from the first life's fork to its end, in that life's process only (the fork copies it; this process
+        # sets it back at once): the life started by ``--with-standby``, whose join counts from the command's start
+        self.starting_first_life = False
 
     def wait(self) -> Any | None:
         """Prepare (module docstring), then wait until this process holds the node's folder lock.
@@ -260,6 +272,10 @@ class Standby:
         """
         self._import()
         self.own_dir.mkdir(parents=True, exist_ok=True)
+        if self._first_life_lock is not None:  # --with-standby: this process took the folder to start the node
+            lock, self._first_life_lock = self._first_life_lock, None
+            log.info("standby: starting %s's first life", self.own_dir.name)
+            return lock
         while not self.stop.event.is_set() and self.gave_up is None:
             self._reap_life()  # the life this standby forked (`run_lives`), once it ended
             lock = try_lock(self.own_dir / LOCK_FILE)  # first: a preparation takes seconds
@@ -332,6 +348,7 @@ class Standby:
             if self.gave_up is not None:  # the life that just ended was one failure too many
                 lock.release()
                 return 1
+            self.starting_first_life = self.lives == 0 and self._starts_node  # --with-standby's first life
             unsafe = fork_unsafe()
             if unsafe is not None:
                 import torch
@@ -342,7 +359,9 @@ class Standby:
                 return life(lock, self.prepared, self.stop)
             handed, server = self._lend_prepared()
             pid = fork_life(lambda: _forked_life(life, lock, handed, server), torch_threads)
+            self.starting_first_life = False
             lock.hand_over()  # the child holds the folder now, alone
+            self.seen_held = True  # by the life it forked: a free lock from now on means that life ended
             self.lives += 1
             self.life = ForkedLife(pid, time.time(), _round_lines(self.own_dir), server)
             log.warning("standby: %s's life %d runs as pid %d (its own process group); preparing for the next "

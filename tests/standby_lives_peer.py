@@ -6,11 +6,14 @@ checked in seconds.
     python tests/standby_lives_peer.py OWN_DIR --ending killed,killed,finished
     python tests/standby_lives_peer.py OWN_DIR --ending failed          (every life exits 1 before any round line)
     python tests/standby_lives_peer.py OWN_DIR --ending wait           (every life waits for its stop: exits 130)
+    python tests/standby_lives_peer.py OWN_DIR --starts-node ...       (``--with-standby``: the process takes the
+                                                                        folder and forks the first life at once)
 
 Endings, one per life (the last one repeats): ``killed`` (SIGKILL of its own process group), ``finished`` (the run's
 end: `nodes.standby.mark_finished`, exit 0), ``nothing`` (the run's end with "trained on nothing": marked finished with
 that error, exit 1), ``failed`` (exit 1), ``wait`` (until its SIGTERM, then 130). No node runs
-under the name, so the standby takes the folder after ``--alone-after-s`` and forks the first life.
+under the name, so the standby takes the folder after ``--alone-after-s`` and forks the first life (with
+``--starts-node``, at once: ``--alone-after-s`` is then 60 s, which the test would notice).
 """
 
 import argparse
@@ -33,6 +36,7 @@ def main() -> int:
     ap.add_argument("own_dir", type=Path)
     ap.add_argument("--ending", default="finished")
     ap.add_argument("--alone-after-s", type=float, default=0.5)
+    ap.add_argument("--starts-node", action="store_true")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(process)d %(message)s")
     endings = a.ending.split(",")
@@ -45,7 +49,8 @@ def main() -> int:
 
         seen = {"life": n + 1, "pid": os.getpid(), "parent": os.getppid(), "own_session": os.getsid(0) == os.getpid(),
                 "holds_lock": lock.held, "another_open_file_can_lock": try_lock(a.own_dir / LOCK_FILE) is not None,
-                "torch_threads": torch.get_num_threads(), "prepared": prepared is not None, "ending": ending}
+                "torch_threads": torch.get_num_threads(), "prepared": prepared is not None, "ending": ending,
+                "first_life": standby.starting_first_life}
         # close this life's descriptor without unlocking: the lock is free only once the standby closed its own
         # descriptor of the same open file too (`FileLockHeld.hand_over` right after the fork)
         lock.hand_over()
@@ -72,7 +77,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(2)  # what each life must get back: the standby itself waits at 1 (`nodes.fork`)
-    standby = Standby(a.own_dir, GracefulStop().install(), own_env_server=False, alone_after_s=a.alone_after_s)
+    first_life_lock = try_lock(a.own_dir / LOCK_FILE) if a.starts_node else None
+    standby = Standby(a.own_dir, GracefulStop().install(), own_env_server=False,
+                      alone_after_s=60.0 if a.starts_node else a.alone_after_s, first_life_lock=first_life_lock)
     code = standby.run_lives(life)
     print(json.dumps({"standby_exit": code, "standby_torch_threads": torch.get_num_threads()}), flush=True)
     return code

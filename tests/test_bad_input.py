@@ -116,6 +116,21 @@ def test_peer_where_no_one_answers(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, expected", [
+    (["--with-standby"], "--with-standby needs the --name"),
+    (["--standby"], "--standby needs the --name"),
+    (["--standby", "--with-standby", "--name", "node-a"], "--standby and --with-standby exclude each other"),
+])
+def test_standby_flags_without_a_name_or_together(tmp_path, flags, expected):
+    """A standby's lives must be one peer (a stable ``--name``), and a process is a standby beside a node or the
+    node's own launcher, not both: one line, exit 1, before the heavy imports and with nothing written."""
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    r = run("nodes", "join", "--peer", dead, "--run-dir", str(tmp_path / "run"), *flags, python=("-X", "importtime"))
+    assert r.returncode == 1 and expected in error_line(r), r.stderr[-2000:]
+    assert not {"torch", "hivemind"} & imported_modules(r) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", ["start", "simulate"])
 def test_model_that_does_not_exist(tmp_path, command):
     r = run("coordinator", command, "--model", str(tmp_path / "no-such-model"), "--run-dir", str(tmp_path / "run"),

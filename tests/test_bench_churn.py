@@ -121,6 +121,38 @@ def test_a_life_its_standby_forked_is_found_in_node_pid_once_with_the_kill_it_re
             p.wait()
 
 
+def test_a_first_life_forked_under_with_standby_begins_at_the_commands_start(tmp_path):
+    """``--with-standby``: the node's first life is forked by the command the bench spawned, after that command's
+    imports; its node-seconds (and its startup) count from the spawn, as a plain node's do, not from the fork. A later
+    life of the same node begins at its own fork."""
+    import json
+    import subprocess
+    import time
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run = churn.Churn(tmp_path, rounds=10, listen="")
+        (tmp_path / "node-0").mkdir()
+        spawned = time.time() - 20.0  # the command's imports took 20 s before it forked the first life
+        run.lives.append(churn.Life("node-0", launcher, spawned, standby=True, starts_node=True))
+        assert run.live("node-0") is None  # the command itself is the standby, not the node
+        forked_at = time.time()
+        (tmp_path / "node-0" / "node.pid").write_text(json.dumps({"pid": first.pid, "since": forked_at}))
+        [life] = run.adopt_forked_lives(["node-0"], {})
+        assert life.began == life.started == spawned and run.live("node-0") is life
+        first.kill()
+        first.wait()
+        (tmp_path / "node-0" / "node.pid").write_text(json.dumps({"pid": second.pid, "since": time.time()}))
+        [later] = run.adopt_forked_lives(["node-0"], {"node-0": forked_at + 1})
+        assert later.began > forked_at and later.replaces_kill_at == forked_at + 1
+    finally:
+        for p in (launcher, first, second):
+            p.kill()
+            p.wait()
+
+
 def test_a_resumed_phase_counts_its_last_lifes_seconds_and_episodes():
     """A life that went on from its last life's journal (`composer_diloco.inner.journal`): the cut phase's seconds are
     inner-loop seconds and its episodes part of the weight the coordinator averaged, not unrecorded samples."""

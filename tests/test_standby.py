@@ -205,14 +205,14 @@ def test_a_node_holds_its_folder_before_its_imports(tmp_path):
 LIVES_PEER = ROOT / "tests" / "standby_lives_peer.py"
 
 
-def _standby_of_lives(own: Path, ending: str) -> subprocess.Popen:
+def _standby_of_lives(own: Path, ending: str, *extra: str) -> subprocess.Popen:
     """tests/standby_lives_peer.py on ``own`` (forked from the suite's template: its imports are done), its log to
     ``own.log``, its last line (exit code, torch threads) on stdout."""
     import prefork
 
     own.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{own}.log", "ab") as log:
-        return prefork.popen([sys.executable, str(LIVES_PEER), str(own), "--ending", ending], stdout=subprocess.PIPE,
+        return prefork.popen([sys.executable, str(LIVES_PEER), str(own), "--ending", ending, *extra], stdout=subprocess.PIPE,
                              stderr=log, text=True, cwd=ROOT, start_new_session=True)
 
 
@@ -246,6 +246,29 @@ def test_a_standby_forks_each_life_of_its_node_and_stands_by_it_again(tmp_path):
         assert x["torch_threads"] == 2 and not x["prepared"], x  # nothing prepared: no run config was written
     assert log.count("standby takes over node-a") == 3, log[-3000:]
     assert log.count("was killed by SIGKILL") == 2 and "exited 0" in log, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_that_starts_its_node_forks_the_first_life_at_once_and_stands_by_it(tmp_path):
+    """``--with-standby`` (`Standby`'s ``first_life_lock``): the process holds the node's folder from its start and
+    forks the first life with it at once (not after ``alone_after_s``, 60 s here), flagged as the first
+    (`Standby.starting_first_life`: its join counts from the command's start); that life is SIGKILLed and the next
+    one is a takeover as with ``--standby``, not flagged."""
+    own = tmp_path / "node-a"
+    t0 = time.monotonic()
+    standby = _standby_of_lives(own, "killed,finished", "--starts-node")
+    try:
+        out, _ = standby.communicate(timeout=150)
+    finally:
+        stop_processes([standby])
+    log = Path(f"{own}.log").read_text()
+    assert standby.returncode == 0 and time.monotonic() - t0 < 60, log[-3000:]
+    lives = _lives(own)
+    assert [(x["ending"], x["first_life"]) for x in lives] == [("killed", True), ("finished", False)], lives
+    for x in lives:
+        assert x["own_session"] and x["holds_lock"] and x["standby_let_go"] and x["parent"] == standby.pid, x
+    assert "standby: starting node-a's first life" in log and log.count("standby takes over node-a") == 1, log[-3000:]
+    assert "no process of it started" not in log, log[-3000:]
 
 
 @pytest.mark.timeout(180)
@@ -323,8 +346,9 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     (`composer_diloco.inner.journal`: the step's progress on its theta, its episodes in the all-reduce's weight). That
     one is SIGKILLed as it enters round 8's barrier, its phase handed off: the swarm averages round 8 without it, and
     the fourth life re-sends that phase in its own (its progress and episodes, as the journal kept them) and trains
-    the rest of the run, every round agreeing, as the same peer; both standbys exit 0 when their node finishes the
-    run, node-0's without ever joining. (The fault tests' node killed in an all-reduce: one run for both, the suite's
+    the rest of the run, every round agreeing, as the same peer; its standby exits 0 when the node finishes the run.
+    node-0 runs under its standby, one command (``--with-standby``): the command forks its first life at once, whose
+    join counts from the command's start, and exits 0 once that life finished the run. (The fault tests' node killed in an all-reduce: one run for both, the suite's
     time.)"""
     rounds, killed_in, cut_in, lost_in = 11, 2, 5, 8
     hold = tmp_path / "hold-node-1"  # while it exists node-1 pauses after each inner step: its standby prepares
@@ -338,9 +362,8 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     hold.touch()
     try:
         run.start_coordinator(wait=False)
-        run.start_node("node-0")
+        run.start_node("node-0", "--with-standby")  # node-0 under its standby, one command
         run.start_node("node-1", env={"COMPOSER_DILOCO_FAULTS": f"hold:*:{hold},kill_in_allreduce:{killed_in}"})
-        run.start_standby("node-0")
         # armed in the standby's process, so in every life it forks: the first it forks dies in round 5's phase, the
         # second in round 8's barrier (a few rounds on: a takeover on a loaded box may take more than a round)
         run.start_standby("node-1", env={"COMPOSER_DILOCO_FAULTS": f"kill_after_step:{cut_in}:1,"
@@ -356,7 +379,7 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
         print(f"\nnode SIGKILLed in the all-reduce: the run went on after {went_on['time'] - killed_at:.1f} s "
               f"(status {went_on['status']})")
         assert went_on["time"] - killed_at < AVERAGING_TIMEOUT_S + 10.0  # then at most a resync
-        run.assert_exit_ok("coordinator", "node-0", "node-1-standby", "node-0-standby")
+        run.assert_exit_ok("coordinator", "node-0", "node-1-standby")
     finally:
         hold.unlink(missing_ok=True)
         run.stop()
@@ -372,8 +395,10 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
     assert "all-reduce failed" not in taken and "could not find a group" not in taken, taken[-3000:]
     ids = re.findall(r"peer ID (\S+) \(its key", run.log("node-1") + " " + taken)
     assert len(ids) == 4 and len(set(ids)) == 1, ids
-    assert "node-0 finished its run: the standby exits" in run.log("node-0-standby")
-    assert "peer ID" not in run.log("node-0-standby")  # it never joined
+    # node-0's command forked its first life at once, which trained the whole run; then that command exited 0
+    under = run.log("node-0")
+    assert "standby: starting node-0's first life" in under and "node-0's life 1 runs as pid" in under, under[-3000:]
+    assert "standby takes over" not in under and "node-0 finished its run: the standby exits" in under, under[-3000:]
     records = run.records()
     mine = [r["round"] for r in records["node-1"]]
     assert mine[:3] == [0, 1, killed_in + 1] and mine[-1] == rounds - 1 and mine == sorted(set(mine)), mine
@@ -421,6 +446,8 @@ def test_a_killed_nodes_standby_takes_it_over_as_the_same_peer_again_and_again(r
         taken[-3000:]
     # each life's first line says where its join went (`JOIN_PHASES`): the first from its process's start, each
     # takeover from the kill, without the imports, the skeleton or the env server's launch its standby did
+    [first0] = [r for r in records["node-0"] if "join_seconds" in r]  # its join counts from the command's start
+    assert first0["joined_as"] == "process" and first0["join_seconds"].get("imports", 0) > 0, first0
     opening = [r for r in records["node-1"] if "join_seconds" in r]
     assert [r["joined_as"] for r in opening] == ["process"] + ["standby, prepared"] * 3, opening
     assert {"imports", "dht", "state", "trainer"} <= opening[0]["join_seconds"].keys()
