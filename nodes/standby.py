@@ -53,7 +53,8 @@ process, no device memory, and CPU only while preparing.
 Fault model: a standby outlives the node's *process* (an exception, an OOM kill, a CUDA error, SIGKILL), not its
 machine: run it on the same machine, beside the node, under its own supervisor (a systemd unit or job script that
 restarts it if it dies). Under systemd the node's first process and the standby are two units; every later life of
-the node runs in the standby's unit (its cgroup), so stopping that unit stops the life too. Torchft's and Decoupled
+the node runs in the standby's unit (its cgroup), so stopping that unit stops the life too; with ``--with-standby``
+one unit holds the standby and every life. Torchft's and Decoupled
 DiLoCo's spare replicas are the multi-machine form of the same idea; this one needs no change to the round protocol,
 because each life *is* the node to the others.
 """
