@@ -32,6 +32,10 @@ reached the last round. Reported (``OUT/churn.json``, and one line on stdout):
     rounds             rounds some peer completed, of ``--rounds`` (``coordinator_rounds``: those the coordinator
                        recorded; it misses the rounds it was down for)
     agree              every round's peers recorded one ``global_sha256``
+    split_rounds       the rounds that broke ``agree``: matchmaking formed several all-reduce groups, whose thetas
+                       differ (``thetas``: how many), and ``healed``: every peer's last record of the round names one
+                       theta (the losing groups took the run's theta within the round and dropped their
+                       pseudo-gradients, `composer_diloco.outer.peer.DiLoCoPeer._join_authority_after_split`)
     back_after_kill_s  per kill, seconds from the kill to the first inner phase of the node's next life (a restart:
                        ``--restart-after-s`` and its whole start; a standby: its takeover)
     join_seconds_median per way a life joined (``joined_as``: ``process``, ``standby, prepared``, ``standby,
@@ -410,6 +414,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "rounds": len(by_round), "coordinator_rounds": len({r["round"] for r in records.get("coordinator", [])}),
         "of": rounds,
         "agree": replicas_agree(records),
+        "split_rounds": _split_rounds(records),
         "node_lives": len(lives),
         "node_kills": sum(1 for x in lives if x.killed),
         "standby_takeovers": sum(1 for x in lives if x.standby and x.took_over is not None),
@@ -419,6 +424,20 @@ def summarize(churn: Churn, rounds: int) -> dict:
         # where the joins went: per way of joining, how many lives and the median seconds of each part
         "join_seconds_median": {how: {"lives": len(parts), **_medians(parts)} for how, parts in sorted(joins.items())},
     }
+
+
+def _split_rounds(records: dict[str, list[dict]]) -> list[dict]:
+    """The rounds whose records name more than one theta (what makes ``agree`` false): each as ``{"round", "thetas",
+    "healed"}``, ``healed`` when every peer's last record of the round names the same theta."""
+    from composer_diloco.metrics import thetas_by_round
+
+    out = []
+    for r, shas in sorted(thetas_by_round(records).items()):
+        if len(shas) > 1:
+            last = {[x for x in lines if x["round"] == r][-1].get("global_sha256")
+                    for lines in records.values() if any(x["round"] == r for x in lines)}
+            out.append({"round": r, "thetas": len(shas), "healed": len(last) == 1})
+    return out
 
 
 def _blocked(records: dict[str, list[dict]], lives: list[Life], near_s: float = 15.0) -> dict:

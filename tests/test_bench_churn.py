@@ -86,6 +86,18 @@ def test_rounds_the_coordinator_missed_count_as_kept_when_its_next_theta_descend
     assert sorted(churn._reached_model(records)) == [0, 1, 3, 4, 5]
 
 
+def test_a_split_round_is_reported_with_whether_its_peers_ended_it_on_one_theta():
+    records = {n: [_line(n, r, started=10.0 * r) for r in range(3)] for n in ("node-0", "node-1", "coordinator")}
+    assert churn._split_rounds(records) == []
+    # round 1: node-1's group averaged apart, then took the run's theta (a second record of the round)
+    records["node-1"][1] = _line("node-1", 1, started=10.0, sha="split")
+    records["node-1"].insert(2, _line("node-1", 1, started=10.0))
+    assert churn._split_rounds(records) == [{"round": 1, "thetas": 2, "healed": True}]
+    # round 2: node-0 kept its own theta
+    records["node-0"][2] = _line("node-0", 2, started=20.0, sha="split")
+    assert churn._split_rounds(records)[1] == {"round": 2, "thetas": 2, "healed": False}
+
+
 def test_a_life_its_standby_forked_is_found_in_node_pid_once_with_the_kill_it_replaces(tmp_path):
     """A process the bench did not start (a standby's forked life, `nodes.standby.Standby.run_lives`) is registered
     from ``node.pid`` once, its life beginning at its start and replacing the kill before it; a pid the bench spawned
