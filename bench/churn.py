@@ -414,7 +414,7 @@ def summarize(churn: Churn, rounds: int) -> dict:
         "rounds": len(by_round), "coordinator_rounds": len({r["round"] for r in records.get("coordinator", [])}),
         "of": rounds,
         "agree": replicas_agree(records),
-        "split_rounds": _split_rounds(records),
+        "split_rounds": _split_rounds(records, by_round),
         "node_lives": len(lives),
         "node_kills": sum(1 for x in lives if x.killed),
         "standby_takeovers": sum(1 for x in lives if x.standby and x.took_over is not None),
@@ -426,18 +426,17 @@ def summarize(churn: Churn, rounds: int) -> dict:
     }
 
 
-def _split_rounds(records: dict[str, list[dict]]) -> list[dict]:
-    """The rounds whose records name more than one theta (what makes ``agree`` false): each as ``{"round", "thetas",
-    "healed"}``, ``healed`` when every peer's last record of the round names the same theta."""
-    from composer_diloco.metrics import thetas_by_round
+def _split_rounds(records: dict[str, list[dict]], by_round: dict[int, set]) -> list[dict]:
+    """The rounds whose records name more than one theta (``by_round``: `thetas_by_round`; what makes ``agree``
+    false): each as ``{"round", "thetas", "healed"}``, ``healed`` being `round_table`'s ``sha_agree`` (every peer's
+    last record of the round names one theta)."""
+    from composer_diloco.metrics import round_table
 
-    out = []
-    for r, shas in sorted(thetas_by_round(records).items()):
-        if len(shas) > 1:
-            last = {[x for x in lines if x["round"] == r][-1].get("global_sha256")
-                    for lines in records.values() if any(x["round"] == r for x in lines)}
-            out.append({"round": r, "thetas": len(shas), "healed": len(last) == 1})
-    return out
+    split = {r: len(shas) for r, shas in by_round.items() if len(shas) > 1}
+    if not split:
+        return []
+    return [{"round": row["round"], "thetas": split[row["round"]], "healed": row["sha_agree"]}
+            for row in round_table(records) if row["round"] in split]
 
 
 def _blocked(records: dict[str, list[dict]], lives: list[Life], near_s: float = 15.0) -> dict:

@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from composer_diloco.metrics import thetas_by_round
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("churn_bench", ROOT / "bench" / "churn.py")
 churn = importlib.util.module_from_spec(_spec)
@@ -88,14 +90,14 @@ def test_rounds_the_coordinator_missed_count_as_kept_when_its_next_theta_descend
 
 def test_a_split_round_is_reported_with_whether_its_peers_ended_it_on_one_theta():
     records = {n: [_line(n, r, started=10.0 * r) for r in range(3)] for n in ("node-0", "node-1", "coordinator")}
-    assert churn._split_rounds(records) == []
+    assert churn._split_rounds(records, thetas_by_round(records)) == []
     # round 1: node-1's group averaged apart, then took the run's theta (a second record of the round)
     records["node-1"][1] = _line("node-1", 1, started=10.0, sha="split")
     records["node-1"].insert(2, _line("node-1", 1, started=10.0))
-    assert churn._split_rounds(records) == [{"round": 1, "thetas": 2, "healed": True}]
+    assert churn._split_rounds(records, thetas_by_round(records)) == [{"round": 1, "thetas": 2, "healed": True}]
     # round 2: node-0 kept its own theta
     records["node-0"][2] = _line("node-0", 2, started=20.0, sha="split")
-    assert churn._split_rounds(records)[1] == {"round": 2, "thetas": 2, "healed": False}
+    assert churn._split_rounds(records, thetas_by_round(records))[1] == {"round": 2, "thetas": 2, "healed": False}
 
 
 def test_a_life_its_standby_forked_is_found_in_node_pid_once_with_the_kill_it_replaces(tmp_path):
